@@ -1,0 +1,28 @@
+"""Install sslkit: ``pip install -e ".[test]"``."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sslkit",
+    version="0.1.0",
+    description="Hook-based self-supervised learning for images, in the shape of VISSL, for today's PyTorch.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sslkit", "sslkit.*"]),
+    package_data={"sslkit": ["config/*.yaml"]},
+    install_requires=[
+        "torch>=2.2",
+        "torchvision>=0.17",
+        "classy-vision>=0.7",
+        "fvcore>=0.1.5",
+        "iopath>=0.1.9",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "tensorboard>=2.12",
+        "tqdm>=4.60",
+        "numpy>=1.23",
+        "pillow>=9.0",
+    ],
+    extras_require={"test": ["pytest>=7.0", "ruff>=0.4"]},
+)

@@ -1,0 +1,179 @@
+"""Build an SSLTask from a validated config: the one place that reads the config and passes plain arguments on."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, Subset
+
+from sslkit import registry as R
+from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
+from sslkit.distributed import get_rank, get_world_size
+from sslkit.hooks import CheckpointHook, JsonlSink, KNNHook, LogHook, SSLHook, TensorboardSink
+from sslkit.models import SSLModel
+from sslkit.optim import build_optimizer, build_schedule, scaled_lr
+from sslkit.task import Phase, SSLTask
+
+__all__ = ["build_task", "resolve_device", "seed_everything"]
+
+logger = logging.getLogger("sslkit")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cuda`` on a machine without one is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("machine.device=cuda but no CUDA device is visible; use machine.device=cpu or auto")
+        if name == "cuda":
+            name = f"cuda:{torch.cuda.current_device()}"
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> dict[str, Any]:
+    plain = OmegaConf.to_container(section, resolve=True)
+    assert isinstance(plain, dict)
+    return {k: v for k, v in plain.items() if k not in skip}
+
+
+def _limited(ds: Dataset, limit: int) -> Dataset:
+    """The first ``limit`` samples of ``ds`` (all if 0), keeping ``num_classes`` and ``channels``."""
+    if limit <= 0 or limit >= len(ds):  # type: ignore[arg-type]
+        return ds
+    sub = Subset(ds, range(limit))
+    sub.num_classes = getattr(ds, "num_classes", 0)  # type: ignore[attr-defined]
+    sub.channels = getattr(ds, "channels", 3)  # type: ignore[attr-defined]
+    return sub
+
+
+def _source(cfg: DictConfig, split: str) -> Dataset:
+    spec = cfg.data[split]
+    name = spec.source or cfg.data.train.source
+    path = spec.path if spec.path is not None else cfg.data.train.path
+    return _limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
+
+
+def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int) -> Any:
+    ds = SSLDataset(source, build_transform(transform.name, **_kwargs(transform)), seed=cfg.seed)
+    sampler = StatefulDistributedSampler(
+        len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
+        drop_last=train and cfg.data.drop_last,
+    )
+    return build_loader(ds, batch_size, sampler, num_workers=cfg.data.num_workers,
+                        pin_memory=cfg.data.pin_memory, drop_last=train and cfg.data.drop_last)
+
+
+def build_task(cfg: DictConfig) -> SSLTask:
+    """Build data, model, loss, optimizer, schedules and hooks from ``cfg`` into an SSLTask."""
+    rank, world = get_rank(), get_world_size()
+    device = resolve_device(cfg.machine.device)
+    if cfg.machine.num_threads > 0:
+        torch.set_num_threads(cfg.machine.num_threads)
+    seed_everything(cfg.seed + rank)
+
+    train_source = _source(cfg, "train")
+    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} x {world} processes is larger than the "
+            f"{len(train_source)} training samples (data.limit={cfg.data.limit}): no full batch. "
+            "Lower data.batch_size or raise data.limit."
+        )
+    global_batch = cfg.data.batch_size * world
+    if cfg.optim.max_steps > 0:
+        max_iterations = cfg.optim.max_steps
+        epochs = math.ceil(max_iterations / steps_per_epoch)
+    else:
+        epochs = cfg.optim.epochs
+        max_iterations = epochs * steps_per_epoch
+
+    trunk = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")(
+        in_channels=getattr(train_source, "channels", 3), **_kwargs(cfg.model.trunk_kwargs, ())
+    )
+    head = R.get(R.HEADS, cfg.model.head.name, "model.head.name")(in_dim=trunk.out_dim, **_kwargs(cfg.model.head))
+    model: torch.nn.Module = SSLModel(trunk, head).to(device)
+    if cfg.machine.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)
+
+    o = cfg.optim
+    lr = scaled_lr(o.lr, global_batch, o.lr_scaling)
+    optimizer = build_optimizer(model, o.name, lr, weight_decay=o.weight_decay, momentum=o.momentum,
+                                nesterov=o.nesterov, betas=tuple(o.betas), eta=o.eta,
+                                exclude_bias_and_norm=o.exclude_bias_and_norm)
+    warmup = min(o.warmup_epochs * steps_per_epoch / max_iterations, 0.999)
+    lr_schedule = build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup)
+    wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay)
+                   if o.final_weight_decay is not None else None)
+
+    amp_dtype = None
+    scaler = None
+    if cfg.amp.enabled:
+        amp_dtype = torch.bfloat16 if cfg.amp.dtype == "bfloat16" else torch.float16
+        if amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler(device.type)
+
+    out = cfg.output_dir
+    sinks: list[Any] = []
+    if rank == 0:
+        sinks.append(JsonlSink(out))
+        if cfg.log.tensorboard:
+            sinks.append(TensorboardSink(f"{out}/tensorboard"))
+    progress = cfg.log.progress_bar
+    if progress == "auto":
+        progress = sys.stderr.isatty() and rank == 0
+    hooks: list[SSLHook] = [
+        R.get(R.HOOKS, spec.name, f"hooks[{i}].name")(**_kwargs(spec)) for i, spec in enumerate(cfg.hooks)
+    ]
+    hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
+    hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
+                                cfg.checkpoint.keep_last))
+    loaders = {"train": train_loader}
+    if cfg.eval.knn.enabled:
+        knn = _knn_hook(cfg, train_source, sinks)
+        if knn is not None:
+            hooks.append(knn)
+
+    return SSLTask(
+        model=model, loss=loss, optimizer=optimizer, loaders=loaders,
+        phases=[Phase(train=True, epoch=e) for e in range(epochs)], hooks=hooks,
+        lr_schedule=lr_schedule, wd_schedule=wd_schedule, device=device, amp_dtype=amp_dtype,
+        scaler=scaler, global_batch_size=global_batch, max_iterations=max_iterations, output_dir=out,
+        seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last, config=cfg,
+    )
+
+
+def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any]) -> KNNHook | None:
+    num_classes = getattr(train_source, "num_classes", 0)
+    if num_classes <= 0:
+        logger.warning("kNN evaluation skipped: the training data has no labels (num_classes=0)")
+        return None
+    if (cfg.data.test.source or cfg.data.train.source) == "folder" and cfg.data.test.path is None:
+        logger.warning("kNN evaluation skipped: a folder dataset needs data.test.path for its test split")
+        return None
+    try:
+        test_source = _source(cfg, "test")
+    except Exception as exc:  # e.g. a folder source without data.test.path
+        logger.warning("kNN evaluation skipped: no test split (%s). Set data.test.path.", exc)
+        return None
+    k = cfg.eval.knn
+    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
+    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
+    return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
+                   every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks)

@@ -1,0 +1,289 @@
+"""Compose a run's config with Hydra (``config=NAME data=NAME a.b=c``) and validate it before anything runs."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from sslkit import registry as R
+
+__all__ = ["CONFIG_DIRS", "ConfigError", "compose_config", "schema", "validate"]
+
+PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent
+#: Folders searched for the ``config`` and ``data`` groups, the repository's ``configs/`` first.
+CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
+
+#: Keys whose contents are builder arguments, checked against the builder's signature.
+FREE_FORM = {
+    "hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
+    "model.trunk_kwargs", "model.head", "loss",
+}
+GROUPS = ("config", "data")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: what is wrong, with the key, and what to do."""
+
+
+def schema() -> DictConfig:
+    """sslkit/config/defaults.yaml without its defaults list: every valid key and its type."""
+    cfg = OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml")
+    cfg.pop("defaults")
+    return cfg  # type: ignore[return-value]
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted({p.stem for d in CONFIG_DIRS for p in (d / group).glob("*.yaml")})
+
+
+def _flat_keys(cfg: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(cfg, DictConfig):
+        for k in cfg.keys():
+            path = f"{prefix}{k}"
+            yield path
+            if path not in FREE_FORM:
+                yield from _flat_keys(cfg._get_node(k), path + ".")
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
+    search = ",".join(f"file://{d}" for d in CONFIG_DIRS)
+    with initialize_config_dir(config_dir=str(PACKAGE_CONFIG_DIR), version_base=None):
+        return compose("defaults", overrides=[*overrides, f"hydra.searchpath=[{search}]"])
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose defaults + recipe + data preset + ``overrides``, import ``imports``, validate.
+
+    Raises :class:`ConfigError` naming the closest valid key, group option or registered name
+    for anything unknown, and the key for wrong types or impossible values. Nothing is built
+    or written here.
+    """
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. optim.lr=0.1)")
+        key, value = ov.split("=", 1)
+        if key in GROUPS and value not in _group_options(key):
+            options = _group_options(key)
+            raise ConfigError(
+                f"{key}={value}: no configs/{key}/{value}.yaml.{_nearest(value, options)} "
+                f"Available: {', '.join(options)}."
+            )
+    groups = [ov for ov in overrides if ov.split("=", 1)[0] in GROUPS]
+    try:
+        cfg = _hydra_compose(groups)
+    except HydraException as exc:
+        raise ConfigError(str(exc).split("\nConfig search path:")[0]) from None
+    OmegaConf.set_struct(cfg, False)
+    _apply_overrides(cfg, [ov for ov in overrides if ov not in groups])
+    choices = {g: "" for g in GROUPS}
+    for ov in overrides:
+        key, value = ov.split("=", 1)
+        if key in GROUPS:
+            choices[key] = value
+    if not cfg.name:
+        cfg.name = f"{choices['config'] or 'simclr'}-{choices['data'] or 'fashion_mnist'}"
+    if not cfg.output_dir:
+        cfg.output_dir = os.path.join("runs", cfg.name)
+    for module in cfg.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"imports: cannot import '{module}' ({exc}). Is it on PYTHONPATH?") from None
+    validate(cfg)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _in_free_form(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in FREE_FORM)
+
+
+def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Apply ``key=value``, ``+key=value`` and ``~key`` overrides (Hydra's grammar) to ``cfg``.
+
+    A key that does not exist is an error naming the closest key, unless it is added with ``+``
+    (then validation decides) or lies in a free-form section (builder arguments).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:
+        raise ConfigError(f"cannot parse overrides: {exc}") from None
+    for ov in parsed:
+        key = ov.key_or_group
+        if ov.is_sweep_override():
+            raise ConfigError(f"'{ov.input_line}': sweeps are not supported; run once per value")
+        exists = OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING
+        if ov.is_delete():
+            if not exists:
+                raise ConfigError(f"cannot delete '{key}': no such key")
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            node.pop(leaf)
+            continue
+        if not exists and not ov.is_add() and not _in_free_form(key):
+            known = list(_flat_keys(cfg))
+            raise ConfigError(f"unknown config key '{key}'.{_nearest(key, known)} "
+                              "Every key is listed in sslkit/config/defaults.yaml.")
+        OmegaConf.update(cfg, key, ov.value(), merge=False, force_add=True)
+
+
+_MISSING = object()
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number" if not isinstance(value, int) else "int"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, ListConfig | list):
+        return "list"
+    if isinstance(value, DictConfig | dict):
+        return "dict"
+    return type(value).__name__
+
+
+def _compatible(expected: Any, got: Any) -> bool:
+    e, g = _type_name(expected), _type_name(got)
+    return e == g or (e == "number" and g == "int")
+
+
+def _check_tree(cfg: DictConfig, ref: DictConfig, prefix: str, errors: list[str]) -> None:
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in ref:
+            known = [f"{prefix}{k}" for k in ref.keys()] + list(_flat_keys(schema()))
+            errors.append(f"unknown config key '{path}'.{_nearest(path, known)}")
+            continue
+        value, expected = cfg._get_node(key), ref._get_node(key)
+        if path in FREE_FORM:
+            continue
+        if isinstance(expected, DictConfig):
+            if not isinstance(value, DictConfig):
+                errors.append(f"'{path}' must be a section (dict), got {_type_name(value)} {value!r}")
+            else:
+                _check_tree(value, expected, path + ".", errors)
+            continue
+        exp_v, got_v = ref[key], cfg[key]
+        if exp_v is None or got_v is None:
+            continue
+        if not _compatible(exp_v, got_v):
+            errors.append(f"'{path}' must be {_type_name(exp_v)} (like {exp_v!r}), got {_type_name(got_v)} {got_v!r}")
+
+
+def _check_kwargs(where: str, builder: Callable[..., Any], kwargs: dict[str, Any], errors: list[str],
+                  provided: tuple[str, ...] = ()) -> None:
+    """Every key of ``kwargs`` must be an argument of ``builder``; required ones must be there."""
+    target = builder.__init__ if inspect.isclass(builder) else builder
+    params = inspect.signature(target).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n in params if n not in ("self",)]
+    for key in kwargs:
+        if key not in names:
+            errors.append(f"'{where}.{key}' is not an argument of {getattr(builder, '__name__', builder)}."
+                          f"{_nearest(key, names)} Its arguments: {', '.join(names)}.")
+
+
+def _registered(errors: list[str], reg: Any, name: Any, where: str) -> Any:
+    try:
+        return R.get(reg, str(name), where=where)
+    except R.UnknownNameError as exc:
+        errors.append(str(exc))
+        return None
+
+
+# value checks: key -> (predicate, requirement)
+_VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "data.batch_size": (lambda v: v > 0, "> 0"),
+    "data.num_workers": (lambda v: v >= 0, ">= 0"),
+    "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
+    "optim.lr": (lambda v: v > 0, "> 0"),
+    "optim.epochs": (lambda v: v >= 0, ">= 0"),
+    "optim.max_steps": (lambda v: v >= 0, ">= 0 (0 = epochs decide)"),
+    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optim.warmup_epochs": (lambda v: v >= 0, ">= 0"),
+    "optim.lr_scaling": (lambda v: v in ("linear", "sqrt", "none"), "one of linear, sqrt, none"),
+    "optim.name": (lambda v: v in ("sgd", "lars", "adamw", "adam"), "one of sgd, lars, adamw, adam"),
+    "optim.schedule": (lambda v: v in ("cosine", "linear", "constant"), "one of cosine, linear, constant"),
+    "machine.device": (lambda v: v in ("auto", "cpu", "cuda") or str(v).startswith("cuda:"),
+                       "auto, cpu, cuda or cuda:N"),
+    "amp.dtype": (lambda v: v in ("bfloat16", "float16"), "bfloat16 or float16"),
+    "checkpoint.every_n_epochs": (lambda v: v >= 0, ">= 0"),
+    "checkpoint.every_n_steps": (lambda v: v >= 0, ">= 0"),
+    "checkpoint.keep_last": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
+    "log.every_n_steps": (lambda v: v > 0, "> 0"),
+    "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "eval.knn.k": (lambda v: v > 0, "> 0"),
+    "eval.knn.temperature": (lambda v: v > 0, "> 0"),
+    "distributed.nproc_per_node": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check keys, types, values and registry names of a composed config; raise ConfigError."""
+    errors: list[str] = []
+    _check_tree(cfg, schema(), "", errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    for key, (ok, req) in _VALUE_RULES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not ok(value):
+            errors.append(f"'{key}' must be {req}, got {value!r}")
+    if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:
+        errors.append("'optim.epochs' and 'optim.max_steps' are both 0: set one of them > 0")
+
+    import sslkit.data
+    import sslkit.hooks
+    import sslkit.methods
+    import sslkit.models
+    import sslkit.train_steps.standard  # noqa: F401
+
+    _registered(errors, R.TRAIN_STEPS, cfg.train_step, "train_step")
+    for where, reg, section, skip in (
+        ("data.transform", R.TRANSFORMS, cfg.data.transform, ("name",)),
+        ("data.eval_transform", R.TRANSFORMS, cfg.data.eval_transform, ("name",)),
+        ("model.head", R.HEADS, cfg.model.head, ("name",)),
+        ("loss", R.LOSSES, cfg.loss, ("name",)),
+    ):
+        if "name" not in section:
+            errors.append(f"'{where}' needs a 'name'")
+            continue
+        builder = _registered(errors, reg, section.name, where + ".name")
+        if builder is not None:
+            _check_kwargs(where, builder, {k: v for k, v in section.items() if k not in skip}, errors)
+    trunk = _registered(errors, R.TRUNKS, cfg.model.trunk, "model.trunk")
+    if trunk is not None:
+        _check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)
+    for split in ("train", "test"):
+        source = cfg.data[split].source or cfg.data.train.source
+        builder = _registered(errors, R.DATASETS, source, f"data.{split}.source")
+        if builder is not None:
+            _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
+    for i, spec in enumerate(cfg.hooks):
+        where = f"hooks[{i}]"
+        if not isinstance(spec, DictConfig) or "name" not in spec:
+            errors.append(f"'{where}' must be a dict with a 'name', got {spec!r}")
+            continue
+        hook = _registered(errors, R.HOOKS, spec.name, where + ".name")
+        if hook is not None:
+            _check_kwargs(where, hook, {k: v for k, v in spec.items() if k != "name"}, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -1,0 +1,35 @@
+"""Data: sources, augmentations, the seeded dataset wrapper, the resumable sampler and the loader."""
+
+from sslkit.data import sources, transforms
+from sslkit.data.dataset import SSLDataset
+from sslkit.data.loader import build_loader, collate_views
+from sslkit.data.sampler import StatefulDistributedSampler
+from sslkit.data.seeding import mix_seed
+from sslkit.data.sources import (
+    DataSourceError,
+    FolderDataset,
+    SyntheticDataset,
+    TensorImageDataset,
+    UnreadableSampleError,
+    build_source,
+)
+from sslkit.data.transforms import EvalTransform, SimCLRTransform, build_transform
+
+__all__ = [
+    "DataSourceError",
+    "EvalTransform",
+    "FolderDataset",
+    "SSLDataset",
+    "SimCLRTransform",
+    "StatefulDistributedSampler",
+    "SyntheticDataset",
+    "TensorImageDataset",
+    "UnreadableSampleError",
+    "build_loader",
+    "build_source",
+    "build_transform",
+    "collate_views",
+    "mix_seed",
+    "sources",
+    "transforms",
+]

@@ -1,0 +1,90 @@
+"""The dataset wrapper that applies seeded augmentation and skips unreadable samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from sslkit.data.seeding import mix_seed
+from sslkit.data.sources import DataSourceError, UnreadableSampleError
+
+__all__ = ["SSLDataset"]
+
+logger = logging.getLogger("sslkit.data")
+
+
+class SSLDataset(Dataset):
+    """Wrap a source of ``(uint8 image, label)`` and a transform into training samples.
+
+    ``dataset[(epoch, index)]`` returns ``{"views", "label", "index", "valid"}``. The
+    augmentation is seeded from ``(seed, epoch, index)`` alone, so a sample's views do not depend
+    on the number of workers, the batch it lands in, or a resume; torch's global CPU RNG is
+    restored afterwards. An unreadable source sample is replaced by the next readable one
+    (``valid`` False), with one warning per bad file.
+    """
+
+    def __init__(self, source: Dataset, transform: Callable[[torch.Tensor], list[torch.Tensor]], seed: int = 0):
+        """Wrap ``source`` and ``transform``; ``seed`` picks the augmentation stream."""
+        self.source = source
+        self.transform = transform
+        self.seed = int(seed)
+        self._bad: set[int] = set()  # indices found unreadable (per process)
+        self._warned: set[str] = set()
+
+    def __len__(self) -> int:
+        """Length of the source."""
+        return len(self.source)  # type: ignore[arg-type]
+
+    @property
+    def num_classes(self) -> int:
+        """The source's number of classes (0 if unknown)."""
+        return int(getattr(self.source, "num_classes", 0))
+
+    @property
+    def channels(self) -> int:
+        """The source's number of image channels."""
+        return int(getattr(self.source, "channels", 3))
+
+    def _warn_once(self, err: UnreadableSampleError) -> None:
+        key = err.path or str(err)
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("skipping unreadable sample (%s); using the next readable one instead", err)
+
+    def _read(self, index: int) -> tuple[torch.Tensor, int, bool]:
+        """Source sample ``index``, or the next readable one (wrapping) with valid False."""
+        n = len(self)
+        for k in range(n):
+            i = (index + k) % n
+            if i in self._bad:
+                continue
+            try:
+                image, label = self.source[i]
+            except UnreadableSampleError as e:
+                self._bad.add(i)
+                self._warn_once(e)
+                continue
+            return image, int(label), k == 0
+        raise DataSourceError(f"no readable image in {n} files")
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, Any]:
+        """The sample for ``(epoch, index)`` (a plain int means epoch 0)."""
+        if isinstance(key, (tuple, list)):
+            epoch, index = (int(k) for k in key)
+        else:
+            epoch, index = 0, int(key)
+        n = len(self)
+        if not 0 <= index < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        image, label, valid = self._read(index)
+        state = torch.get_rng_state()
+        try:
+            torch.default_generator.manual_seed(mix_seed(self.seed, epoch, index))
+            views = self.transform(image)
+        finally:
+            torch.set_rng_state(state)
+        return {"views": views, "label": label, "index": index, "valid": valid}

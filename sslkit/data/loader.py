@@ -1,0 +1,66 @@
+"""Batch collation for multi-view samples and the DataLoader builder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from sslkit.data.dataset import SSLDataset
+from sslkit.data.sampler import StatefulDistributedSampler
+
+__all__ = ["build_loader", "collate_views"]
+
+
+def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack :class:`SSLDataset` samples into a batch.
+
+    Returns ``input`` (one ``[B,C,H,W]`` tensor per view, so views of different sizes are
+    fine), ``target`` (int64 labels), ``data_valid`` (bool) and ``data_idx`` (int64 indices).
+    """
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    num_views = len(batch[0]["views"])
+    if any(len(b["views"]) != num_views for b in batch):
+        raise ValueError(f"samples in a batch have different numbers of views: {[len(b['views']) for b in batch]}")
+    return {
+        "input": [torch.stack([b["views"][v] for b in batch]) for v in range(num_views)],
+        "target": torch.tensor([b["label"] for b in batch], dtype=torch.int64),
+        "data_valid": torch.tensor([b["valid"] for b in batch], dtype=torch.bool),
+        "data_idx": torch.tensor([b["index"] for b in batch], dtype=torch.int64),
+    }
+
+
+def build_loader(
+    dataset: SSLDataset,
+    batch_size: int,
+    sampler: StatefulDistributedSampler,
+    num_workers: int,
+    pin_memory: bool = False,
+    drop_last: bool = True,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
+    """A DataLoader over ``dataset`` drawing ``(epoch, index)`` keys from ``sampler``.
+
+    ``persistent_workers`` and ``prefetch_factor`` apply only with ``num_workers > 0``. Note that
+    persistent workers keep the dataset object of their first epoch.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = persistent_workers
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_views,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        **kwargs,
+    )

@@ -1,0 +1,408 @@
+"""Data sources: registered builders returning datasets of ``(uint8 [C,H,W] image, int label)``."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from sslkit.data.seeding import mix_seed
+from sslkit.registry import DATASETS, get, register_dataset
+
+__all__ = [
+    "DEBIAN_FASHION_MNIST",
+    "IMAGE_EXTENSIONS",
+    "DataSourceError",
+    "FolderDataset",
+    "SyntheticDataset",
+    "TensorImageDataset",
+    "UnreadableSampleError",
+    "build_cifar10",
+    "build_cifar100",
+    "build_fashion_mnist",
+    "build_folder",
+    "build_source",
+    "build_synthetic",
+    "cache_dir",
+    "read_idx",
+]
+
+logger = logging.getLogger("sslkit.data")
+
+DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+"""Where the Debian package ``dataset-fashion-mnist`` installs the idx files."""
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+"""File extensions (lower case) the ``folder`` source reads; matched case-insensitively."""
+
+SPLITS = ("train", "test")
+
+
+class DataSourceError(RuntimeError):
+    """A data source cannot be built: data missing, unreadable, or empty."""
+
+
+class UnreadableSampleError(Exception):
+    """One sample cannot be decoded (corrupt or truncated file); ``path`` names the file."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def cache_dir() -> Path:
+    """Folder for downloaded data: ``$SSLKIT_CACHE_DIR`` if set, else ``~/.cache/sslkit``."""
+    return Path(os.environ.get("SSLKIT_CACHE_DIR") or Path("~/.cache/sslkit").expanduser())
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+class TensorImageDataset(Dataset):
+    """An in-memory dataset: all images in one uint8 tensor ``[N, C, H, W]`` plus int64 labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+        """Wrap ``images`` (uint8 ``[N,C,H,W]``) and ``labels`` (``[N]``) of ``num_classes`` classes."""
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"images must be uint8 [N,C,H,W], got {images.dtype} {tuple(images.shape)}")
+        if labels.ndim != 1 or len(labels) != len(images):
+            raise ValueError(f"labels must be [N] with N={len(images)}, got {tuple(labels.shape)}")
+        self.images = images
+        self.labels = labels.to(torch.int64)
+        self.num_classes = int(num_classes)
+        self.channels = int(images.shape[1])
+
+    def __len__(self) -> int:
+        """Number of images."""
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Image ``i`` (a copy, so in-place transforms cannot alter the dataset) and its label."""
+        return self.images[i].clone(), int(self.labels[i])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fashion-MNIST (idx files)
+# ----------------------------------------------------------------------------------------------------
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an idx file (plain or ``.gz``) into a numpy array of the shape its header gives.
+
+    The header is big-endian: two zero bytes, a type code (0x08 = uint8), the number of
+    dimensions, then one 32-bit size per dimension.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path}: not an idx file (bad magic number {data[:4].hex()})")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{path}: idx header truncated")
+    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise ValueError(f"{path}: idx body has {len(data) - header} bytes, header {dims} says {expected}")
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+
+
+def _find_idx(folder: Path, stem: str) -> Path | None:
+    for name in (stem, stem + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _load_idx_pair(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load images ``[N,1,H,W]`` and labels ``[N]`` of ``split`` from ``folder``; raise if absent/bad."""
+    prefix = "train" if split == "train" else "t10k"
+    img_path = _find_idx(folder, f"{prefix}-images-idx3-ubyte")
+    lbl_path = _find_idx(folder, f"{prefix}-labels-idx1-ubyte")
+    if img_path is None or lbl_path is None:
+        raise FileNotFoundError(f"no {prefix}-images-idx3-ubyte[.gz] / {prefix}-labels-idx1-ubyte[.gz]")
+    images, labels = read_idx(img_path), read_idx(lbl_path)
+    if images.ndim != 3 or images.dtype != np.uint8:
+        raise ValueError(f"{img_path}: expected uint8 [N,H,W], got {images.dtype} {images.shape}")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise ValueError(f"{lbl_path}: expected {len(images)} labels, got shape {labels.shape}")
+    return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+
+
+def _torchvision_fashion_mnist(root: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load (downloading if needed) Fashion-MNIST with torchvision; images ``[N,1,28,28]``."""
+    from torchvision.datasets import FashionMNIST
+
+    ds = FashionMNIST(root=root, train=train, download=True)
+    return ds.data.to(torch.uint8).unsqueeze(1).contiguous(), torch.as_tensor(ds.targets, dtype=torch.int64)
+
+
+@register_dataset("fashion_mnist")
+def build_fashion_mnist(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
+    """Fashion-MNIST (10 classes, 1 channel, 28x28).
+
+    Looks, in order, in ``path`` (or ``path/FashionMNIST/raw``), in the Debian package folder
+    :data:`DEBIAN_FASHION_MNIST`, then asks torchvision to download into ``path`` (or
+    ``cache_dir()/fashion_mnist``) unless ``download`` is False. Raises :class:`DataSourceError`
+    naming every place tried if all fail.
+    """
+    _check_split(split)
+    tried: list[str] = []
+    candidates: list[tuple[str, Path]] = []
+    if path:
+        candidates.append(("data path", Path(path).expanduser()))
+        if (Path(path).expanduser() / "FashionMNIST" / "raw").is_dir():  # a torchvision root
+            candidates.append(("data path", Path(path).expanduser() / "FashionMNIST" / "raw"))
+    else:
+        tried.append("data path: not set")
+    candidates.append(("Debian package folder", Path(DEBIAN_FASHION_MNIST)))
+    for what, folder in candidates:
+        if not folder.is_dir():
+            tried.append(f"{what} {folder}: does not exist")
+            continue
+        try:
+            images, labels = _load_idx_pair(folder, split)
+        except (OSError, ValueError, EOFError) as e:
+            tried.append(f"{what} {folder}: {e}")
+            continue
+        logger.debug("fashion_mnist %s: %d images from %s", split, len(images), folder)
+        return TensorImageDataset(images, labels, num_classes=10)
+
+    root = str(path) if path else str(cache_dir() / "fashion_mnist")
+    if download:
+        try:
+            images, labels = _torchvision_fashion_mnist(root, train=split == "train")
+            return TensorImageDataset(images, labels, num_classes=10)
+        except Exception as e:
+            tried.append(f"torchvision download into {root}: {type(e).__name__}: {e}")
+    else:
+        tried.append(f"torchvision download into {root}: skipped (download=False)")
+    raise DataSourceError(
+        f"cannot find Fashion-MNIST ({split} split). Tried:\n  - "
+        + "\n  - ".join(tried)
+        + "\nTo get the data: `apt-get install dataset-fashion-mnist` (installs into "
+        f"{DEBIAN_FASHION_MNIST}), or download the four idx files and set data.{split}.path to their folder."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# CIFAR-10 / CIFAR-100 (torchvision)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _torchvision_cifar(name: str, root: str, train: bool, download: bool) -> tuple[np.ndarray, list[int]]:
+    """Load CIFAR with torchvision; returns the stored ``[N,H,W,C]`` uint8 array and the labels."""
+    from torchvision import datasets
+
+    cls = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}[name]
+    ds = cls(root=root, train=train, download=download)
+    return ds.data, list(ds.targets)
+
+
+def _build_cifar(name: str, num_classes: int, split: str, path: str | None, download: bool) -> TensorImageDataset:
+    _check_split(split)
+    root = str(path) if path else str(cache_dir() / name)
+    errors: list[str] = []
+    for dl in (False, True) if download else (False,):
+        try:
+            data, targets = _torchvision_cifar(name, root, train=split == "train", download=dl)
+        except Exception as e:
+            errors.append(f"{'with' if dl else 'without'} download: {type(e).__name__}: {e}")
+            continue
+        images = torch.from_numpy(np.ascontiguousarray(data)).permute(0, 3, 1, 2).contiguous()
+        return TensorImageDataset(images, torch.as_tensor(targets, dtype=torch.int64), num_classes)
+    raise DataSourceError(
+        f"cannot load {name} ({split} split) from {root}: "
+        + "; ".join(errors)
+        + f". Put the torchvision copy of {name} there (or allow download), or set data.{split}.path."
+    )
+
+
+@register_dataset("cifar10")
+def build_cifar10(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
+    """CIFAR-10 via torchvision from ``path`` (default ``cache_dir()/cifar10``), downloading if allowed."""
+    return _build_cifar("cifar10", 10, split, path, download)
+
+
+@register_dataset("cifar100")
+def build_cifar100(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
+    """CIFAR-100 via torchvision from ``path`` (default ``cache_dir()/cifar100``), downloading if allowed."""
+    return _build_cifar("cifar100", 100, split, path, download)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Image folders
+# ----------------------------------------------------------------------------------------------------
+
+
+def _has_image_ext(name: str) -> bool:
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _images_under(folder: Path) -> list[str]:
+    """Image files anywhere below ``folder`` (hidden files and folders skipped), sorted."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [os.path.join(dirpath, f) for f in filenames if _has_image_ext(f)]
+    return sorted(found)
+
+
+class FolderDataset(Dataset):
+    """Images in a folder, decoded lazily with PIL.
+
+    Either an ImageFolder tree (one subfolder per class, images anywhere below it; labels are the
+    sorted class names' positions) or a flat folder of images (label -1, ``num_classes`` 0).
+    """
+
+    def __init__(self, root: str | Path, channels: int = 3) -> None:
+        """Index the image files under ``root``; ``channels`` is 3 (RGB) or 1 (grayscale)."""
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        root = Path(root).expanduser()
+        if not root.exists():
+            raise DataSourceError(f"image folder {root} does not exist")
+        if not root.is_dir():
+            raise DataSourceError(f"image folder {root} is not a folder")
+        self.root = root
+        self.channels = channels
+        class_files = {
+            d.name: files
+            for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            if (files := _images_under(d))
+        }
+        if class_files:
+            self.classes = list(class_files)
+            self.samples = [(f, c) for c, name in enumerate(self.classes) for f in class_files[name]]
+            loose = [p for p in root.iterdir() if p.is_file() and _has_image_ext(p.name)]
+            if loose:
+                logger.warning("%s is a class-folder tree; ignoring %d image(s) directly in it", root, len(loose))
+        else:
+            self.classes = []
+            files = (str(p) for p in root.iterdir() if p.is_file() and _has_image_ext(p.name))
+            self.samples = [(f, -1) for f in sorted(files)]
+        if not self.samples:
+            raise DataSourceError(
+                f"no image files in {root} (looked for extensions {', '.join(IMAGE_EXTENSIONS)}, "
+                "any case, in the folder and in its class subfolders)"
+            )
+        self.num_classes = len(self.classes)
+
+    def __len__(self) -> int:
+        """Number of image files."""
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Decode image ``i`` to uint8 ``[C,H,W]``; raise :class:`UnreadableSampleError` if it is bad."""
+        from PIL import Image
+
+        path, label = self.samples[i]
+        try:
+            with Image.open(path) as img:
+                img.load()
+                img = img.convert("L" if self.channels == 1 else "RGB")
+                arr = np.asarray(img, dtype=np.uint8)
+        except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
+            raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
+        t = torch.from_numpy(arr.copy())
+        t = t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+        return t, label
+
+
+@register_dataset("folder")
+def build_folder(split: str, path: str | None = None, channels: int = 3) -> FolderDataset:
+    """Images under ``path`` (ImageFolder tree or flat folder); the caller passes the split's own path."""
+    _check_split(split)
+    if not path:
+        raise DataSourceError(f"the 'folder' source needs a path: set data.{split}.path")
+    return FolderDataset(path, channels=channels)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic
+# ----------------------------------------------------------------------------------------------------
+
+
+class SyntheticDataset(Dataset):
+    """Deterministic random images, generated per index; label ``index % num_classes``.
+
+    Each image is half per-index noise and half a smooth per-class pattern, so labels are
+    learnable (useful for smoke tests of training and evaluation). The class patterns depend on
+    ``seed`` only; the noise also on ``stream`` (the train and test splits use different streams).
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 512,
+        image_size: int = 32,
+        channels: int = 3,
+        num_classes: int = 10,
+        seed: int = 0,
+        stream: int = 0,
+    ) -> None:
+        """Describe ``num_samples`` images of ``channels`` x ``image_size`` x ``image_size``."""
+        if num_samples < 0 or num_classes < 0 or image_size < 1 or channels < 1:
+            raise ValueError("num_samples and num_classes must be >= 0, image_size and channels >= 1")
+        self.num_samples = int(num_samples)
+        self.image_size = int(image_size)
+        self.channels = int(channels)
+        self.num_classes = int(num_classes)
+        self.seed = int(seed)
+        self.stream = int(stream)
+        g = torch.Generator().manual_seed(mix_seed(self.seed, 0xC1A55))
+        protos = torch.rand(max(num_classes, 1), channels, 4, 4, generator=g)
+        self._protos = (
+            torch.nn.functional.interpolate(protos, size=(image_size, image_size), mode="bilinear", align_corners=False)
+            .mul_(127.0)
+            .to(torch.uint8)
+        )
+
+    def __len__(self) -> int:
+        """``num_samples``."""
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Image ``i`` (same bytes for the same ``seed``, ``stream`` and ``i``) and its label."""
+        if not -self.num_samples <= i < self.num_samples:
+            raise IndexError(f"index {i} out of range for {self.num_samples} samples")
+        i %= self.num_samples
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.stream, i))
+        s = self.image_size
+        noise = torch.randint(0, 128, (self.channels, s, s), generator=g, dtype=torch.uint8)
+        label = i % self.num_classes if self.num_classes else -1
+        return noise + self._protos[max(label, 0)], label
+
+
+@register_dataset("synthetic")
+def build_synthetic(
+    split: str,
+    path: str | None = None,
+    num_samples: int = 512,
+    image_size: int = 32,
+    channels: int = 3,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> SyntheticDataset:
+    """Synthetic images (``path`` ignored); both splits share class patterns but not noise."""
+    _check_split(split)
+    return SyntheticDataset(num_samples, image_size, channels, num_classes, seed, stream=SPLITS.index(split))
+
+
+def build_source(name: str, split: str, path: str | None = None, **kwargs: Any) -> Dataset:
+    """Build the registered data source ``name`` for ``split`` ("train" or "test")."""
+    builder: Callable[..., Dataset] = get(DATASETS, name, where=f"data.{split}.source")
+    return builder(split=split, path=path, **kwargs)

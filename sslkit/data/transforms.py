@@ -1,0 +1,387 @@
+"""Augmentations: registered builders of ``t(uint8 [C,H,W] image) -> list of float32 views``."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sslkit.registry import TRANSFORMS, get, register_transform
+
+__all__ = [
+    "EvalTransform",
+    "SimCLRTransform",
+    "Transform",
+    "build_eval",
+    "build_simclr",
+    "build_transform",
+    "random_resized_crop_box",
+]
+
+Transform = Callable[[torch.Tensor], list[torch.Tensor]]
+"""What a transform builder returns: one image in, a list of normalised float32 views out."""
+
+_GRAY_ROW = torch.tensor([[0.299, 0.587, 0.114]])  # ITU-R 601 luma weights, as PIL and torchvision use
+_HUE_DIFFS = torch.tensor([[0.0, 1.0, -1.0], [-1.0, 0.0, 1.0], [1.0, -1.0, 0.0]])  # g-b, b-r, r-g
+_HUE_PHASES = torch.tensor([0.0, 4.0, 2.0]).view(3, 1, 1)  # R, G, B phase in the HSV hexagon
+
+
+def _to_float(image: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[C,H,W]`` in 0..255 (or a float image in 0..1) to a new float32 tensor in 0..1."""
+    if image.ndim != 3:
+        raise ValueError(f"expected an image tensor [C,H,W], got shape {tuple(image.shape)}")
+    if image.dtype == torch.uint8:
+        return image.to(torch.float32).div_(255.0)
+    if image.is_floating_point():
+        return image.to(torch.float32, copy=True)
+    raise TypeError(f"expected a uint8 or float image tensor, got {image.dtype}")
+
+
+class _Normalize:
+    """Per-channel ``(x - mean) / std`` with defaults of 0.5; tensors cached per channel count."""
+
+    def __init__(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> None:
+        self.mean = None if mean is None else [float(m) for m in mean]
+        self.std = None if std is None else [float(s) for s in std]
+        if self.std is not None and any(s <= 0 for s in self.std):
+            raise ValueError(f"std must be positive, got {self.std}")
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _stats(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if channels not in self._cache:
+            out = []
+            for name, vals in (("mean", self.mean), ("std", self.std)):
+                vals = [0.5] if vals is None else vals
+                if len(vals) == 1:
+                    vals = vals * channels
+                if len(vals) != channels:
+                    raise ValueError(f"transform {name} has {len(vals)} values but the image has {channels} channel(s)")
+                out.append(torch.tensor(vals, dtype=torch.float32).view(channels, 1, 1))
+            self._cache[channels] = (out[0], 1.0 / out[1])
+        return self._cache[channels]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mean, inv_std = self._stats(x.shape[0])
+        return x.sub_(mean).mul_(inv_std)
+
+    def __getstate__(self) -> dict[str, Any]:  # the cache is rebuilt lazily after pickling
+        return {**self.__dict__, "_cache": {}}
+
+
+def random_resized_crop_box(
+    u: Sequence[float], height: int, width: int, scale: Sequence[float], ratio: Sequence[float]
+) -> tuple[int, int, int, int]:
+    """Pick an Inception-style random crop ``(top, left, h, w)`` from uniforms ``u`` in [0, 1).
+
+    Tries 10 times (4 uniforms each: area fraction in ``scale``, log aspect ratio in ``ratio``,
+    vertical and horizontal position) to fit a box; falls back to the largest centred box whose
+    aspect ratio lies in ``ratio``. ``u`` must hold at least 40 values.
+    """
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for k in range(10):
+        a, r, y, x = u[4 * k : 4 * k + 4]
+        target = area * (scale[0] + a * (scale[1] - scale[0]))
+        aspect = math.exp(log_lo + r * (log_hi - log_lo))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(y * (height - h + 1)), int(x * (width - w + 1)), h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    """Luma ``[1,H,W]`` of a float RGB image (other channel counts: the channel mean)."""
+    if x.shape[0] != 3:
+        return x.mean(0, keepdim=True)
+    return torch.matmul(_GRAY_ROW, x.reshape(3, -1)).view(1, *x.shape[1:])
+
+
+def _shift_hue(x: torch.Tensor, shift: float) -> torch.Tensor:
+    """Rotate the HSV hue of a float RGB image in [0, 1] by ``shift`` turns (value and saturation kept).
+
+    Written for few tensor ops, since on small images the per-op overhead dominates.
+    """
+    maxc, argmax = x.max(0)
+    minc = x.amin(0)
+    delta = maxc - minc
+    # hue in sixths of a turn: (g-b)/delta if max is R, (b-r)/delta + 2 if G, (r-g)/delta + 4 if B
+    diffs = torch.matmul(_HUE_DIFFS, x.reshape(3, -1)).view_as(x)
+    h6 = diffs.gather(0, argmax.unsqueeze(0)).div_(delta.add(1e-12)).add_(argmax, alpha=2)
+    # back to RGB through the hexagonal model: channel = min + delta * clamp(|k - 3| - 1, 0, 1),
+    # k = (h6 + phase) mod 6 with phases 0, 4, 2 for R, G, B
+    k = (h6 + (_HUE_PHASES + 6.0 * shift)).remainder_(6.0).sub_(3.0).abs_().sub_(1.0).clamp_(0.0, 1.0)
+    return torch.addcmul(minc, delta, k)
+
+
+def _brightness(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x.mul_(factor).clamp_(0.0, 1.0)
+
+
+def _contrast(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Blend with the mean luma (a scalar), as torchvision's ``adjust_contrast``."""
+    mean = float(torch.matmul(_GRAY_ROW, x.reshape(3, -1)).mean()) if x.shape[0] == 3 else float(x.mean())
+    return x.mul_(factor).add_((1.0 - factor) * mean).clamp_(0.0, 1.0)
+
+
+def _saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Blend an RGB image with its luma image, as torchvision's ``adjust_saturation``."""
+    return torch.lerp(_gray(x), x, factor).clamp_(0.0, 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _blur_taps(n: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and (reflect-padded) source-column indices of a ``2*half+1``-tap filter along ``n`` pixels."""
+    rows = torch.arange(n).repeat_interleave(2 * half + 1)
+    src = rows + torch.arange(-half, half + 1).repeat(n)
+    for _ in range(2):  # reflect at both edges (twice covers kernels up to twice the image size)
+        src = torch.where(src < 0, -src, src)
+        src = torch.where(src > n - 1, 2 * (n - 1) - src, src)
+    return rows, src.clamp_(0, n - 1)
+
+
+def _blur_matrix(n: int, kernel: torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` matrix applying the 1-D ``kernel`` along an axis of length ``n`` with reflect padding."""
+    rows, cols = _blur_taps(n, len(kernel) // 2)
+    return torch.zeros(n, n).index_put_((rows, cols), kernel.repeat(n), accumulate=True)
+
+
+def _gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur of a float ``[C,H,W]`` image with reflect padding (as two small matmuls)."""
+    half = kernel_size // 2
+    k1 = torch.arange(-half, half + 1, dtype=torch.float32).div_(sigma).square_().mul_(-0.5).exp_()
+    k1 /= k1.sum()
+    _, h, w = x.shape
+    mh = _blur_matrix(h, k1)
+    mw = mh if w == h else _blur_matrix(w, k1)
+    return torch.matmul(torch.matmul(mh, x), mw.T)
+
+
+class SimCLRTransform:
+    """SimCLR-style views: random resized crop, flip, colour jitter, grayscale, blur, solarize.
+
+    All randomness is drawn from torch's global CPU generator (one ``torch.rand`` call per view),
+    so seeding that generator per sample makes the views reproducible.
+    """
+
+    # 40 for the crop; then flip, jitter (apply, 4 factors, 4 order keys), gray, blur (apply, sigma), solarize
+    _N_UNIFORMS = 40 + 14
+
+    def __init__(
+        self,
+        image_size: int,
+        num_views: int = 2,
+        crop_scale: Sequence[float] = (0.08, 1.0),
+        crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
+        hflip_p: float = 0.5,
+        jitter_strength: float = 0.5,
+        jitter_p: float = 0.8,
+        grayscale_p: float = 0.2,
+        blur_p: float = 0.0,
+        blur_sigma: Sequence[float] = (0.1, 2.0),
+        solarize_p: float = 0.0,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        """Configure the augmentation; see :func:`build_simclr` for the arguments."""
+        if image_size < 1 or num_views < 1:
+            raise ValueError(f"image_size and num_views must be >= 1, got {image_size}, {num_views}")
+        if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < lo <= hi <= 1, got {tuple(crop_scale)}")
+        if not 0 < crop_ratio[0] <= crop_ratio[1]:
+            raise ValueError(f"crop_ratio must satisfy 0 < lo <= hi, got {tuple(crop_ratio)}")
+        if jitter_strength < 0 or 0.2 * jitter_strength > 0.5:
+            raise ValueError(f"jitter_strength must be in [0, 2.5], got {jitter_strength}")
+        for name, p in (
+            ("hflip_p", hflip_p),
+            ("jitter_p", jitter_p),
+            ("grayscale_p", grayscale_p),
+            ("blur_p", blur_p),
+            ("solarize_p", solarize_p),
+        ):
+            if not 0 <= p <= 1:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {p}")
+        self.image_size = int(image_size)
+        self.num_views = int(num_views)
+        self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
+        self.crop_ratio = (float(crop_ratio[0]), float(crop_ratio[1]))
+        self.hflip_p = float(hflip_p)
+        self.jitter_strength = float(jitter_strength)
+        self.jitter_p = float(jitter_p) if jitter_strength > 0 else 0.0
+        self.grayscale_p = float(grayscale_p)
+        self.blur_p = float(blur_p)
+        self.blur_sigma = (float(blur_sigma[0]), float(blur_sigma[1]))
+        k = int(0.1 * self.image_size)
+        self.blur_kernel = max(3, k + 1 if k % 2 == 0 else k)
+        self.solarize_p = float(solarize_p)
+        self.normalize = _Normalize(mean, std)
+
+    def _jitter(self, x: torch.Tensor, u: Sequence[float]) -> torch.Tensor:
+        s = self.jitter_strength
+        b, c, sat, hue = 0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s
+        factors = (
+            max(0.0, 1 - b) + u[0] * (1 + b - max(0.0, 1 - b)),
+            max(0.0, 1 - c) + u[1] * (1 + c - max(0.0, 1 - c)),
+            max(0.0, 1 - sat) + u[2] * (1 + sat - max(0.0, 1 - sat)),
+            -hue + u[3] * 2 * hue,
+        )
+        rgb = x.shape[0] == 3
+        for op in sorted(range(4), key=lambda i: u[4 + i]):  # random order of the four adjustments
+            f = factors[op]
+            if op == 0:
+                x = _brightness(x, f)
+            elif op == 1:
+                x = _contrast(x, f)
+            elif op == 2 and rgb:
+                x = _saturation(x, f)
+            elif op == 3 and rgb and f != 0.0:
+                x = _shift_hue(x, f)
+        return x
+
+    def view(self, image: torch.Tensor) -> torch.Tensor:
+        """One augmented, normalised float32 view ``[C, image_size, image_size]`` of ``image``."""
+        u = torch.rand(self._N_UNIFORMS, dtype=torch.float64).tolist()
+        _, h, w = image.shape
+        top, left, ch, cw = random_resized_crop_box(u, h, w, self.crop_scale, self.crop_ratio)
+        crop = _to_float(image[:, top : top + ch, left : left + cw])
+        s = self.image_size
+        if (ch, cw) != (s, s):
+            antialias = ch > s or cw > s
+            crop = F.interpolate(crop[None], size=(s, s), mode="bilinear", align_corners=False, antialias=antialias)[0]
+        x = crop.clamp_(0.0, 1.0)
+        u = u[40:]
+        if u[0] < self.hflip_p:
+            x = x.flip(-1)
+        if u[1] < self.jitter_p:
+            x = self._jitter(x, u[2:10])
+        if x.shape[0] == 3 and u[10] < self.grayscale_p:
+            x = _gray(x).expand(3, -1, -1).contiguous()
+        if u[11] < self.blur_p:
+            lo, hi = self.blur_sigma
+            sigma = lo + u[12] * (hi - lo)
+            x = _gaussian_blur(x, self.blur_kernel, sigma)
+        if u[13] < self.solarize_p:
+            x = torch.where(x >= 0.5, 1.0 - x, x)
+        return self.normalize(x.contiguous())
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """``num_views`` independently augmented views of ``image`` (uint8 ``[C,H,W]``)."""
+        return [self.view(image) for _ in range(self.num_views)]
+
+    def __repr__(self) -> str:
+        return (
+            f"SimCLRTransform(image_size={self.image_size}, num_views={self.num_views}, "
+            f"crop_scale={self.crop_scale}, hflip_p={self.hflip_p}, jitter_strength={self.jitter_strength}, "
+            f"grayscale_p={self.grayscale_p}, blur_p={self.blur_p}, solarize_p={self.solarize_p})"
+        )
+
+
+class EvalTransform:
+    """Deterministic single view: optional shorter-side resize, centre crop, normalise."""
+
+    def __init__(
+        self,
+        image_size: int,
+        resize: int | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        """Configure; see :func:`build_eval`."""
+        if image_size < 1 or (resize is not None and resize < 1):
+            raise ValueError(f"image_size and resize must be >= 1, got {image_size}, {resize}")
+        self.image_size = int(image_size)
+        self.resize = None if resize is None else int(resize)
+        self.normalize = _Normalize(mean, std)
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """A list holding the one normalised float32 view ``[C, image_size, image_size]``."""
+        x = _to_float(image)
+        _, h, w = x.shape
+        short = self.resize if self.resize is not None else max(self.image_size, min(h, w))
+        if min(h, w) != short:
+            nh, nw = (short, max(1, round(w * short / h))) if h <= w else (max(1, round(h * short / w)), short)
+            down = nh < h or nw < w
+            x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False, antialias=down)
+            x = x[0].clamp_(0.0, 1.0)
+        s = self.image_size
+        _, h, w = x.shape
+        if h < s or w < s:  # only when an explicit resize is smaller than the crop
+            x = F.interpolate(x[None], size=(max(h, s), max(w, s)), mode="bilinear", align_corners=False)[0]
+            _, h, w = x.shape
+        top, left = (h - s) // 2, (w - s) // 2
+        x = x[:, top : top + s, left : left + s].contiguous()
+        return [self.normalize(x)]
+
+    def __repr__(self) -> str:
+        return f"EvalTransform(image_size={self.image_size}, resize={self.resize})"
+
+
+@register_transform("simclr")
+def build_simclr(
+    image_size: int,
+    num_views: int = 2,
+    crop_scale: Sequence[float] = (0.08, 1.0),
+    hflip_p: float = 0.5,
+    jitter_strength: float = 0.5,
+    grayscale_p: float = 0.2,
+    blur_p: float = 0.0,
+    solarize_p: float = 0.0,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    **extra: Any,
+) -> SimCLRTransform:
+    """SimCLR augmentation producing ``num_views`` views of ``image_size`` x ``image_size``.
+
+    Random resized crop (area fraction in ``crop_scale``), horizontal flip with ``hflip_p``,
+    colour jitter (brightness/contrast/saturation 0.8s, hue 0.2s with s = ``jitter_strength``,
+    applied with p=0.8 in random order; 1-channel images get brightness and contrast only),
+    grayscale with ``grayscale_p`` (RGB only), Gaussian blur with ``blur_p`` (kernel ~10% of the
+    image size, sigma in (0.1, 2.0)), solarize with ``solarize_p``, then normalise with ``mean``
+    and ``std`` (None: 0.5 per channel). Advanced keywords ``crop_ratio``, ``jitter_p`` and
+    ``blur_sigma`` pass through to :class:`SimCLRTransform`.
+    """
+    return SimCLRTransform(
+        image_size,
+        num_views=num_views,
+        crop_scale=crop_scale,
+        hflip_p=hflip_p,
+        jitter_strength=jitter_strength,
+        grayscale_p=grayscale_p,
+        blur_p=blur_p,
+        solarize_p=solarize_p,
+        mean=mean,
+        std=std,
+        **extra,
+    )
+
+
+@register_transform("eval")
+def build_eval(
+    image_size: int,
+    resize: int | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> EvalTransform:
+    """Evaluation transform: resize the shorter side to ``resize`` (if given), centre-crop ``image_size``.
+
+    Without ``resize``, an image whose shorter side is below ``image_size`` is upscaled to it
+    rather than padded. Returns a list with one normalised view.
+    """
+    return EvalTransform(image_size, resize=resize, mean=mean, std=std)
+
+
+def build_transform(name: str, where: str = "data.train.transform.name", **kwargs: Any) -> Transform:
+    """Build the registered transform ``name`` with ``kwargs``; ``where`` names the config key for errors."""
+    builder: Callable[..., Transform] = get(TRANSFORMS, name, where=where)
+    return builder(**kwargs)

@@ -1,0 +1,9 @@
+"""Hooks: the base class and events, and the standard hooks (importing registers them)."""
+
+from sslkit.hooks.base import Event, SSLHook
+from sslkit.hooks.checkpoint import CheckpointHook
+from sslkit.hooks.knn import KNNHook
+from sslkit.hooks.logging import JsonlSink, LogHook
+from sslkit.hooks.tensorboard import TensorboardSink
+
+__all__ = ["CheckpointHook", "Event", "JsonlSink", "KNNHook", "LogHook", "SSLHook", "TensorboardSink"]

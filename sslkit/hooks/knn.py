@@ -1,0 +1,111 @@
+"""KNNHook: weighted kNN top-1 of the trunk's features at the end of pretraining (and every N epochs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sslkit.evaluation import extract_features, pixel_features, weighted_knn
+from sslkit.hooks.base import SSLHook
+from sslkit.hooks.logging import MetricsSink
+from sslkit.registry import register_hook
+
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = ["KNNHook"]
+
+logger = logging.getLogger("sslkit")
+
+
+@register_hook("knn")
+class KNNHook(SSLHook):
+    """kNN evaluation (InstDisc protocol: cosine similarity, k neighbours weighted by exp(s/T)).
+
+    The train split (with the eval transform) is the memory bank, the test split the queries.
+    Runs on ``on_end`` once (a finished run that is started again reports the stored result
+    instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0, and, with
+    ``baselines``, once on a fresh run's ``on_start`` for the random-init trunk and the raw
+    pixels. Results go to the log and the sinks (metrics.jsonl).
+    """
+
+    name = "knn"
+    priority = 80
+
+    def __init__(
+        self,
+        train_loader: Iterable[dict[str, Any]],
+        test_loader: Iterable[dict[str, Any]],
+        num_classes: int,
+        k: int = 200,
+        temperature: float = 0.1,
+        every_n_epochs: int = 0,
+        baselines: bool = False,
+        sinks: list[MetricsSink] | None = None,
+    ) -> None:
+        self.train_loader = train_loader
+        self.test_loader = test_loader
+        self.num_classes = num_classes
+        self.k = k
+        self.temperature = temperature
+        self.every_n_epochs = every_n_epochs
+        self.baselines = baselines
+        self.sinks = sinks or []
+        self.results: dict[str, float] = {}
+        self.done = False
+
+    def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None) -> dict[str, float]:
+        """kNN accuracies of ``encoder`` (the trunk by default; None with ``pixels``)."""
+        encoder = encoder if encoder is not None else task.base_model.trunk
+        train_f, train_y = extract_features(encoder, self.train_loader, task.device, task.amp_dtype)
+        test_f, test_y = extract_features(encoder, self.test_loader, task.device, task.amp_dtype)
+        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
+
+    def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "") -> None:
+        record: dict[str, Any] = {"step": task.iteration, "epoch": task.epoch, "phase": "eval"}
+        record.update({prefix + k: v for k, v in results.items()})
+        logger.info("kNN (k=%d, T=%g) %s", self.k, self.temperature,
+                    ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith(prefix + "knn")))
+        for sink in self.sinks:
+            sink.write(record)
+
+    def on_start(self, task: SSLTask) -> None:
+        """Baselines on a fresh run: the random-init trunk and the raw pixels."""
+        if not self.baselines or task.iteration > 0 or task.phase_idx > 0 or "random_init_knn_top1" in self.results:
+            return
+        rand = self.evaluate(task)
+        train_f, train_y = pixel_features(self.train_loader)
+        test_f, test_y = pixel_features(self.test_loader)
+        pix = weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
+        self.results.update({f"random_init_{k}": v for k, v in rand.items()})
+        self.results.update({f"pixels_{k}": v for k, v in pix.items()})
+        self._report(task, rand, "random_init_")
+        self._report(task, pix, "pixels_")
+
+    def on_phase_end(self, task: SSLTask) -> None:
+        """Every ``every_n_epochs`` train epochs, if > 0."""
+        if task.train and self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0:
+            self._report(task, self.evaluate(task))
+
+    def on_end(self, task: SSLTask) -> None:
+        """The final evaluation, once per run."""
+        if self.done:
+            logger.info("kNN already evaluated for this run: %s",
+                        ", ".join(f"{k} {v:.4f}" for k, v in self.results.items()))
+            return
+        final = self.evaluate(task)
+        self.results.update(final)
+        self.done = True
+        self._report(task, final)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whether the final evaluation ran, and the results so far."""
+        return {"done": self.done, "results": dict(self.results)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.done = bool(state.get("done", False))
+        self.results = dict(state.get("results", {}))

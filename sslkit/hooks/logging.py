@@ -1,0 +1,173 @@
+"""LogHook: log lines, a progress bar, metrics.jsonl and perf-stats tables; the only place that syncs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from sslkit.hooks.base import SSLHook
+from sslkit.registry import register_hook
+
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = ["JsonlSink", "LogHook", "MetricsSink"]
+
+logger = logging.getLogger("sslkit")
+
+
+class MetricsSink(Protocol):
+    """Something that takes one record of metrics (a flat dict with ``step``)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Store ``record``."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class JsonlSink:
+    """Appends one JSON object per record to ``<output_dir>/metrics.jsonl`` (resumed runs append)."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        """Nothing to release: every write opens and closes the file."""
+
+
+@register_hook("log")
+class LogHook(SSLHook):
+    """Every ``every_n_steps`` optimizer steps (and at each phase end): read the loss meter
+    (the one host-device sync), log a line, write a record to each sink.
+
+    A record holds ``step, epoch, phase, loss, lr, img_per_s`` and the loss terms. A tqdm
+    progress bar (ETA, img/s) is shown when ``progress_bar`` is true; log lines otherwise.
+    At each phase end the perf-stats table is logged.
+    """
+
+    name = "log"
+    priority = 50
+
+    def __init__(
+        self, every_n_steps: int = 50, progress_bar: bool = False, sinks: list[MetricsSink] | None = None
+    ) -> None:
+        self.every_n_steps = max(1, every_n_steps)
+        self.progress_bar = progress_bar
+        self.sinks = sinks or []
+        self._bar: Any = None
+        self._t_last = 0.0
+        self._samples_since = 0
+        self._invalid = torch.zeros((), dtype=torch.long)
+
+    def on_start(self, task: SSLTask) -> None:
+        """Log what is about to run."""
+        n_params = sum(p.numel() for p in task.base_model.parameters() if p.requires_grad)
+        logger.info(
+            "training %d phases, %d optimizer steps, global batch %d, %.2fM trainable parameters, "
+            "device %s, AMP %s; output in %s",
+            len(task.phases), task.max_iterations, task.global_batch_size, n_params / 1e6,
+            task.device, task.amp_dtype or "off", task.output_dir,
+        )
+        if task.phase_idx or task.steps_in_phase:
+            logger.info("resumed at phase %d, step %d of it, iteration %d",
+                        task.phase_idx, task.steps_in_phase, task.iteration)
+
+    def on_phase_start(self, task: SSLTask) -> None:
+        """Reset timers and meters; open a progress bar."""
+        task.perf_stats.reset()
+        task.loss_sum.zero_()
+        task.loss_count = 0
+        self._invalid = torch.zeros((), dtype=torch.long, device=task.device)
+        self._t_last = time.perf_counter()
+        self._samples_since = 0
+        if self.progress_bar:
+            from tqdm import tqdm
+
+            total = len(task.loader) + task.steps_in_phase
+            kind = "train" if task.train else "eval"
+            self._bar = tqdm(total=total, initial=task.steps_in_phase, unit="step", dynamic_ncols=True,
+                             desc=f"{kind} epoch {task.epoch}", file=sys.stderr, leave=False)
+
+    def on_step(self, task: SSLTask) -> None:
+        """Count the step; at the log interval, sync once and write a record."""
+        assert task.last_batch is not None
+        valid = task.last_batch.sample.get("data_valid")
+        if valid is not None:
+            self._invalid += (~valid).sum()
+        self._samples_since += task.global_batch_size
+        if self._bar is not None:
+            self._bar.update(1)
+        if task.train and task.iteration % self.every_n_steps == 0:
+            self._emit(task)
+
+    def on_phase_end(self, task: SSLTask) -> None:
+        """Write the phase's last record, close the bar, log perf stats and skipped samples."""
+        if task.loss_count:
+            self._emit(task)
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        invalid = int(self._invalid.item())
+        if invalid:
+            logger.warning("epoch %d: %d unreadable samples were skipped (replaced by the next readable one)",
+                           task.epoch, invalid)
+        logger.info("%s epoch %d done; time per step section:\n%s",
+                    "train" if task.train else "eval", task.epoch, task.perf_stats.table())
+
+    def on_end(self, task: SSLTask) -> None:
+        """Close the sinks."""
+        for sink in self.sinks:
+            sink.close()
+
+    def on_exception(self, task: SSLTask) -> None:
+        """Close the bar so the traceback prints cleanly."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _emit(self, task: SSLTask) -> None:
+        now = time.perf_counter()
+        loss = (task.loss_sum / max(task.loss_count, 1)).item()
+        record: dict[str, Any] = {
+            "step": task.iteration,
+            "epoch": task.epoch,
+            "phase": "train" if task.train else "eval",
+            "loss": loss,
+            "lr": task.optimizer.param_groups[0]["lr"],
+            "img_per_s": self._samples_since / max(now - self._t_last, 1e-9),
+        }
+        assert task.last_batch is not None
+        for key, value in task.last_batch.loss_terms.items():
+            record[key] = float(value.float().mean().item())
+        task.loss_sum.zero_()
+        task.loss_count = 0
+        self._t_last, self._samples_since = now, 0
+        for sink in self.sinks:
+            sink.write(record)
+        msg = (f"epoch {record['epoch']} step {record['step']}/{task.max_iterations} loss {loss:.4f} "
+               f"lr {record['lr']:.4g} {record['img_per_s']:.0f} img/s")
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{record['img_per_s']:.0f}")
+            file_only(msg)
+        else:
+            logger.info(msg)
+
+
+def file_only(msg: str) -> None:
+    """Log ``msg`` to the file handlers only (the progress bar owns the terminal)."""
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, (), None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

@@ -1,0 +1,83 @@
+"""Trunks (encoders): torchvision ResNets with an optional small-image stem, and a small CNN for CPU runs."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from sslkit.registry import register_trunk
+
+__all__ = ["SmallCNN", "build_resnet"]
+
+
+class SmallCNN(nn.Module):
+    """Four 3x3 conv-BN-ReLU blocks (the last three with stride 2) and global average pooling.
+
+    Sized for 28x28 to 64x64 images on a CPU: about 12 MFLOPs per 28x28 image at width 32.
+    ``out_dim`` is ``8 * width``.
+    """
+
+    def __init__(self, in_channels: int = 3, width: int = 32) -> None:
+        super().__init__()
+        chans = [in_channels, width, 2 * width, 4 * width, 8 * width]
+        layers: list[nn.Module] = []
+        for i in range(4):
+            stride = 1 if i == 0 else 2
+            layers += [
+                nn.Conv2d(chans[i], chans[i + 1], 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(chans[i + 1]),
+                nn.ReLU(inplace=True),
+            ]
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.out_dim = chans[-1]
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map images [B, C, H, W] to features [B, out_dim]."""
+        return torch.flatten(self.pool(self.features(x)), 1)
+
+
+@register_trunk("small_cnn")
+def build_small_cnn(in_channels: int = 3, width: int = 32) -> SmallCNN:
+    """The small CNN of :class:`SmallCNN`."""
+    return SmallCNN(in_channels=in_channels, width=width)
+
+
+def build_resnet(
+    depth: int, in_channels: int = 3, small_image_stem: bool = False, zero_init_residual: bool = True
+) -> nn.Module:
+    """A torchvision ResNet without its classifier; ``out_dim`` is the pooled feature size.
+
+    ``small_image_stem`` swaps the 7x7/2 conv and max-pool for a 3x3/1 conv (the CIFAR stem of
+    SimCLR and most SSL papers), for images of 32-96 pixels. Weights are random: SSL trains
+    from scratch, and nothing is downloaded.
+    """
+    builders = {18: torchvision.models.resnet18, 34: torchvision.models.resnet34,
+                50: torchvision.models.resnet50, 101: torchvision.models.resnet101}
+    net = builders[depth](weights=None, zero_init_residual=zero_init_residual)
+    if small_image_stem:
+        net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    elif in_channels != 3:
+        net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+    if in_channels != 3 or small_image_stem:
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+    net.out_dim = net.fc.in_features
+    net.fc = nn.Identity()
+    return net
+
+
+@register_trunk("resnet18")
+def build_resnet18(in_channels: int = 3, small_image_stem: bool = False, zero_init_residual: bool = True) -> nn.Module:
+    """torchvision ResNet-18 trunk (512-d features)."""
+    return build_resnet(18, in_channels, small_image_stem, zero_init_residual)
+
+
+@register_trunk("resnet50")
+def build_resnet50(in_channels: int = 3, small_image_stem: bool = False, zero_init_residual: bool = True) -> nn.Module:
+    """torchvision ResNet-50 trunk (2048-d features)."""
+    return build_resnet(50, in_channels, small_image_stem, zero_init_residual)

@@ -1,0 +1,105 @@
+"""Learning-rate / weight-decay schedules over training progress (fvcore ParamScheduler), and lr scaling."""
+
+from __future__ import annotations
+
+import math
+
+from fvcore.common.param_scheduler import (
+    CompositeParamScheduler,
+    ConstantParamScheduler,
+    CosineParamScheduler,
+    LinearParamScheduler,
+    ParamScheduler,
+)
+
+from sslkit.registry import closest
+
+__all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "build_schedule", "scaled_lr"]
+
+SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine", "linear")
+SCALING_RULES: tuple[str, ...] = ("linear", "none", "sqrt")
+
+
+def _unknown(kind: str, name: str, valid: tuple[str, ...]) -> ValueError:
+    hint = closest(name, valid)
+    msg = f"unknown {kind} '{name}'."
+    if hint:
+        msg += f" Did you mean '{hint}'?"
+    return ValueError(msg + f" Valid: {', '.join(valid)}.")
+
+
+def build_schedule(
+    name: str,
+    base_value: float,
+    final_value: float = 0.0,
+    warmup_fraction: float = 0.0,
+    warmup_start_value: float = 0.0,
+) -> ParamScheduler:
+    """Build a schedule: a callable mapping training progress ``where`` in [0, 1) to a value.
+
+    Over ``[0, warmup_fraction)`` the value rises linearly from ``warmup_start_value`` to
+    ``base_value``; over ``[warmup_fraction, 1)`` it follows ``name``:
+
+    * ``"cosine"``: half-cosine from ``base_value`` down (or up) to ``final_value``,
+      ``final + (base - final) * (1 + cos(pi * t)) / 2``;
+    * ``"linear"``: straight line from ``base_value`` to ``final_value``;
+    * ``"constant"``: ``base_value`` (``final_value`` is ignored).
+
+    ``t`` is the progress within the post-warmup part, rescaled to [0, 1) (fvcore
+    ``CompositeParamScheduler`` with ``interval_scaling="rescaled"``), so the value at
+    ``where == warmup_fraction`` is exactly ``base_value`` and ``final_value`` is reached as
+    ``where`` approaches 1. With ``warmup_fraction == 0`` the bare post-warmup schedule is returned.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`SCHEDULE_NAMES` (the message names the closest),
+            or ``warmup_fraction`` is outside [0, 1).
+    """
+    if name not in SCHEDULE_NAMES:
+        raise _unknown("schedule", name, SCHEDULE_NAMES)
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+
+    main: ParamScheduler
+    if name == "cosine":
+        main = CosineParamScheduler(start_value=base_value, end_value=final_value)
+    elif name == "linear":
+        main = LinearParamScheduler(start_value=base_value, end_value=final_value)
+    else:
+        main = ConstantParamScheduler(value=base_value)
+
+    if warmup_fraction == 0.0:
+        return main
+    warmup = LinearParamScheduler(start_value=warmup_start_value, end_value=base_value)
+    return CompositeParamScheduler(
+        schedulers=[warmup, main],
+        lengths=[warmup_fraction, 1.0 - warmup_fraction],
+        interval_scaling=["rescaled", "rescaled"],
+    )
+
+
+def scaled_lr(
+    base_lr: float, global_batch_size: int, rule: str = "linear", reference_batch_size: int = 256
+) -> float:
+    """Scale a learning rate given for ``reference_batch_size`` (256) to ``global_batch_size`` ``B``.
+
+    * ``"linear"``: ``base_lr * B / 256`` (Goyal et al., 2017; MoCo, BYOL, Barlow Twins);
+    * ``"sqrt"``: ``base_lr * sqrt(B / 256)``. SimCLR's LARS recipe ``lr = 0.075 * sqrt(B)``
+      is this rule with ``base_lr = 0.075 * 16 = 1.2``;
+    * ``"none"``: ``base_lr`` unchanged.
+
+    Raises:
+        ValueError: unknown ``rule`` or a non-positive batch size.
+    """
+    if rule not in SCALING_RULES:
+        raise _unknown("lr scaling rule", rule, SCALING_RULES)
+    if global_batch_size <= 0 or reference_batch_size <= 0:
+        raise ValueError(
+            f"batch sizes must be positive, got global_batch_size={global_batch_size}, "
+            f"reference_batch_size={reference_batch_size}"
+        )
+    ratio = global_batch_size / reference_batch_size
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr

@@ -1,0 +1,302 @@
+"""SSLTask: the typed state that the train step and every hook may read and change."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sslkit.hooks.base import Event, SSLHook
+
+__all__ = ["LastBatch", "PerfStats", "Phase", "SSLTask"]
+
+logger = logging.getLogger("sslkit")
+
+
+@dataclass
+class Phase:
+    """One pass over a split: a train epoch, or an eval pass (no grad, no update)."""
+
+    train: bool
+    #: The train epoch this phase belongs to (eval phases carry the epoch they follow).
+    epoch: int
+    split: str = "train"
+
+
+@dataclass
+class LastBatch:
+    """What the current step has produced so far; hooks read it, the step fills it in."""
+
+    #: The sample dict: ``input`` (list of view tensors), ``target``, ``data_valid``, ``data_idx``.
+    sample: dict[str, Any]
+    #: The model's output (for SSLModel: ``features`` and ``projections``, one per view).
+    model_output: Any = None
+    #: This rank's loss, attached to the graph.
+    loss: torch.Tensor | None = None
+    #: The loss averaged over ranks, detached (what is logged).
+    reduced_loss: torch.Tensor | None = None
+    #: Named loss terms returned by the loss next to ``loss`` (detached), for logging.
+    loss_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class PerfStats:
+    """Wall-clock timers per step section (host time: on CUDA, kernels run asynchronously)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        """Add the time spent in the ``with`` block to section ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def reset(self) -> None:
+        """Forget all timings (called at phase start)."""
+        self.totals.clear()
+        self.counts.clear()
+
+    def table(self) -> str:
+        """A text table: section, calls, total seconds, mean milliseconds, share of the total."""
+        total = sum(self.totals.values()) or 1.0
+        lines = [f"{'section':<18}{'calls':>8}{'total s':>10}{'mean ms':>10}{'share':>8}"]
+        for name, secs in self.totals.items():
+            n = self.counts[name]
+            lines.append(f"{name:<18}{n:>8}{secs:>10.2f}{1000 * secs / n:>10.2f}{secs / total:>8.1%}")
+        return "\n".join(lines)
+
+
+class SSLTask:
+    """Everything a step and a hook may touch, built by :func:`sslkit.builder.build_task`.
+
+    Counters are the resume position: a checkpoint stores them, and a resumed run continues
+    from the same phase and step with the same samples.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        loss: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loaders: dict[str, torch.utils.data.DataLoader],
+        phases: list[Phase],
+        hooks: list[SSLHook],
+        lr_schedule: Callable[[float], float],
+        wd_schedule: Callable[[float], float] | None = None,
+        device: torch.device | None = None,
+        amp_dtype: torch.dtype | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        global_batch_size: int = 1,
+        max_iterations: int = 1,
+        output_dir: str = ".",
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        channels_last: bool = False,
+        config: Any = None,
+    ) -> None:
+        #: The model that is trained (wrapped in DDP in distributed runs).
+        self.model = model
+        #: The loss module; its buffers (queues, centres) are checkpointed.
+        self.loss = loss
+        #: The optimizer; the step sets each group's lr from ``lr_schedule(where)``.
+        self.optimizer = optimizer
+        #: DataLoaders by split; their samplers are :class:`StatefulDistributedSampler`.
+        self.loaders = loaders
+        #: The phases of the run, in order.
+        self.phases = phases
+        #: Hooks, sorted by priority (stable, so config order breaks ties).
+        self.hooks = sorted(hooks, key=lambda h: h.priority)
+        #: Learning rate as a function of ``where`` in [0, 1).
+        self.lr_schedule = lr_schedule
+        #: Weight decay as a function of ``where`` (None keeps the optimizer's).
+        self.wd_schedule = wd_schedule
+        #: Device of the model and the samples.
+        self.device = device or torch.device("cpu")
+        #: autocast dtype (bfloat16 / float16), or None when AMP is off.
+        self.amp_dtype = amp_dtype
+        #: GradScaler for float16 AMP, else None.
+        self.scaler = scaler
+        #: Samples per optimizer step over all ranks.
+        self.global_batch_size = global_batch_size
+        #: Optimizer steps the run makes in total (``where`` = iteration / max_iterations).
+        self.max_iterations = max(1, max_iterations)
+        #: Where logs, metrics and checkpoints go.
+        self.output_dir = output_dir
+        #: The run's seed.
+        self.seed = seed
+        #: This process's rank and the number of processes.
+        self.rank = rank
+        self.world_size = world_size
+        #: Inputs are converted to channels_last memory format.
+        self.channels_last = channels_last
+        #: The resolved config (read-only; for logging and checkpoint metadata).
+        self.config = config
+
+        #: Index into ``phases`` of the current phase.
+        self.phase_idx = 0
+        #: Steps done in the current phase (the resume position inside it).
+        self.steps_in_phase = 0
+        #: True once the current phase has run out of data (set before ``on_phase_end``).
+        self.phase_done = False
+        #: Optimizer steps done in total.
+        self.iteration = 0
+        #: Samples trained on in total (all ranks).
+        self.num_updates = 0
+        #: The iterator over the current phase's loader.
+        self.data_iterator: Iterator[dict[str, Any]] = iter(())
+        #: The current step's sample, output and loss.
+        self.last_batch: LastBatch | None = None
+        #: Sum of reduced losses since the last log and their count, on device (no sync).
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.loss_count = 0
+        #: Step-section timers.
+        self.perf_stats = PerfStats()
+        #: The exception being handled during ``on_exception``.
+        self.exception: BaseException | None = None
+
+    # ----------------------------------------------------------------------------- position
+    @property
+    def phase(self) -> Phase:
+        """The current phase."""
+        return self.phases[min(self.phase_idx, len(self.phases) - 1)]
+
+    @property
+    def train(self) -> bool:
+        """True in train phases."""
+        return self.phase.train
+
+    @property
+    def epoch(self) -> int:
+        """The current train epoch (0-based)."""
+        return self.phase.epoch
+
+    @property
+    def where(self) -> float:
+        """Progress of training in [0, 1): the argument of every schedule."""
+        return min(self.iteration / self.max_iterations, 1.0 - 1e-9)
+
+    @property
+    def done_training(self) -> bool:
+        """True when every phase has run."""
+        return self.phase_idx >= len(self.phases)
+
+    @property
+    def out_of_steps(self) -> bool:
+        """True in a train phase once ``max_iterations`` optimizer steps are done."""
+        return self.phase.train and self.iteration >= self.max_iterations
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
+
+    @property
+    def loader(self) -> torch.utils.data.DataLoader:
+        """The loader of the current phase's split."""
+        return self.loaders[self.phase.split]
+
+    # ------------------------------------------------------------------------------- hooks
+    def run_hooks(self, event: Event) -> None:
+        """Call ``event`` on every hook, in priority order."""
+        name = event.value
+        for hook in self.hooks:
+            getattr(hook, name)(self)
+
+    # ------------------------------------------------------------------------------ phases
+    def start_phase(self) -> None:
+        """Position the current phase's sampler (epoch, resume offset) and open its iterator."""
+        loader = self.loader
+        sampler = loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        if hasattr(sampler, "set_start"):
+            sampler.set_start(self.steps_in_phase * loader.batch_size)
+        self.phase_done = False
+        self.data_iterator = iter(loader)
+
+    def end_phase(self) -> None:
+        """Mark the phase finished; the next :meth:`start_phase` opens the following one."""
+        self.phase_done = True
+
+    def advance_phase(self) -> None:
+        """Move to the next phase (after ``on_phase_end``)."""
+        self.phase_idx += 1
+        self.steps_in_phase = 0
+        self.phase_done = False
+        self.data_iterator = iter(())
+
+    # -------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run exactly: model, loss, optimizer, scaler,
+        hooks, position and RNG states."""
+        phase_idx, steps = (
+            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
+        )
+        return {
+            "model": self.base_model.state_dict(),
+            "loss": self.loss.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "hooks": {h.name: h.state_dict() for h in self.hooks if h.name},
+            "position": {
+                "phase_idx": phase_idx,
+                "steps_in_phase": steps,
+                "iteration": self.iteration,
+                "num_updates": self.num_updates,
+            },
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.base_model.load_state_dict(state["model"])
+        self.loss.load_state_dict(state["loss"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        hook_states = state.get("hooks", {})
+        for hook in self.hooks:
+            if hook.name and hook.name in hook_states:
+                hook.load_state_dict(hook_states[hook.name])
+        pos = state["position"]
+        self.phase_idx = pos["phase_idx"]
+        self.steps_in_phase = pos["steps_in_phase"]
+        self.iteration = pos["iteration"]
+        self.num_updates = pos["num_updates"]
+        set_rng_state(state["rng"])
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states of python, numpy, torch (CPU) and CUDA on this process."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`'s output."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,142 @@
+"""The trainer fires VISSL's ten events in order, skips backward/update in eval phases, and re-raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sslkit.hooks.base import Event, SSLHook
+from sslkit.task import Phase, SSLTask
+from sslkit.train_steps.standard import standard_train_step
+from sslkit.trainer import train
+
+
+class Recorder(SSLHook):
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, bool]] = []
+
+    def __getattribute__(self, item: str):  # record every on_* call with the phase kind
+        if item.startswith("on_"):
+            def record(task: SSLTask) -> None:
+                self.events.append((item, task.train))
+            return record
+        return super().__getattribute__(item)
+
+
+class TinyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, views):
+        return {"projections": [self.lin(v) for v in views]}
+
+
+def tiny_loss(output, sample):
+    return sum(p.pow(2).mean() for p in output["projections"])
+
+
+class LossModule(nn.Module):
+    def forward(self, output, sample):
+        return tiny_loss(output, sample)
+
+
+def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int = 3) -> SSLTask:
+    torch.manual_seed(0)
+    data = [{"input": [torch.randn(4)], "target": 0} for _ in range(n)]
+    loader = DataLoader(data, batch_size=batch)
+    model = TinyModel()
+    return SSLTask(
+        model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loaders={"train": loader, "test": loader}, phases=phases, hooks=hooks,
+        lr_schedule=lambda where: 0.1, max_iterations=100,
+    )
+
+
+def test_event_order_one_train_phase() -> None:
+    rec = Recorder()
+    task = make_task([Phase(train=True, epoch=0)], [rec])
+    train(task, standard_train_step)
+    step = ["on_forward", "on_loss_and_meter", "on_backward", "on_update", "on_step"]
+    expected = ["on_start", "on_phase_start", *step, *step, "on_phase_end", "on_end"]
+    assert [e for e, _ in rec.events] == expected
+    assert task.iteration == 2
+
+
+def test_eval_phase_fires_no_backward_and_does_not_update() -> None:
+    rec = Recorder()
+    task = make_task([Phase(train=True, epoch=0), Phase(train=False, epoch=0, split="test")], [rec])
+    train(task, standard_train_step)
+    eval_events = [e for e, is_train in rec.events if not is_train and e not in ("on_end",)]
+    assert "on_backward" not in eval_events and "on_update" not in eval_events
+    assert eval_events.count("on_forward") == 2
+    assert task.iteration == 2  # eval steps are not optimizer steps
+
+
+def test_eval_phase_leaves_weights_unchanged() -> None:
+    task = make_task([Phase(train=False, epoch=0, split="test")], [])
+    before = {k: v.clone() for k, v in task.model.state_dict().items()}
+    train(task, standard_train_step)
+    for k, v in task.model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_max_iterations_stops_mid_epoch_and_skips_remaining_epochs() -> None:
+    task = make_task([Phase(train=True, epoch=e) for e in range(3)], [])
+    task.max_iterations = 3
+    train(task, standard_train_step)
+    assert task.iteration == 3
+    assert task.done_training
+
+
+class Boom(SSLHook):
+    def on_update(self, task: SSLTask) -> None:
+        raise RuntimeError("boom at update")
+
+
+def test_exception_fires_on_exception_then_reraises() -> None:
+    rec = Recorder()
+    task = make_task([Phase(train=True, epoch=0)], [rec, Boom()])
+    with pytest.raises(RuntimeError, match="boom at update"):
+        train(task, standard_train_step)
+    names = [e for e, _ in rec.events]
+    assert names[-1] == "on_exception"
+    assert "on_end" not in names and "on_step" not in names
+    assert isinstance(task.exception, RuntimeError)
+
+
+def test_hook_priority_orders_hooks() -> None:
+    calls: list[str] = []
+
+    class A(SSLHook):
+        priority = 10
+
+        def on_start(self, task: SSLTask) -> None:
+            calls.append("A")
+
+    class B(SSLHook):
+        priority = 1
+
+        def on_start(self, task: SSLTask) -> None:
+            calls.append("B")
+
+    task = make_task([Phase(train=True, epoch=0)], [A(), B()])
+    task.run_hooks(Event.ON_START)
+    assert calls == ["B", "A"]
+
+
+def test_sgd_step_matches_hand_update() -> None:
+    task = make_task([Phase(train=True, epoch=0)], [], n=3, batch=3)
+    w0 = task.model.lin.weight.detach().clone()
+    b0 = task.model.lin.bias.detach().clone()
+    x = torch.stack([d["input"][0] for d in task.loaders["train"].dataset])
+    w = w0.clone().requires_grad_()
+    b = b0.clone().requires_grad_()
+    (x @ w.T + b).pow(2).mean().backward()
+    train(task, standard_train_step)
+    assert torch.allclose(task.model.lin.weight, w0 - 0.1 * w.grad, atol=1e-7)
+    assert torch.allclose(task.model.lin.bias, b0 - 0.1 * b.grad, atol=1e-7)

@@ -1,0 +1,157 @@
+"""Tests for SSLDataset (seeded views, unreadable samples) and the loader (collation, workers)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sslkit.data import (
+    DataSourceError,
+    SSLDataset,
+    StatefulDistributedSampler,
+    TensorImageDataset,
+    build_loader,
+    build_source,
+    build_transform,
+    collate_views,
+    mix_seed,
+)
+
+
+def same_image_source(n: int = 6) -> TensorImageDataset:
+    """``n`` identical images, so any difference between samples comes from the augmentation seed."""
+    img = torch.randint(0, 256, (1, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    return TensorImageDataset(img.repeat(n, 1, 1, 1), torch.arange(n) % 3, num_classes=3)
+
+
+def simclr() -> object:
+    return build_transform("simclr", image_size=12, blur_p=0.5)
+
+
+def views_equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["views"], b["views"], strict=True))
+
+
+def test_mix_seed_is_distinct_and_bounded() -> None:
+    seeds = {mix_seed(s, e, i) for s in range(3) for e in range(10) for i in range(100)}
+    assert len(seeds) == 3000 and all(0 <= x < 2**63 for x in seeds)
+    assert mix_seed(1, 2, 3) != mix_seed(3, 2, 1) and mix_seed(0, 1) != mix_seed(0, 1, 0)
+
+
+def test_views_depend_only_on_seed_epoch_index() -> None:
+    ds = SSLDataset(same_image_source(), simclr(), seed=4)
+    a = ds[(2, 3)]
+    assert set(a) == {"views", "label", "index", "valid"}
+    assert (a["label"], a["index"], a["valid"]) == (0, 3, True)
+    assert views_equal(a, SSLDataset(same_image_source(), simclr(), seed=4)[(2, 3)])
+    assert not views_equal(a, ds[(1, 3)])  # other epoch
+    assert not views_equal(a, ds[(2, 4)])  # other index (same image)
+    assert not views_equal(a, SSLDataset(same_image_source(), simclr(), seed=5)[(2, 3)])
+    assert views_equal(ds[3], ds[(0, 3)])  # plain int key means epoch 0
+    with pytest.raises(IndexError):
+        ds[(0, 6)]
+
+
+def test_main_process_rng_untouched() -> None:
+    ds = SSLDataset(same_image_source(), simclr())
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    ds[(0, 1)]
+    ds[(7, 2)]
+    assert torch.equal(torch.rand(5), expected)
+
+
+def write_tree(root: Path) -> None:
+    """Samples (sorted): 0 a/good.png, 1 b/corrupt.jpg, 2 b/trunc.png, 3 c/good.jpg, 4 d/corrupt.jpg."""
+    rng = np.random.default_rng(0)
+    for name, color in (("a/good.png", (200, 10, 10)), ("c/good.jpg", (10, 200, 10))):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), color).save(root / name)
+    (root / "b").mkdir()
+    (root / "d").mkdir()
+    (root / "b" / "corrupt.jpg").write_bytes(rng.integers(0, 256, 300, dtype=np.uint8).tobytes())
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / "b" / "trunc.png")
+    data = (root / "b" / "trunc.png").read_bytes()
+    (root / "b" / "trunc.png").write_bytes(data[: len(data) // 2])
+    (root / "d" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0" + rng.integers(0, 256, 200, dtype=np.uint8).tobytes())
+
+
+def test_unreadable_samples_are_substituted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_tree(tmp_path)
+    source = build_source("folder", "train", str(tmp_path))
+    ds = SSLDataset(source, build_transform("eval", image_size=8, mean=[0.0], std=[1.0]))
+    with caplog.at_level(logging.WARNING, logger="sslkit.data"):
+        good = ds[(0, 3)]
+        corrupt = ds[(0, 1)]
+        truncated = ds[(0, 2)]
+        again = ds[(1, 1)]
+        wrapped = ds[(0, 4)]
+    assert good["valid"] and good["label"] == 2
+    for sample, index in ((corrupt, 1), (truncated, 2), (again, 1)):
+        assert not sample["valid"] and sample["index"] == index
+        assert sample["label"] == 2  # the next readable sample, c/good.jpg
+        assert torch.equal(sample["views"][0], good["views"][0])
+    assert not wrapped["valid"] and wrapped["index"] == 4 and wrapped["label"] == 0  # wrapped to a/good.png
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3  # once per bad file, though b/corrupt.jpg was asked for twice
+    assert any("corrupt.jpg" in w and "/b/" in w for w in warnings)
+    assert any("trunc.png" in w for w in warnings)
+
+
+def test_all_unreadable_raises(tmp_path: Path) -> None:
+    for name in ("x.jpg", "y.png"):
+        (tmp_path / name).write_bytes(b"definitely not an image")
+    ds = SSLDataset(build_source("folder", "train", str(tmp_path)), build_transform("eval", image_size=8))
+    with pytest.raises(DataSourceError, match="no readable image in 2 files"):
+        ds[(0, 1)]
+    with pytest.raises(DataSourceError, match="no readable image in 2 files"):
+        ds[(0, 0)]
+
+
+def test_collate_views_shapes() -> None:
+    ds = SSLDataset(same_image_source(), build_transform("simclr", image_size=12, num_views=3))
+    batch = collate_views([ds[(0, i)] for i in range(4)])
+    assert set(batch) == {"input", "target", "data_valid", "data_idx"}
+    assert len(batch["input"]) == 3 and all(v.shape == (4, 3, 12, 12) for v in batch["input"])
+    assert batch["target"].dtype == torch.int64 and batch["target"].tolist() == [0, 1, 2, 0]
+    assert batch["data_valid"].dtype == torch.bool and batch["data_valid"].all()
+    assert batch["data_idx"].tolist() == [0, 1, 2, 3]
+    bad = ds[(0, 5)]
+    bad["views"] = bad["views"][:1]
+    with pytest.raises(ValueError, match="numbers of views"):
+        collate_views([ds[(0, 0)], bad])
+
+
+def loader_batches(num_workers: int, epoch: int) -> list[dict]:
+    source = build_source("synthetic", "train", None, num_samples=40, image_size=10, num_classes=4)
+    ds = SSLDataset(source, build_transform("simclr", image_size=8, blur_p=0.5), seed=1)
+    sampler = StatefulDistributedSampler(len(ds), num_replicas=2, rank=1, seed=1)
+    sampler.set_epoch(epoch)
+    kwargs = {"prefetch_factor": 2, "persistent_workers": False} if num_workers else {}
+    loader = build_loader(ds, batch_size=6, sampler=sampler, num_workers=num_workers, **kwargs)
+    return list(loader)
+
+
+def test_loader_workers_do_not_change_batches() -> None:
+    serial = loader_batches(0, epoch=2)
+    parallel = loader_batches(2, epoch=2)
+    assert len(serial) == len(parallel) == 3  # 20 samples for this rank, drop_last
+    for a, b in zip(serial, parallel, strict=True):
+        assert torch.equal(a["data_idx"], b["data_idx"]) and torch.equal(a["target"], b["target"])
+        assert all(torch.equal(x, y) for x, y in zip(a["input"], b["input"], strict=True))
+        assert a["input"][0].shape == (6, 3, 8, 8)
+    other_epoch = loader_batches(0, epoch=3)
+    assert not torch.equal(serial[0]["data_idx"], other_epoch[0]["data_idx"])
+
+
+def test_loader_without_workers_ignores_worker_options() -> None:
+    ds = SSLDataset(same_image_source(), build_transform("eval", image_size=16))
+    sampler = StatefulDistributedSampler(len(ds), shuffle=False)
+    loader = build_loader(ds, 4, sampler, num_workers=0, persistent_workers=True, prefetch_factor=4, drop_last=False)
+    assert [b["data_idx"].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]

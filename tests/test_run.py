@@ -1,0 +1,136 @@
+"""tools/run.py end to end on synthetic data: every output, user plugins through imports, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = [
+    "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16", "data.num_workers=0",
+    "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
+    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5",
+]
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                **(env or {})}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True,
+                          text=True, cwd=cwd or REPO, env=full_env, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_run_writes_every_output(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("config=simclr", *SMALL, "optim.epochs=2", f"output_dir={out}")
+    assert (out / "config.yaml").is_file() and "nt_xent" in (out / "config.yaml").read_text()
+    assert "loss" in (out / "log.txt").read_text()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "latest.txt").is_file()
+    records = metrics(out)
+    train = [r for r in records if r.get("phase") == "train"]
+    assert {"step", "epoch", "loss", "lr", "img_per_s"} <= set(train[0])
+    assert train[-1]["step"] == 8  # 64 samples / 16 = 4 steps x 2 epochs
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    knn = [r for r in records if "knn_top1" in r]
+    assert len(knn) == 1 and 0.0 <= knn[0]["knn_top1"] <= 1.0
+    assert "knn_top1" in proc.stdout
+    state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
+    assert state["position"] == {"phase_idx": 2, "steps_in_phase": 0, "iteration": 8, "num_updates": 128}
+    assert state["hooks"]["knn"]["done"] is True
+
+    # Running the same command again finds the finished run and redoes nothing.
+    again = run_cli("config=simclr", *SMALL, "optim.epochs=2", f"output_dir={out}")
+    assert "resumed from" in again.stdout and "kNN already evaluated" in again.stdout
+    assert len(metrics(out)) == len(records)
+
+
+def test_config_error_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    proc = run_cli("optim.lrr=0.1", f"output_dir={out}", check=False)
+    assert proc.returncode == 2
+    assert "Did you mean 'optim.lr'" in proc.stderr
+    assert not out.exists()
+
+
+PLUGIN = '''
+from sslkit.hooks.base import SSLHook
+from sslkit.registry import register_hook, register_train_step
+from sslkit.train_steps.standard import standard_train_step
+
+CALLS = {"steps": 0}
+
+@register_train_step("counting_step")
+def counting_step(task):
+    CALLS["steps"] += 1
+    standard_train_step(task)
+
+@register_hook("marker")
+class MarkerHook(SSLHook):
+    name = "marker"
+
+    def __init__(self, path: str, tag: str = "x"):
+        self.path, self.tag = path, tag
+
+    def on_end(self, task):
+        with open(self.path, "w") as f:
+            f.write(f"{self.tag} steps={CALLS['steps']} iteration={task.iteration}")
+'''
+
+
+@pytest.mark.slow
+def test_custom_train_step_and_hook_from_imports(tmp_path: Path) -> None:
+    (tmp_path / "my_plugin.py").write_text(textwrap.dedent(PLUGIN))
+    marker = tmp_path / "marker.txt"
+    run_cli("config=simclr", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "imports=[my_plugin]",
+            "train_step=counting_step", f"hooks=[{{name: marker, path: '{marker}', tag: hello}}]",
+            f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert marker.read_text() == "hello steps=3 iteration=3"
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["config=simclr", *SMALL, "data.train.kwargs.num_samples=256", "optim.epochs=3",
+            "checkpoint.every_n_steps=4", "eval.knn.enabled=false", "log.every_n_steps=1",
+            "checkpoint.keep_last=0", f"output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpts = out / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(ckpts.glob("checkpoint_000000008.pt")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
+    resumed_at = saved["position"]["iteration"]
+    assert 8 <= resumed_at < 48, "the run was killed before its end"
+
+    again = run_cli(*args)
+    assert f"iteration {resumed_at}" in again.stdout
+    steps = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
+    after = steps[steps.index(resumed_at) + 1 :] if resumed_at in steps else steps
+    # the resumed run logs every step after the checkpoint, once, up to the end
+    assert after[-1] == 48
+    assert after[after.index(resumed_at + 1):] == list(range(resumed_at + 1, 49))
+    final = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
+    assert final["position"]["iteration"] == 48
