@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,7 +101,3 @@ def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> 
         "start afresh, or set checkpoint.auto_resume=false."
     )
 
-
-def resolve(path: str) -> str:
-    """``path`` with ``~`` expanded, as an absolute path."""
-    return str(Path(path).expanduser().resolve())

@@ -44,7 +44,7 @@ HEADS.__doc__ = "Head builders: ``build(in_dim=..., **kwargs) -> nn.Module``."
 DATASETS = Registry("dataset")
 DATASETS.__doc__ = "Data sources: ``build(split=..., path=..., **kwargs) -> Dataset`` of (image, label)."
 TRANSFORMS = Registry("transform")
-TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(image, generator) -> views``."
+TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(uint8 image) -> list of views``."
 
 REGISTRIES: dict[str, Registry] = {
     r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, DATASETS, TRANSFORMS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,28 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-SMALL = [
-    "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16", "data.num_workers=0",
-    "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
-    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5",
-]
-
-
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                **(env or {})}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True,
-                          text=True, cwd=cwd or REPO, env=full_env, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+from helpers import REPO, SMALL, metrics, run_cli
 
 
 @pytest.mark.slow

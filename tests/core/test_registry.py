@@ -45,10 +45,10 @@ def test_nothing_close_gives_no_guess() -> None:
 
 
 def test_builtin_registries_are_populated() -> None:
-    import sslkit.data  # noqa: F401
-    import sslkit.hooks  # noqa: F401
-    import sslkit.methods  # noqa: F401
-    import sslkit.models  # noqa: F401
+    import sslkit.data
+    import sslkit.hooks
+    import sslkit.methods
+    import sslkit.models
     import sslkit.train_steps.standard  # noqa: F401
 
     assert "standard" in R.TRAIN_STEPS

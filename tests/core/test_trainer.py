@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
+from helpers import make_task
 
 from sslkit.hooks.base import Event, SSLHook
 from sslkit.task import Phase, SSLTask
@@ -25,36 +24,6 @@ class Recorder(SSLHook):
                 self.events.append((item, task.train))
             return record
         return super().__getattribute__(item)
-
-
-class TinyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-
-    def forward(self, views):
-        return {"projections": [self.lin(v) for v in views]}
-
-
-def tiny_loss(output, sample):
-    return sum(p.pow(2).mean() for p in output["projections"])
-
-
-class LossModule(nn.Module):
-    def forward(self, output, sample):
-        return tiny_loss(output, sample)
-
-
-def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int = 3) -> SSLTask:
-    torch.manual_seed(0)
-    data = [{"input": [torch.randn(4)], "target": 0} for _ in range(n)]
-    loader = DataLoader(data, batch_size=batch)
-    model = TinyModel()
-    return SSLTask(
-        model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        loaders={"train": loader, "test": loader}, phases=phases, hooks=hooks,
-        lr_schedule=lambda where: 0.1, max_iterations=100,
-    )
 
 
 def test_event_order_one_train_phase() -> None:

@@ -1,0 +1,72 @@
+"""Helpers shared by the tests: a tiny task for loop tests, and running tools/run.py as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sslkit.hooks.base import SSLHook
+from sslkit.task import Phase, SSLTask
+
+
+class TinyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, views):
+        return {"projections": [self.lin(v) for v in views]}
+
+
+def tiny_loss(output, sample):
+    return sum(p.pow(2).mean() for p in output["projections"])
+
+
+class LossModule(nn.Module):
+    def forward(self, output, sample):
+        return tiny_loss(output, sample)
+
+
+def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int = 3) -> SSLTask:
+    """A linear model on ``n`` random 4-d inputs in batches of ``batch``; SGD lr 0.1."""
+    torch.manual_seed(0)
+    data = [{"input": [torch.randn(4)], "target": 0} for _ in range(n)]
+    loader = DataLoader(data, batch_size=batch)
+    model = TinyModel()
+    return SSLTask(
+        model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loaders={"train": loader, "test": loader}, phases=phases, hooks=hooks,
+        lr_schedule=lambda where: 0.1, max_iterations=100,
+    )
+
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = [
+    "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16", "data.num_workers=0",
+    "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
+    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5",
+]
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                **(env or {})}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True,
+                          text=True, cwd=cwd or REPO, env=full_env, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
