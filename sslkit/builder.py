@@ -13,11 +13,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
+import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.distributed import get_rank, get_world_size
 from sslkit.hooks import CheckpointHook, JsonlSink, KNNHook, LogHook, SSLHook, TensorboardSink
-from sslkit.models import SSLModel
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.task import Phase, SSLTask
 
@@ -107,7 +107,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
         in_channels=getattr(train_source, "channels", 3), **_kwargs(cfg.model.trunk_kwargs, ())
     )
     head = R.get(R.HEADS, cfg.model.head.name, "model.head.name")(in_dim=trunk.out_dim, **_kwargs(cfg.model.head))
-    model: torch.nn.Module = SSLModel(trunk, head).to(device)
+    model: torch.nn.Module = R.get(R.MODELS, cfg.model.name, "model.name")(
+        trunk=trunk, head=head, **_kwargs(cfg.model.kwargs, ())
+    ).to(device)
     if cfg.machine.channels_last:
         model = model.to(memory_format=torch.channels_last)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)

@@ -13,6 +13,7 @@ __all__ = [
     "HEADS",
     "HOOKS",
     "LOSSES",
+    "MODELS",
     "REGISTRIES",
     "TRAIN_STEPS",
     "TRANSFORMS",
@@ -24,6 +25,7 @@ __all__ = [
     "register_head",
     "register_hook",
     "register_loss",
+    "register_model",
     "register_train_step",
     "register_transform",
     "register_trunk",
@@ -41,13 +43,18 @@ TRUNKS = Registry("trunk")
 TRUNKS.__doc__ = "Trunk builders: ``build(in_channels=..., **kwargs) -> nn.Module`` with ``out_dim``."
 HEADS = Registry("head")
 HEADS.__doc__ = "Head builders: ``build(in_dim=..., **kwargs) -> nn.Module``."
+MODELS = Registry("model")
+MODELS.__doc__ = (
+    "Model builders, one per method wiring: ``build(trunk=..., head=..., **kwargs) -> nn.Module`` whose "
+    "forward takes the list of views and returns a dict of per-view outputs."
+)
 DATASETS = Registry("dataset")
 DATASETS.__doc__ = "Data sources: ``build(split=..., path=..., **kwargs) -> Dataset`` of (image, label)."
 TRANSFORMS = Registry("transform")
 TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(uint8 image) -> list of views``."
 
 REGISTRIES: dict[str, Registry] = {
-    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, DATASETS, TRANSFORMS)
+    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, MODELS, DATASETS, TRANSFORMS)
 }
 
 
@@ -100,5 +107,6 @@ register_hook = _decorator(HOOKS)
 register_loss = _decorator(LOSSES)
 register_trunk = _decorator(TRUNKS)
 register_head = _decorator(HEADS)
+register_model = _decorator(MODELS)
 register_dataset = _decorator(DATASETS)
 register_transform = _decorator(TRANSFORMS)

@@ -43,8 +43,9 @@ class LastBatch:
     loss: torch.Tensor | None = None
     #: The loss averaged over ranks, detached (what is logged).
     reduced_loss: torch.Tensor | None = None
-    #: Named loss terms returned by the loss next to ``loss`` (detached), for logging.
-    loss_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Named scalars logged at the log interval (detached, on device): the loss terms a loss
+    #: returns next to ``loss``, and what monitor hooks add (e.g. ``embedding_std``).
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PerfStats:

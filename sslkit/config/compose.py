@@ -25,9 +25,11 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 #: Keys whose contents are builder arguments, checked against the builder's signature.
 FREE_FORM = {
     "hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
-    "model.trunk_kwargs", "model.head", "loss",
+    "model.trunk_kwargs", "model.head", "model.kwargs", "loss",
 }
 GROUPS = ("config", "data")
+#: Keys that take values of several types; their value rule alone checks them.
+_VALUE_RULES_ONLY = {"log.progress_bar"}
 
 
 class ConfigError(ValueError):
@@ -182,7 +184,7 @@ def _check_tree(cfg: DictConfig, ref: DictConfig, prefix: str, errors: list[str]
                 _check_tree(value, expected, path + ".", errors)
             continue
         exp_v, got_v = ref[key], cfg[key]
-        if exp_v is None or got_v is None:
+        if exp_v is None or got_v is None or path in _VALUE_RULES_ONLY:
             continue
         if not _compatible(exp_v, got_v):
             errors.append(f"'{path}' must be {_type_name(exp_v)} (like {exp_v!r}), got {_type_name(got_v)} {got_v!r}")
@@ -269,6 +271,9 @@ def validate(cfg: DictConfig) -> None:
         builder = _registered(errors, reg, section.name, where + ".name")
         if builder is not None:
             _check_kwargs(where, builder, {k: v for k, v in section.items() if k not in skip}, errors)
+    model = _registered(errors, R.MODELS, cfg.model.name, "model.name")
+    if model is not None:
+        _check_kwargs("model.kwargs", model, dict(cfg.model.kwargs), errors)
     trunk = _registered(errors, R.TRUNKS, cfg.model.trunk, "model.trunk")
     if trunk is not None:
         _check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)

@@ -339,7 +339,9 @@ def build_simclr(
     solarize_p: float = 0.0,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
-    **extra: Any,
+    crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
+    jitter_p: float = 0.8,
+    blur_sigma: Sequence[float] = (0.1, 2.0),
 ) -> SimCLRTransform:
     """SimCLR augmentation producing ``num_views`` views of ``image_size`` x ``image_size``.
 
@@ -348,8 +350,8 @@ def build_simclr(
     applied with p=0.8 in random order; 1-channel images get brightness and contrast only),
     grayscale with ``grayscale_p`` (RGB only), Gaussian blur with ``blur_p`` (kernel ~10% of the
     image size, sigma in (0.1, 2.0)), solarize with ``solarize_p``, then normalise with ``mean``
-    and ``std`` (None: 0.5 per channel). Advanced keywords ``crop_ratio``, ``jitter_p`` and
-    ``blur_sigma`` pass through to :class:`SimCLRTransform`.
+    and ``std`` (None: 0.5 per channel). ``crop_ratio`` bounds the crop's aspect ratio,
+    ``jitter_p`` is the probability of the colour jitter, ``blur_sigma`` the blur's sigma range.
     """
     return SimCLRTransform(
         image_size,
@@ -362,8 +364,69 @@ def build_simclr(
         solarize_p=solarize_p,
         mean=mean,
         std=std,
-        **extra,
+        crop_ratio=crop_ratio,
+        jitter_p=jitter_p,
+        blur_sigma=blur_sigma,
     )
+
+
+class MultiCropTransform:
+    """Several groups of crops of one image, in order: e.g. 2 global crops then N local ones.
+
+    Each group is a :class:`SimCLRTransform` (its own size, scale and probabilities); the
+    views come back as one list, the global crops first (SwAV, DINO).
+    """
+
+    def __init__(self, groups: Sequence[SimCLRTransform]) -> None:
+        """Concatenate the views of ``groups``."""
+        self.groups = list(groups)
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """Every group's views of ``image``, group after group."""
+        return [view for group in self.groups for view in group(image)]
+
+    def __repr__(self) -> str:
+        return f"MultiCropTransform({self.groups})"
+
+
+@register_transform("multicrop")
+def build_multicrop(
+    image_size: int,
+    small_size: int,
+    num_large: int = 2,
+    num_small: int = 6,
+    crop_scale: Sequence[float] = (0.14, 1.0),
+    small_scale: Sequence[float] = (0.05, 0.14),
+    hflip_p: float = 0.5,
+    jitter_strength: float = 0.5,
+    grayscale_p: float = 0.2,
+    blur_p: float | Sequence[float] = 0.0,
+    solarize_p: float | Sequence[float] = 0.0,
+    small_blur_p: float = 0.0,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> MultiCropTransform:
+    """Multi-crop (SwAV, Caron et al. 2020; DINO): ``num_large`` crops of ``image_size`` with area
+    in ``crop_scale``, then ``num_small`` crops of ``small_size`` with area in ``small_scale``.
+
+    ImageNet: 2 x 224 (0.14-1) + 6 x 96 (0.05-0.14). ``blur_p`` and ``solarize_p`` may be lists,
+    one value per large crop, for the asymmetric augmentation of BYOL and DINO (blur 1.0 / 0.1,
+    solarize 0.0 / 0.2); the small crops use ``small_blur_p`` and no solarize.
+    """
+    def per_large(value: float | Sequence[float], name: str) -> list[float]:
+        values = [float(value)] * num_large if isinstance(value, int | float) else [float(v) for v in value]
+        if len(values) != num_large:
+            raise ValueError(f"{name} has {len(values)} values for {num_large} large crops")
+        return values
+
+    common = dict(hflip_p=hflip_p, jitter_strength=jitter_strength, grayscale_p=grayscale_p, mean=mean, std=std)
+    blurs, sols = per_large(blur_p, "blur_p"), per_large(solarize_p, "solarize_p")
+    groups = [SimCLRTransform(image_size, num_views=1, crop_scale=crop_scale, blur_p=b, solarize_p=z, **common)
+              for b, z in zip(blurs, sols)]
+    if num_small > 0:
+        groups.append(SimCLRTransform(small_size, num_views=num_small, crop_scale=small_scale,
+                                      blur_p=small_blur_p, **common))
+    return MultiCropTransform(groups)
 
 
 @register_transform("eval")

@@ -2,8 +2,20 @@
 
 from sslkit.hooks.base import Event, SSLHook
 from sslkit.hooks.checkpoint import CheckpointHook
+from sslkit.hooks.ema import MomentumTeacherHook
 from sslkit.hooks.knn import KNNHook
 from sslkit.hooks.logging import JsonlSink, LogHook
+from sslkit.hooks.monitor import CollapseMonitorHook
 from sslkit.hooks.tensorboard import TensorboardSink
 
-__all__ = ["CheckpointHook", "Event", "JsonlSink", "KNNHook", "LogHook", "SSLHook", "TensorboardSink"]
+__all__ = [
+    "CheckpointHook",
+    "CollapseMonitorHook",
+    "Event",
+    "JsonlSink",
+    "KNNHook",
+    "LogHook",
+    "MomentumTeacherHook",
+    "SSLHook",
+    "TensorboardSink",
+]

@@ -149,7 +149,7 @@ class LogHook(SSLHook):
             "img_per_s": self._samples_since / max(now - self._t_last, 1e-9),
         }
         assert task.last_batch is not None
-        for key, value in task.last_batch.loss_terms.items():
+        for key, value in task.last_batch.metrics.items():
             record[key] = float(value.float().mean().item())
         task.loss_sum.zero_()
         task.loss_count = 0

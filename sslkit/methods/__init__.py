@@ -1,5 +1,10 @@
-"""SSL methods, one file each (loss, hooks, head wiring); importing registers them."""
+"""SSL methods, one file each (loss, hooks, model wiring); importing this package registers them all."""
 
-from sslkit.methods import simclr
+import importlib
 
-__all__ = ["simclr"]
+METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg")
+
+for _name in METHODS:
+    importlib.import_module(f"sslkit.methods.{_name}")
+
+__all__ = ["METHODS"]

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["SSLModel", "forward_views"]
+from sslkit.registry import register_model
+
+__all__ = ["SSLModel", "build_ssl_model", "forward_views"]
 
 
 def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -50,3 +52,9 @@ class SSLModel(nn.Module):
         sizes = [f.shape[0] for f in feats]
         proj = self.head(torch.cat(feats)) if len(feats) > 1 else self.head(feats[0])
         return {"features": feats, "projections": list(proj.split(sizes))}
+
+
+@register_model("ssl_model")
+def build_ssl_model(trunk: nn.Module, head: nn.Module | None = None) -> SSLModel:
+    """Trunk + projector, no teacher (SimCLR, Barlow Twins, VICReg)."""
+    return SSLModel(trunk, head)

@@ -54,7 +54,7 @@ def standard_train_step(task: SSLTask) -> None:
             with timer("loss"):
                 loss, terms = _split_loss(task.loss(output, sample))
         task.last_batch.loss = loss
-        task.last_batch.loss_terms = terms
+        task.last_batch.metrics.update(terms)
         with timer("loss_all_reduce"):
             reduced = all_reduce_mean(loss.detach().float())
         task.last_batch.reduced_loss = reduced

@@ -1,0 +1,1 @@
+"""barlow_twins: being written (issue 3)."""

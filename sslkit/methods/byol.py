@@ -1,0 +1,1 @@
+"""byol: being written (issue 3)."""

@@ -1,0 +1,1 @@
+"""dino: being written (issue 3)."""

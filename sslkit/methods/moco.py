@@ -1,0 +1,1 @@
+"""moco: being written (issue 3)."""

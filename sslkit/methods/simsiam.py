@@ -1,0 +1,1 @@
+"""simsiam: being written (issue 3)."""

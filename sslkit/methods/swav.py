@@ -1,0 +1,1 @@
+"""swav: being written (issue 3)."""

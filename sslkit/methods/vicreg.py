@@ -1,0 +1,1 @@
+"""vicreg: being written (issue 3)."""
