@@ -17,7 +17,15 @@ import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.distributed import get_rank, get_world_size
-from sslkit.hooks import CheckpointHook, JsonlSink, KNNHook, LogHook, SSLHook, TensorboardSink
+from sslkit.hooks import (
+    CheckpointHook,
+    ConsistencyCheckHook,
+    JsonlSink,
+    KNNHook,
+    LogHook,
+    SSLHook,
+    TensorboardSink,
+)
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.task import Phase, SSLTask
 
@@ -88,14 +96,15 @@ def build_task(cfg: DictConfig) -> SSLTask:
 
     train_source = _source(cfg, "train")
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size)
-    steps_per_epoch = len(train_loader)
+    accumulate = cfg.optim.accumulate_steps
+    steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
         raise ValueError(
-            f"data.batch_size={cfg.data.batch_size} x {world} processes is larger than the "
-            f"{len(train_source)} training samples (data.limit={cfg.data.limit}): no full batch. "
-            "Lower data.batch_size or raise data.limit."
+            f"data.batch_size={cfg.data.batch_size} x {world} processes x optim.accumulate_steps={accumulate} "
+            f"is larger than the {len(train_source)} training samples (data.limit={cfg.data.limit}): no full "
+            "step. Lower data.batch_size or raise data.limit."
         )
-    global_batch = cfg.data.batch_size * world
+    global_batch = cfg.data.batch_size * world * accumulate
     if cfg.optim.max_steps > 0:
         max_iterations = cfg.optim.max_steps
         epochs = math.ceil(max_iterations / steps_per_epoch)
@@ -112,6 +121,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
     ).to(device)
     if cfg.machine.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.distributed.sync_bn and world > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)
 
     o = cfg.optim
@@ -123,6 +134,13 @@ def build_task(cfg: DictConfig) -> SSLTask:
     lr_schedule = build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup)
     wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay)
                    if o.final_weight_decay is not None else None)
+
+    if world > 1:  # after the optimizer saw the plain parameters; teachers (requires_grad False) get no reduction
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+            find_unused_parameters=cfg.distributed.find_unused_parameters,
+        )
 
     amp_dtype = None
     scaler = None
@@ -146,6 +164,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
     hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last))
+    if cfg.distributed.consistency_check_every_n_steps > 0:
+        hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
     if cfg.eval.knn.enabled:
         knn = _knn_hook(cfg, train_source, sinks)
@@ -157,7 +177,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
         phases=[Phase(train=True, epoch=e) for e in range(epochs)], hooks=hooks,
         lr_schedule=lr_schedule, wd_schedule=wd_schedule, device=device, amp_dtype=amp_dtype,
         scaler=scaler, global_batch_size=global_batch, max_iterations=max_iterations, output_dir=out,
-        seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last, config=cfg,
+        seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last,
+        accumulate_steps=accumulate, manual_gradient_reduction=cfg.distributed.manual_gradient_reduction,
+        bucket_cap_mb=cfg.distributed.bucket_cap_mb, config=cfg,
     )
 
 
@@ -175,7 +197,14 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any]) -> KNNHo
         logger.warning("kNN evaluation skipped: no test split (%s). Set data.test.path.", exc)
         return None
     k = cfg.eval.knn
+    channels = getattr(train_source, "channels", 3)
     memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
     queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
+    raw = None
+    if k.baselines:  # the same eval crop without normalisation: pixels in [0, 1]
+        identity = OmegaConf.create({**_kwargs(cfg.data.eval_transform, ()), "mean": [0.0] * channels,
+                                     "std": [1.0] * channels})
+        raw = (_loader(cfg, train_source, identity, train=False, batch_size=k.batch_size),
+               _loader(cfg, test_source, identity, train=False, batch_size=k.batch_size))
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
-                   every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks)
+                   every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw)

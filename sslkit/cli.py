@@ -6,12 +6,13 @@ import logging
 import os
 import sys
 
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
 from sslkit.config.compose import ConfigError, compose_config
-from sslkit.distributed import get_rank
+from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun
 from sslkit.task import SSLTask
 
 __all__ = ["main", "run", "setup_logging"]
@@ -74,5 +75,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, R.UnknownNameError) as exc:
         print(f"sslkit: config error: {exc}", file=sys.stderr)
         return 2
-    run(cfg)
+    d = cfg.distributed
+    if launched_by_torchrun():
+        init_process_group(d.backend, d.timeout_s)
+        try:
+            run(cfg)
+        finally:
+            dist.destroy_process_group()
+    elif d.nproc_per_node > 1 or d.num_nodes > 1:
+        from torch.multiprocessing import ProcessRaisedException
+
+        try:
+            launch(_worker_main, (args,), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
+                   d.master_port, d.backend, d.timeout_s)
+        except ProcessRaisedException as exc:
+            print(f"sslkit: a worker failed; all workers were stopped.\n{exc}", file=sys.stderr)
+            return 1
+    else:
+        run(cfg)
     return 0
+
+
+def _worker_main(args: list[str]) -> None:
+    """Entry point of a spawned worker: compose the same config (imports included) and run."""
+    run(compose_config(args))

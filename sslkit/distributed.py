@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -106,3 +113,108 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(x) for _ in range(get_world_size())]
     dist.all_gather(out, x.detach().contiguous())
     return torch.cat(out, dim=0)
+
+
+logger = logging.getLogger("sslkit")
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher) set RANK and WORLD_SIZE for this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def find_free_port() -> int:
+    """A TCP port on this machine that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_process_group(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
+    """Join the process group described by the environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) and return this process's device.
+
+    ``backend`` ``auto`` is nccl when CUDA is available and gloo otherwise. A collective that
+    waits longer than ``timeout_s`` fails instead of hanging.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:  # CPU workers share the cores: one process's threads per core share, not all cores each
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return device
+
+
+def _worker(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, node_rank: int,
+            world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+    os.environ.update({
+        "RANK": str(node_rank * nproc + local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    })
+    init_process_group(backend, timeout_s)
+    try:
+        fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: int = 1, num_nodes: int = 1,
+           node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0, backend: str = "auto",
+           timeout_s: float = 1800.0) -> None:
+    """Run ``fn(*args)`` in ``nproc_per_node`` spawned processes of a process group.
+
+    Multi-node: start the same command on every node with its ``node_rank`` and the same
+    ``master_addr`` / ``master_port`` (port 0 picks a free one, single node only). If any worker
+    raises, the others are terminated and the error is re-raised here (torch.multiprocessing
+    ``ProcessRaisedException``), so a failure never leaves a hanging run.
+    """
+    if master_port == 0:
+        if num_nodes > 1:
+            raise ValueError("distributed.master_port must be set (the same on every node) for num_nodes > 1")
+        master_port = find_free_port()
+    world = nproc_per_node * num_nodes
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _worker, args=(fn, args, nproc_per_node, node_rank, world, master_addr, master_port, backend, timeout_s),
+        nprocs=nproc_per_node, join=True, start_method="spawn",
+    )
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], bucket_cap_mb: float = 25.0) -> None:
+    """Average the gradients of ``params`` over all ranks, in flat buckets of ``bucket_cap_mb``.
+
+    The manual counterpart of DDP's reduction (VISSL's MANUAL_GRADIENT_REDUCTION), for a
+    backward run under ``no_sync``. Parameters without a gradient are skipped; each bucket
+    holds gradients of one dtype and device.
+    """
+    if not is_distributed():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    world = get_world_size()
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    for g in grads:
+        groups = buckets.setdefault((g.dtype, g.device), [[]])
+        if groups[-1] and sum(t.numel() * t.element_size() for t in groups[-1]) + g.numel() * g.element_size() > cap:
+            groups.append([])
+        groups[-1].append(g)
+    for groups in buckets.values():
+        for bucket in groups:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(world)
+            offset = 0
+            for g in bucket:
+                n = g.numel()
+                g.copy_(flat[offset : offset + n].view_as(g))
+                offset += n

@@ -108,6 +108,9 @@ class SSLTask:
         rank: int = 0,
         world_size: int = 1,
         channels_last: bool = False,
+        accumulate_steps: int = 1,
+        manual_gradient_reduction: bool = False,
+        bucket_cap_mb: float = 25.0,
         config: Any = None,
     ) -> None:
         #: The model that is trained (wrapped in DDP in distributed runs).
@@ -145,6 +148,12 @@ class SSLTask:
         self.world_size = world_size
         #: Inputs are converted to channels_last memory format.
         self.channels_last = channels_last
+        #: Micro-batches per optimizer step (gradient accumulation) in train phases.
+        self.accumulate_steps = max(1, accumulate_steps)
+        #: Backward under ``no_sync`` and an explicit bucketed all-reduce of the gradients.
+        self.manual_gradient_reduction = manual_gradient_reduction
+        #: Bucket size of the manual gradient reduction.
+        self.bucket_cap_mb = bucket_cap_mb
         #: The resolved config (read-only; for logging and checkpoint metadata).
         self.config = config
 
@@ -202,6 +211,11 @@ class SSLTask:
         return self.phase.train and self.iteration >= self.max_iterations
 
     @property
+    def batches_per_step(self) -> int:
+        """Loader batches one step consumes: ``accumulate_steps`` in train phases, else 1."""
+        return self.accumulate_steps if self.train else 1
+
+    @property
     def base_model(self) -> nn.Module:
         """The model without its DDP wrapper."""
         return getattr(self.model, "module", self.model)
@@ -226,7 +240,7 @@ class SSLTask:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         if hasattr(sampler, "set_start"):
-            sampler.set_start(self.steps_in_phase * loader.batch_size)
+            sampler.set_start(self.steps_in_phase * self.batches_per_step * loader.batch_size)
         self.phase_done = False
         self.data_iterator = iter(loader)
 

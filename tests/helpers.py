@@ -70,3 +70,45 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+
+
+class _ViewsMLP(nn.Module):
+    """An MLP without BatchNorm applied to every view: ``{"projections": [...]}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+    def forward(self, views):
+        return {"projections": [self.net(v) for v in views]}
+
+
+class _PerSampleLoss(nn.Module):
+    """Mean over the batch of a per-sample term: decomposes over samples, ranks and micro-batches."""
+
+    def forward(self, output, sample):
+        return (output["projections"][0] - 1.0).pow(2).sum(dim=1).mean()
+
+
+def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accumulate: int = 1,
+                    steps: int = 3, global_batch: int = 8) -> SSLTask:
+    """A task whose global batch of ``global_batch`` samples per step is split over ``world`` ranks
+    and ``accumulate`` micro-batches, in a fixed order, so every split sees the same samples."""
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(steps * global_batch, 8, generator=g)
+    per_rank = global_batch // world
+    micro = per_rank // accumulate
+    mine = [x[s * global_batch + rank * per_rank: s * global_batch + (rank + 1) * per_rank] for s in range(steps)]
+    data = [{"input": [v], "target": 0} for chunk in mine for v in chunk]
+    loader = DataLoader(data, batch_size=micro)
+    model: nn.Module = _ViewsMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    return SSLTask(
+        model=model, loss=_PerSampleLoss(), optimizer=optimizer, loaders={"train": loader},
+        phases=[Phase(train=True, epoch=0)], hooks=[], lr_schedule=lambda where: 0.1, max_iterations=steps,
+        global_batch_size=global_batch, rank=rank, world_size=world, accumulate_steps=accumulate,
+        manual_gradient_reduction=manual,
+    )

@@ -236,6 +236,12 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.knn.k": (lambda v: v > 0, "> 0"),
     "eval.knn.temperature": (lambda v: v > 0, "> 0"),
     "distributed.nproc_per_node": (lambda v: v >= 1, ">= 1"),
+    "distributed.num_nodes": (lambda v: v >= 1, ">= 1"),
+    "distributed.backend": (lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo"),
+    "distributed.timeout_s": (lambda v: v > 0, "> 0"),
+    "distributed.bucket_cap_mb": (lambda v: v > 0, "> 0"),
+    "distributed.consistency_check_every_n_steps": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "optim.accumulate_steps": (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -249,6 +255,9 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
             errors.append(f"'{key}' must be {req}, got {value!r}")
+    d = cfg.distributed
+    if not 0 <= d.node_rank < d.num_nodes:
+        errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:
         errors.append("'optim.epochs' and 'optim.max_steps' are both 0: set one of them > 0")
 

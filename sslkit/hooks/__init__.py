@@ -2,6 +2,7 @@
 
 from sslkit.hooks.base import Event, SSLHook
 from sslkit.hooks.checkpoint import CheckpointHook
+from sslkit.hooks.consistency import ConsistencyCheckHook
 from sslkit.hooks.ema import MomentumTeacherHook
 from sslkit.hooks.knn import KNNHook
 from sslkit.hooks.logging import JsonlSink, LogHook
@@ -11,6 +12,7 @@ from sslkit.hooks.tensorboard import TensorboardSink
 __all__ = [
     "CheckpointHook",
     "CollapseMonitorHook",
+    "ConsistencyCheckHook",
     "Event",
     "JsonlSink",
     "KNNHook",

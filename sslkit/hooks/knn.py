@@ -28,8 +28,9 @@ class KNNHook(SSLHook):
     The train split (with the eval transform) is the memory bank, the test split the queries.
     Runs on ``on_end`` once (a finished run that is started again reports the stored result
     instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0, and, with
-    ``baselines``, once on a fresh run's ``on_start`` for the random-init trunk and the raw
-    pixels. Results go to the log and the sinks (metrics.jsonl).
+    ``baselines``, once on a fresh run's ``on_start`` for the random-init trunk and the pixels
+    (raw in [0, 1] through ``raw_pixel_loaders``, and as the eval transform normalises them).
+    Results go to the log and the sinks (metrics.jsonl).
     """
 
     name = "knn"
@@ -45,6 +46,7 @@ class KNNHook(SSLHook):
         every_n_epochs: int = 0,
         baselines: bool = False,
         sinks: list[MetricsSink] | None = None,
+        raw_pixel_loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
     ) -> None:
         self.train_loader = train_loader
         self.test_loader = test_loader
@@ -54,6 +56,7 @@ class KNNHook(SSLHook):
         self.every_n_epochs = every_n_epochs
         self.baselines = baselines
         self.sinks = sinks or []
+        self.raw_pixel_loaders = raw_pixel_loaders
         self.results: dict[str, float] = {}
         self.done = False
 
@@ -73,17 +76,24 @@ class KNNHook(SSLHook):
             sink.write(record)
 
     def on_start(self, task: SSLTask) -> None:
-        """Baselines on a fresh run: the random-init trunk and the raw pixels."""
+        """Baselines on a fresh run: the random-init trunk, the raw pixels in [0, 1] (the protocol's
+        pixel baseline) and the pixels as the eval transform normalises them (centred)."""
         if not self.baselines or task.iteration > 0 or task.phase_idx > 0 or "random_init_knn_top1" in self.results:
             return
-        rand = self.evaluate(task)
-        train_f, train_y = pixel_features(self.train_loader)
-        test_f, test_y = pixel_features(self.test_loader)
-        pix = weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
-        self.results.update({f"random_init_{k}": v for k, v in rand.items()})
-        self.results.update({f"pixels_{k}": v for k, v in pix.items()})
-        self._report(task, rand, "random_init_")
-        self._report(task, pix, "pixels_")
+        self._baseline(task, "random_init_", self.evaluate(task))
+        if self.raw_pixel_loaders is not None:
+            self._baseline(task, "pixels_", self._pixels(*self.raw_pixel_loaders))
+        self._baseline(task, "pixels_normalised_", self._pixels(self.train_loader, self.test_loader))
+
+    def _pixels(self, train_loader: Iterable[dict[str, Any]], test_loader: Iterable[dict[str, Any]]
+                ) -> dict[str, float]:
+        train_f, train_y = pixel_features(train_loader)
+        test_f, test_y = pixel_features(test_loader)
+        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
+
+    def _baseline(self, task: SSLTask, prefix: str, results: dict[str, float]) -> None:
+        self.results.update({prefix + k: v for k, v in results.items()})
+        self._report(task, results, prefix)
 
     def on_phase_end(self, task: SSLTask) -> None:
         """Every ``every_n_epochs`` train epochs, if > 0."""

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from sslkit.distributed import all_reduce_mean
+from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
 from sslkit.optim import set_lr, set_weight_decay
 from sslkit.registry import register_train_step
@@ -25,62 +25,81 @@ def _split_loss(out: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tens
     return out, {}
 
 
+def _sync_context(task: SSLTask, last_micro_batch: bool) -> contextlib.AbstractContextManager[None]:
+    """DDP's ``no_sync`` when its reduction must not run after this backward: under manual
+    gradient reduction, and on every micro-batch but the last when accumulating."""
+    no_sync = getattr(task.model, "no_sync", None)
+    if no_sync is not None and (task.manual_gradient_reduction or not last_micro_batch):
+        return no_sync()
+    return contextlib.nullcontext()
+
+
 @register_train_step("standard")
 def standard_train_step(task: SSLTask) -> None:
     """One step of DESIGN.md's flow. Raises StopIteration when the phase's data runs out.
 
-    No host-device synchronisation happens here: the loss is accumulated on the device and
-    read by the logging hook at its interval.
+    With ``task.accumulate_steps = K`` (train phases) it runs K micro-batches, each forward
+    followed by ``backward(loss / K)``, DDP reduction only after the last, then one optimizer
+    step; ``on_forward`` and ``on_loss_and_meter`` fire per micro-batch, ``on_backward`` and
+    ``on_update`` once. No host-device synchronisation happens here: the loss is accumulated on
+    the device and read by the logging hook at its interval.
     """
     timer = task.perf_stats.timer
     train = task.train
-    with timer("read_sample"):
-        batch = next(task.data_iterator)
-        sample = to_sample(batch, task.device, task.channels_last)
-    task.last_batch = LastBatch(sample=sample)
-
+    micro_batches = task.batches_per_step
     grad_ctx = torch.enable_grad() if train else torch.no_grad()
     amp_ctx = (
         torch.autocast(task.device.type, dtype=task.amp_dtype)
         if task.amp_dtype is not None
         else contextlib.nullcontext()
     )
-    with grad_ctx:
-        with amp_ctx:
-            with timer("forward"):
-                output = task.model(sample["input"])
-            task.last_batch.model_output = output
-            task.run_hooks(Event.ON_FORWARD)
-            with timer("loss"):
-                loss, terms = _split_loss(task.loss(output, sample))
-        task.last_batch.loss = loss
-        task.last_batch.metrics.update(terms)
-        with timer("loss_all_reduce"):
-            reduced = all_reduce_mean(loss.detach().float())
-        task.last_batch.reduced_loss = reduced
-        with timer("meters"):
-            task.loss_sum += reduced
-            task.loss_count += 1
-        task.run_hooks(Event.ON_LOSS_AND_METER)
-
-        if not train:
-            return
-        with timer("backward"):
-            task.optimizer.zero_grad(set_to_none=True)
-            if task.scaler is not None:
-                task.scaler.scale(loss).backward()
-            else:
-                loss.backward()
-        task.run_hooks(Event.ON_BACKWARD)
-        with timer("optimizer_step"):
-            set_lr(task.optimizer, task.lr_schedule(task.where))
-            if task.wd_schedule is not None:
-                set_weight_decay(task.optimizer, task.wd_schedule(task.where))
-            if task.scaler is not None:
-                task.scaler.step(task.optimizer)
-                task.scaler.update()
-            else:
-                task.optimizer.step()
-        task.run_hooks(Event.ON_UPDATE)
-        task.iteration += 1
-        task.num_updates += task.global_batch_size
+    for micro in range(micro_batches):
+        with timer("read_sample"):
+            batch = next(task.data_iterator)
+            sample = to_sample(batch, task.device, task.channels_last)
+        task.last_batch = LastBatch(sample=sample)
+        with grad_ctx, _sync_context(task, micro == micro_batches - 1):
+            with amp_ctx:
+                with timer("forward"):
+                    output = task.model(sample["input"])
+                task.last_batch.model_output = output
+                task.run_hooks(Event.ON_FORWARD)
+                with timer("loss"):
+                    loss, terms = _split_loss(task.loss(output, sample))
+            task.last_batch.loss = loss
+            task.last_batch.metrics.update(terms)
+            with timer("loss_all_reduce"):
+                reduced = all_reduce_mean(loss.detach().float())
+            task.last_batch.reduced_loss = reduced
+            with timer("meters"):
+                task.loss_sum += reduced
+                task.loss_count += 1
+            task.run_hooks(Event.ON_LOSS_AND_METER)
+            if not train:
+                continue
+            with timer("backward"):
+                if micro == 0:
+                    task.optimizer.zero_grad(set_to_none=True)
+                scaled = loss / micro_batches if micro_batches > 1 else loss
+                if task.scaler is not None:
+                    task.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+    if not train:
+        return
+    if task.manual_gradient_reduction:
+        with timer("gradient_all_reduce"):
+            all_reduce_gradients(task.base_model.parameters(), task.bucket_cap_mb)
+    task.run_hooks(Event.ON_BACKWARD)
+    with timer("optimizer_step"):
+        set_lr(task.optimizer, task.lr_schedule(task.where))
+        if task.wd_schedule is not None:
+            set_weight_decay(task.optimizer, task.wd_schedule(task.where))
+        if task.scaler is not None:
+            task.scaler.step(task.optimizer)
+            task.scaler.update()
+        else:
+            task.optimizer.step()
+    task.run_hooks(Event.ON_UPDATE)
+    task.iteration += 1
+    task.num_updates += task.global_batch_size

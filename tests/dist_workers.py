@@ -1,0 +1,74 @@
+"""Functions that run inside spawned gloo worker processes for the multi-process tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from sslkit.distributed import find_free_port
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+    mp.start_processes(_entry, args=(world, find_free_port(), fn, args, out), nprocs=world, join=True,
+                       start_method="spawn")
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    """A model without BatchNorm, so per-rank batches and one big batch compute the same thing."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+
+def two_view_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)
+
+
+def loss_and_grads_on_shard(rank: int, world: int, loss_name: str, n: int) -> dict[str, Any]:
+    """DDP model, this rank's slice of the global batch, the named loss; its loss and grads."""
+    from sslkit.distributed import all_reduce_mean
+    from sslkit.registry import LOSSES
+
+    import sslkit.methods  # noqa: F401
+
+    model = nn.parallel.DistributedDataParallel(mlp())
+    x1, x2 = two_view_data(n)
+    b = n // world
+    sl = slice(rank * b, (rank + 1) * b)
+    loss_fn = LOSSES.get(loss_name)()
+    out = loss_fn({"projections": [model(x1[sl]), model(x2[sl])]}, {})
+    loss = out["loss"] if isinstance(out, dict) else out
+    loss.backward()
+    return {"loss": all_reduce_mean(loss.detach()), "grads": [p.grad.clone() for p in model.parameters()]}
+
+
+def train_steps(rank: int, world: int, manual: bool, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    """A few real standard_train_step calls on a DDP-wrapped SSLModel with a per-sample loss."""
+    from helpers import per_sample_task
+
+    task = per_sample_task(rank, world, manual=manual, accumulate=accumulate, steps=steps)
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    train(task, standard_train_step)
+    return {k: v.clone() for k, v in task.base_model.state_dict().items()}

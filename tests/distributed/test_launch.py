@@ -1,0 +1,70 @@
+"""tools/run.py with distributed.nproc_per_node=2 and under torchrun; a failing worker stops the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, SMALL, metrics, run_cli
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+DIST = [*SMALL, "data.train.kwargs.num_samples=128", "optim.max_steps=4", "log.every_n_steps=1",
+        "distributed.consistency_check_every_n_steps=2"]
+
+
+def check_run(out: Path) -> None:
+    steps = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
+    assert steps == [1, 2, 3, 4]  # rank 0 alone writes: one record per step, not two
+    state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
+    assert state["position"]["iteration"] == 4
+    assert state["position"]["num_updates"] == 4 * 16 * 2  # global batch = 2 ranks x 16
+    assert any("knn_top1" in r for r in metrics(out))
+
+
+def test_run_spawns_two_workers(tmp_path: Path) -> None:
+    out = tmp_path / "spawn"
+    proc = run_cli("config=simclr", *DIST, "distributed.nproc_per_node=2", f"output_dir={out}")
+    assert "global batch 32" in proc.stdout
+    check_run(out)
+
+
+def test_run_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tools" / "run.py"), "config=simclr", *DIST, f"output_dir={out}"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_run(out)
+
+
+FAILING = '''
+from sslkit.hooks.base import SSLHook
+from sslkit.registry import register_hook
+
+@register_hook("fail_on_rank1")
+class FailOnRank1(SSLHook):
+    def on_update(self, task):
+        if task.rank == 1 and task.iteration == 1:
+            raise RuntimeError("injected failure on rank 1")
+'''
+
+
+def test_failing_worker_stops_the_whole_run(tmp_path: Path) -> None:
+    (tmp_path / "failing_plugin.py").write_text(textwrap.dedent(FAILING))
+    start = time.time()
+    proc = run_cli("config=simclr", *DIST, "distributed.nproc_per_node=2", "distributed.timeout_s=60",
+                   "imports=[failing_plugin]", "hooks=[{name: fail_on_rank1}]", f"output_dir={tmp_path / 'run'}",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+    assert time.time() - start < 240
