@@ -46,10 +46,9 @@ def two_view_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_and_grads_on_shard(rank: int, world: int, loss_name: str, n: int) -> dict[str, Any]:
     """DDP model, this rank's slice of the global batch, the named loss; its loss and grads."""
+    import sslkit.methods  # noqa: F401
     from sslkit.distributed import all_reduce_mean
     from sslkit.registry import LOSSES
-
-    import sslkit.methods  # noqa: F401
 
     model = nn.parallel.DistributedDataParallel(mlp())
     x1, x2 = two_view_data(n)
