@@ -1,1 +1,310 @@
-"""dino: being written (issue 3)."""
+"""DINO (Caron et al., 2021): self-distillation from a momentum teacher with centring and sharpening, multi-crop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+from sslkit.distributed import all_reduce_sum
+from sslkit.hooks.base import SSLHook
+from sslkit.models.ssl_model import SSLModel, forward_views
+from sslkit.models.teacher import frozen_copy
+from sslkit.registry import register_head, register_hook, register_loss, register_model
+
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = [
+    "DINOHead",
+    "DINOLoss",
+    "DINOModel",
+    "FreezeLastLayerHook",
+    "build_dino",
+    "build_dino_head",
+    "dino_loss",
+    "teacher_temp_at",
+]
+
+
+# ----------------------------------------------------------------------------------------- head
+class DINOHead(nn.Module):
+    """DINO's projection head (Caron et al. 2021, section 3.1 and appendix).
+
+    ``x -> MLP -> x / |x| -> W x`` where the MLP has ``num_layers`` linear layers (``in_dim ->
+    hidden_dim -> ... -> bottleneck_dim``, GELU between them, optional BatchNorm) and ``W`` is a
+    bias-free, weight-normalised linear layer to ``out_dim`` "prototypes": ``W_k = g_k v_k / |v_k|``
+    (Salimans & Kingma 2016). With ``norm_last_layer`` the gains ``g`` are fixed to 1 (not
+    trained), so every row of ``W`` has norm 1 and the outputs are cosine similarities.
+
+    Weight normalisation uses ``torch.nn.utils.parametrizations.weight_norm`` (the parametrised
+    form; the old ``torch.nn.utils.weight_norm`` hook is deprecated): the parameters are
+    ``last_layer.parametrizations.weight.original0`` (``g``, [out_dim, 1]) and ``original1``
+    (``v``); they save and load with the state dict and survive ``copy.deepcopy`` (so
+    ``frozen_copy`` makes a proper teacher).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int = 65536,
+        hidden_dim: int = 2048,
+        bottleneck_dim: int = 256,
+        num_layers: int = 3,
+        batch_norm: bool = False,
+        norm_last_layer: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"dino head needs num_layers >= 1, got {num_layers}")
+        layers: list[nn.Module] = []
+        dim = in_dim
+        for _ in range(num_layers - 1):
+            layers.append(nn.Linear(dim, hidden_dim))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(hidden_dim))
+            layers.append(nn.GELU())
+            dim = hidden_dim
+        layers.append(nn.Linear(dim, bottleneck_dim))
+        self.mlp = nn.Sequential(*layers)
+        for m in self.mlp.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        self.last_layer = weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
+        gain = self.last_layer.parametrizations.weight.original0
+        with torch.no_grad():
+            gain.fill_(1.0)
+        gain.requires_grad_(not norm_last_layer)
+        self.out_dim = out_dim
+        self.norm_last_layer = norm_last_layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Features [B, in_dim] to prototype logits [B, out_dim]."""
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1))
+
+
+@register_head("dino")
+def build_dino_head(
+    in_dim: int,
+    out_dim: int = 65536,
+    hidden_dim: int = 2048,
+    bottleneck_dim: int = 256,
+    num_layers: int = 3,
+    batch_norm: bool = False,
+    norm_last_layer: bool = True,
+) -> DINOHead:
+    """A :class:`DINOHead` (paper: 3 layers, hidden 2048, bottleneck 256, 65536 outputs, no BN)."""
+    return DINOHead(in_dim, out_dim, hidden_dim, bottleneck_dim, num_layers, batch_norm, norm_last_layer)
+
+
+# ---------------------------------------------------------------------------------------- model
+class DINOModel(SSLModel):
+    """Student (``trunk`` + ``head``) and teacher (``teacher_trunk`` + ``teacher_head``, frozen
+    copies moved by the ``momentum_teacher`` hook).
+
+    ``forward(views)`` runs the student on every crop (the global crops in one batch, the local
+    crops in another, :func:`forward_views`) and the teacher, under ``no_grad``, on the first
+    ``num_global`` crops only. Returns, one tensor per view: ``features`` (student trunk),
+    ``projections`` (student head outputs, [B, out_dim] logits) and ``teacher`` (teacher head
+    outputs for the global crops).
+    """
+
+    def __init__(self, trunk: nn.Module, head: nn.Module | None = None, num_global: int = 2) -> None:
+        super().__init__(trunk, head)
+        if num_global < 1:
+            raise ValueError(f"dino needs num_global >= 1, got {num_global}")
+        self.num_global = int(num_global)
+        self.teacher_trunk = frozen_copy(self.trunk)
+        self.teacher_head = frozen_copy(self.head)
+
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(student, teacher) pairs for the EMA hook."""
+        return [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
+
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Student outputs on all crops, teacher outputs on the global crops."""
+        if isinstance(views, torch.Tensor):
+            views = [views]
+        out = super().forward(views)
+        globals_ = list(views[: self.num_global])
+        with torch.no_grad():
+            feats = forward_views(self.teacher_trunk, globals_)
+            sizes = [f.shape[0] for f in feats]
+            t = self.teacher_head(torch.cat(feats) if len(feats) > 1 else feats[0])
+        out["teacher"] = list(t.split(sizes))
+        return out
+
+
+@register_model("dino")
+def build_dino(trunk: nn.Module, head: nn.Module | None = None, num_global: int = 2) -> DINOModel:
+    """DINO wiring: student trunk + head (``model.head``, use ``name: dino``) and their momentum
+    teacher, which sees the first ``num_global`` crops."""
+    return DINOModel(trunk, head, num_global=num_global)
+
+
+# ----------------------------------------------------------------------------------------- loss
+def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: float, warmup_iters: int) -> float:
+    """Teacher temperature after ``iteration`` train steps: linear from ``warmup_teacher_temp``
+    to ``teacher_temp`` over ``warmup_iters`` steps, then constant (DINO, appendix: 0.04 ->
+    0.07 over the first 30 epochs; the reference moves once per epoch, this once per step)."""
+    if warmup_iters <= 0 or iteration >= warmup_iters:
+        return float(teacher_temp)
+    return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
+
+
+def dino_loss(
+    student: Sequence[torch.Tensor],
+    teacher: Sequence[torch.Tensor],
+    center: torch.Tensor,
+    student_temp: float = 0.1,
+    teacher_temp: float = 0.04,
+) -> torch.Tensor:
+    """DINO's self-distillation loss (Caron et al. 2021, eq. 3 and section 3.1).
+
+    Teacher probabilities are centred and sharpened, student probabilities only sharpened::
+
+        P_t(x_i) = softmax((g_t(x_i) - c) / tau_t)        for the global crops i
+        log P_s(x_v) = log_softmax(g_s(x_v) / tau_s)      for every crop v
+        L = 1/|pairs| sum_{i} sum_{v != i} 1/B sum_b -sum_k P_t(x_i)[b, k] log P_s(x_v)[b, k]
+
+    where ``student[v]`` [B, K] are the student logits of crop v (global crops first, so crop
+    index i of the teacher and of the student name the same view), ``teacher[i]`` the teacher
+    logits of global crop i, ``c`` [1, K] the centre. No gradient flows into the teacher.
+    """
+    if len(student) < 2 or not teacher:
+        raise ValueError(f"dino needs >= 2 student crops and >= 1 teacher crop, got {len(student)}, {len(teacher)}")
+    if len(teacher) > len(student):
+        raise ValueError(f"dino got {len(teacher)} teacher crops but only {len(student)} student crops")
+    log_p_s = F.log_softmax(torch.stack(list(student)).float() / student_temp, dim=-1)  # [V, B, K]
+    p_t = F.softmax((torch.stack(list(teacher)).detach().float() - center) / teacher_temp, dim=-1)  # [T, B, K]
+    n_t, b = p_t.shape[0], p_t.shape[1]
+    # cross[i, v] = 1/B sum_b -sum_k P_t(x_i)[b, k] log P_s(x_v)[b, k]: one GEMM over (b, k)
+    cross = -(p_t.reshape(n_t, -1) @ log_p_s.reshape(log_p_s.shape[0], -1).T) / b  # [T, V]
+    mask = torch.ones_like(cross)
+    mask[:, :n_t].fill_diagonal_(0.0)  # drop the pairs v == i (a mask, not indexing: no host sync)
+    return (cross * mask).sum() / (cross.numel() - n_t)
+
+
+@register_loss("dino")
+class DINOLoss(nn.Module):
+    """DINO loss with the centre and the teacher-temperature schedule as the loss's own state.
+
+    Config: ``loss: {name: dino, out_dim, student_temp, teacher_temp, warmup_teacher_temp,
+    warmup_teacher_temp_iters, center_momentum}``. Reads ``output["projections"]`` (student,
+    every crop) and ``output["teacher"]`` (teacher, global crops) of the ``dino`` model.
+
+    State (checkpointed with ``loss.state_dict()``):
+
+    * buffer ``center`` [1, out_dim]: after each train forward,
+      ``c <- m c + (1 - m) mean(teacher outputs)``, the mean over every global crop of the
+      global batch (sum and count all-reduced with ``all_reduce_sum``; no collective on one
+      process), ``m = center_momentum``;
+    * extra state ``iteration``: train forwards done. The teacher temperature is
+      :func:`teacher_temp_at` of it, so the schedule is data the loss owns and advances itself
+      (no hook writes into the loss, and a resumed run continues the schedule). It counts in
+      steps: set ``warmup_teacher_temp_iters`` to epochs x steps per epoch.
+
+    State advances only on train forwards: the module in training mode with gradients enabled
+    (the standard step's train phases). Returns ``loss`` and the logged terms ``teacher_temp``
+    and ``teacher_entropy`` (mean entropy of the teacher's distribution: ``ln K`` if uniform,
+    0 if one-hot -- the two collapses centring and sharpening balance).
+    """
+
+    def __init__(
+        self,
+        out_dim: int = 65536,
+        student_temp: float = 0.1,
+        teacher_temp: float = 0.07,
+        warmup_teacher_temp: float = 0.04,
+        warmup_teacher_temp_iters: int = 0,
+        center_momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
+            raise ValueError("dino temperatures must be > 0")
+        if not 0.0 <= center_momentum <= 1.0:
+            raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
+        self.out_dim = int(out_dim)
+        self.student_temp = float(student_temp)
+        self.teacher_temp = float(teacher_temp)
+        self.warmup_teacher_temp = float(warmup_teacher_temp)
+        self.warmup_teacher_temp_iters = int(warmup_teacher_temp_iters)
+        self.center_momentum = float(center_momentum)
+        self.register_buffer("center", torch.zeros(1, self.out_dim))
+        self.iteration = 0
+
+    def get_extra_state(self) -> dict[str, int]:
+        """``iteration``, saved with the module's state dict."""
+        return {"iteration": self.iteration}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        """Restore :meth:`get_extra_state`."""
+        self.iteration = int(state["iteration"])
+
+    @property
+    def current_teacher_temp(self) -> float:
+        """The teacher temperature this forward uses."""
+        return teacher_temp_at(self.iteration, self.warmup_teacher_temp, self.teacher_temp,
+                               self.warmup_teacher_temp_iters)
+
+    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The loss of this batch; on train forwards, update the centre and the step count."""
+        student, teacher = output["projections"], output["teacher"]
+        if teacher[0].shape[-1] != self.out_dim:
+            raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
+                             "set loss.out_dim to model.head.out_dim")
+        tau_t = self.current_teacher_temp
+        loss = dino_loss(student, teacher, self.center, self.student_temp, tau_t)
+        with torch.no_grad():
+            p_t = F.softmax((teacher[0].detach().float() - self.center) / tau_t, dim=-1)
+            entropy = -(p_t * torch.log(p_t.clamp_min(1e-30))).sum(dim=-1).mean()
+        if self.training and torch.is_grad_enabled():
+            self.update_center(teacher)
+            self.iteration += 1
+        return {"loss": loss, "teacher_temp": torch.tensor(tau_t), "teacher_entropy": entropy}
+
+    @torch.no_grad()
+    def update_center(self, teacher: Sequence[torch.Tensor]) -> None:
+        """``c <- m c + (1 - m) * batch mean`` of the teacher outputs over all ranks' global crops."""
+        t = torch.cat(list(teacher)).detach().float()
+        stats = torch.cat([t.sum(dim=0), t.new_full((1,), t.shape[0])])
+        stats = all_reduce_sum(stats)
+        batch_center = (stats[:-1] / stats[-1]).unsqueeze(0)
+        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1.0 - self.center_momentum)
+
+
+# ----------------------------------------------------------------------------------------- hook
+@register_hook("dino_freeze_last_layer")
+class FreezeLastLayerHook(SSLHook):
+    """Keeps the head's last layer fixed during the first ``freeze_last_layer_epochs`` epochs
+    (DINO: 1; it stabilises the start of training).
+
+    ``on_backward``: while ``task.epoch < freeze_last_layer_epochs``, drop the gradient of every
+    parameter of ``task.base_model.<module>`` (``grad = None``, as the reference code does), so
+    the optimizer skips it: no step, no Adam moments, no weight decay.
+    """
+
+    name = "dino_freeze_last_layer"
+
+    def __init__(self, freeze_last_layer_epochs: int = 1, module: str = "head.last_layer") -> None:
+        if freeze_last_layer_epochs < 0:
+            raise ValueError(f"freeze_last_layer_epochs must be >= 0, got {freeze_last_layer_epochs}")
+        self.freeze_last_layer_epochs = int(freeze_last_layer_epochs)
+        self.module = module
+
+    def on_backward(self, task: SSLTask) -> None:
+        """Drop the last layer's gradient in the frozen epochs."""
+        if task.epoch >= self.freeze_last_layer_epochs:
+            return
+        try:
+            layer = task.base_model.get_submodule(self.module)
+        except AttributeError as exc:
+            raise AttributeError(f"dino_freeze_last_layer: the model has no submodule '{self.module}' "
+                                 "(use model.name=dino with model.head.name=dino, or set the hook's module)") from exc
+        for p in layer.parameters():
+            p.grad = None

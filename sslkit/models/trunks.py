@@ -12,13 +12,17 @@ __all__ = ["SmallCNN", "build_resnet"]
 
 
 class SmallCNN(nn.Module):
-    """Four 3x3 conv-BN-ReLU blocks (the last three with stride 2) and global average pooling.
+    """Four 3x3 conv-BN-ReLU blocks (the last three with stride 2), average-pooled to a
+    ``pool_size`` x ``pool_size`` grid and flattened.
 
     Sized for 28x28 to 64x64 images on a CPU: about 12 MFLOPs per 28x28 image at width 32.
-    ``out_dim`` is ``8 * width``.
+    ``out_dim`` is ``8 * width * pool_size**2``. The grid keeps the coarse layout of the image,
+    which global average pooling (``pool_size=1``) throws away: on Fashion-MNIST, whose classes
+    differ in shape, the same SimCLR-trained weights give a kNN top-1 of 0.817 with global
+    pooling and 0.850 with a 4x4 grid (docs/results.md).
     """
 
-    def __init__(self, in_channels: int = 3, width: int = 32) -> None:
+    def __init__(self, in_channels: int = 3, width: int = 32, pool_size: int = 4) -> None:
         super().__init__()
         chans = [in_channels, width, 2 * width, 4 * width, 8 * width]
         layers: list[nn.Module] = []
@@ -30,8 +34,8 @@ class SmallCNN(nn.Module):
                 nn.ReLU(inplace=True),
             ]
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.out_dim = chans[-1]
+        self.pool = nn.AdaptiveAvgPool2d(pool_size)
+        self.out_dim = chans[-1] * pool_size * pool_size
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -42,9 +46,9 @@ class SmallCNN(nn.Module):
 
 
 @register_trunk("small_cnn")
-def build_small_cnn(in_channels: int = 3, width: int = 32) -> SmallCNN:
+def build_small_cnn(in_channels: int = 3, width: int = 32, pool_size: int = 4) -> SmallCNN:
     """The small CNN of :class:`SmallCNN`."""
-    return SmallCNN(in_channels=in_channels, width=width)
+    return SmallCNN(in_channels=in_channels, width=width, pool_size=pool_size)
 
 
 def build_resnet(
