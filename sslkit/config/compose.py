@@ -245,6 +245,12 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def validate(cfg: DictConfig) -> None:
     """Check keys, types, values and registry names of a composed config; raise ConfigError."""
     errors: list[str] = []
@@ -256,6 +262,9 @@ def validate(cfg: DictConfig) -> None:
         if value is not None and not ok(value):
             errors.append(f"'{key}' must be {req}, got {value!r}")
     d = cfg.distributed
+    if d.sync_bn and (cfg.machine.device == "cpu" or not _cuda_available()):
+        errors.append("'distributed.sync_bn' needs CUDA: torch's SyncBatchNorm works only on GPU modules. "
+                      "On CPU leave it false (BatchNorm then normalises each rank's batch).")
     if not 0 <= d.node_rank < d.num_nodes:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:

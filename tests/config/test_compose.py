@@ -125,3 +125,11 @@ def test_imports_registers_user_components(tmp_path, monkeypatch) -> None:
 def test_missing_import_module() -> None:
     with pytest.raises(ConfigError, match="cannot import 'no_such_module_xyz'"):
         compose_config(["imports=[no_such_module_xyz]"])
+
+
+def test_sync_bn_without_cuda_is_refused(monkeypatch) -> None:
+    import sslkit.config.compose as compose
+
+    monkeypatch.setattr(compose, "_cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="'distributed.sync_bn' needs CUDA"):
+        compose_config(["distributed.sync_bn=true"])
