@@ -72,6 +72,19 @@ def metrics(out: Path) -> list[dict]:
 
 
 
+class TinyTrunk(nn.Module):
+    """Linear + BatchNorm on flattened 2x2 one-channel images; ``out_dim`` 6 (method wiring tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.out_dim = 6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x.flatten(1))))
+
+
 class _ViewsMLP(nn.Module):
     """An MLP without BatchNorm applied to every view: ``{"projections": [...]}``."""
 

@@ -131,5 +131,5 @@ def test_sync_bn_without_cuda_is_refused(monkeypatch) -> None:
     import sslkit.config.compose as compose
 
     monkeypatch.setattr(compose, "_cuda_available", lambda: False)
-    with pytest.raises(ConfigError, match="'distributed.sync_bn' needs CUDA"):
+    with pytest.raises(ConfigError, match=r"'distributed.sync_bn' needs CUDA"):
         compose_config(["distributed.sync_bn=true"])

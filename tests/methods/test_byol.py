@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, run_cli
-from torch import nn
+from helpers import SMALL, TinyTrunk, run_cli
 
 from sslkit.methods.byol import BYOLLoss, build_byol, byol_loss
 from sslkit.models.heads import MLPHead
@@ -64,15 +63,6 @@ def test_target_gets_no_gradient() -> None:
     assert p.grad is not None and z.grad is None
 
 
-class TinyTrunk(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.out_dim = 6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn(self.lin(x.flatten(1))))
 
 
 def test_model_wiring_teacher_frozen_and_outside_the_optimizer() -> None:

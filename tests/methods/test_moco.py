@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import SMALL, run_cli
+from helpers import SMALL, TinyTrunk, run_cli
 from torch import nn
 
 from sslkit.hooks.ema import MomentumTeacherHook, momentum_at
@@ -52,17 +52,6 @@ def reference_mocov3(q: torch.Tensor, k: torch.Tensor, t: float) -> float:
     return total / q.shape[0] * 2 * t
 
 
-class TinyTrunk(nn.Module):
-    """Linear + BatchNorm on flattened 2x2 one-channel images; ``out_dim`` 6."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.out_dim = 6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn(self.lin(x.flatten(1))))
 
 
 def tiny_views(b: int = 8, seed: int = 0) -> list[torch.Tensor]:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, run_cli
-from torch import nn
+from helpers import SMALL, TinyTrunk, run_cli
 
 from sslkit.methods.simsiam import SimSiamLoss, build_simsiam, negative_cosine
 from sslkit.models.heads import MLPHead
@@ -53,15 +52,6 @@ def test_stop_gradient_on_the_target() -> None:
     assert p.grad is not None and z.grad is None
 
 
-class TinyTrunk(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.out_dim = 6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn(self.lin(x.flatten(1))))
 
 
 def test_model_outputs_and_gradient_paths() -> None:
