@@ -6,13 +6,12 @@ import logging
 import os
 import sys
 
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
 from sslkit.config.compose import ConfigError, compose_config
-from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun
+from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun, shutdown
 from sslkit.task import SSLTask
 
 __all__ = ["main", "run", "setup_logging"]
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run(cfg)
         finally:
-            dist.destroy_process_group()
+            shutdown()
     elif d.nproc_per_node > 1 or d.num_nodes > 1:
         from torch.multiprocessing import ProcessRaisedException
 

@@ -163,8 +163,13 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], npro
     try:
         fn(*args)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group, if this process is in one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: int = 1, num_nodes: int = 1,

@@ -71,3 +71,23 @@ def train_steps(rank: int, world: int, manual: bool, steps: int, accumulate: int
 
     train(task, standard_train_step)
     return {k: v.clone() for k, v in task.base_model.state_dict().items()}
+
+
+def diverging_ranks(rank: int, world: int) -> None:
+    """Rank 1 nudges a weight after step 2; the consistency check must stop both ranks at step 2."""
+    from helpers import per_sample_task
+
+    from sslkit.hooks.base import SSLHook
+    from sslkit.hooks.consistency import ConsistencyCheckHook
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    class Nudge(SSLHook):
+        def on_update(self, task) -> None:
+            if task.rank == 1 and task.iteration == 1:  # the second optimizer step
+                with torch.no_grad():
+                    next(task.base_model.parameters()).add_(1e-3)
+
+    task = per_sample_task(rank, world, steps=4)
+    task.hooks = [Nudge(), ConsistencyCheckHook(every_n_steps=1)]
+    train(task, standard_train_step)

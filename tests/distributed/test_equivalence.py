@@ -65,3 +65,11 @@ def test_accumulation_with_ddp_no_sync_equals_one_process(tmp_path) -> None:
     for key, value in single.base_model.state_dict().items():
         assert torch.equal(acc[0][key], acc[1][key])
         assert torch.allclose(acc[0][key], value, atol=1e-6)
+
+
+def test_consistency_check_stops_diverged_ranks_naming_the_step(tmp_path) -> None:
+    from dist_workers import diverging_ranks
+    from torch.multiprocessing import ProcessRaisedException
+
+    with pytest.raises(ProcessRaisedException, match=r"step 2: the parameters of rank\(s\) \[1\] differ"):
+        run_ranks(diverging_ranks, 2, str(tmp_path / "div"))
