@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-if sys.platform.startswith("linux") and os.environ.get("SSLKIT_MALLOC_TUNED") != "1":
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_TUNED, "SSLKIT_MALLOC_TUNED": "1"})
+from sslkit.runtime import reexec_with_tuned_malloc
+
+reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before torch is imported
 
 import torch  # noqa: E402
 
