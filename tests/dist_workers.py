@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import mlp
 from torch import nn
 
 from sslkit.distributed import find_free_port
@@ -31,12 +32,6 @@ def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[
     mp.start_processes(_entry, args=(world, find_free_port(), fn, args, out), nprocs=world, join=True,
                        start_method="spawn")
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    """A model without BatchNorm, so per-rank batches and one big batch compute the same thing."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
 
 
 def two_view_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,13 +85,18 @@ class TinyTrunk(nn.Module):
         return torch.relu(self.bn(self.lin(x.flatten(1))))
 
 
+def mlp(seed: int = 0) -> nn.Module:
+    """A model without BatchNorm, so per-rank batches and one big batch compute the same thing."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+
 class _ViewsMLP(nn.Module):
     """An MLP without BatchNorm applied to every view: ``{"projections": [...]}``."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+        self.net = mlp()
 
     def forward(self, views):
         return {"projections": [self.net(v) for v in views]}
