@@ -5,7 +5,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -198,10 +200,60 @@ def _check_kwargs(where: str, builder: Callable[..., Any], kwargs: dict[str, Any
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     names = [n for n in params if n not in ("self",)]
-    for key in kwargs:
+    for key, value in kwargs.items():
         if key not in names:
             errors.append(f"'{where}.{key}' is not an argument of {getattr(builder, '__name__', builder)}."
                           f"{_nearest(key, names)} Its arguments: {', '.join(names)}.")
+            continue
+        param = params[key]
+        hint = param.annotation
+        annotation = hint if isinstance(hint, str) else hint.__name__ if isinstance(hint, type) else str(hint)
+        if _annotation_accepts(annotation, value, none_ok=param.default is None) is False:
+            errors.append(f"'{where}.{key}' must be {annotation}, got {_type_name(value)} {value!r}")
+
+
+def _split_union(annotation: str) -> list[str]:
+    """``"float | Sequence[float]"`` -> ``["float", "Sequence[float]"]`` (``|`` inside brackets kept)."""
+    parts, depth, current = [], 0, ""
+    for ch in annotation:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "|" and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return [*parts, current.strip()]
+
+
+def _annotation_accepts(annotation: str, value: Any, none_ok: bool = False) -> bool | None:
+    """Whether ``value`` fits a builder argument annotated ``annotation`` (a string, as under
+    ``from __future__ import annotations``); None when the annotation is not one of the simple kinds
+    checked here (int, float, bool, str, None, sequences, mappings)."""
+    checks: dict[str, Callable[[Any], bool]] = {
+        "None": lambda v: v is None,
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+    }
+    sequence = ("Sequence[", "list[", "tuple[", "List[", "Tuple[")
+    mapping = ("dict", "Mapping", "Dict")
+    if value is None and none_ok:
+        return True
+    for part in _split_union(annotation):
+        if part in checks:
+            if checks[part](value):
+                return True
+        elif part.startswith(sequence) or part in ("list", "tuple"):
+            if isinstance(value, ListConfig | list | tuple):
+                return True
+        elif part.startswith(mapping):
+            if isinstance(value, DictConfig | dict):
+                return True
+        else:
+            return None  # Any, a class, a callable...: not checked here
+    return False
 
 
 def _registered(errors: list[str], reg: Any, name: Any, where: str) -> Any:
@@ -212,16 +264,34 @@ def _registered(errors: list[str], reg: Any, name: Any, where: str) -> Any:
         return None
 
 
+def _finite(v: Any) -> bool:
+    return math.isfinite(v)
+
+
+def _probability(v: Any) -> bool:
+    return 0 <= v <= 1
+
+
 # value checks: key -> (predicate, requirement)
 _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.batch_size": (lambda v: v > 0, "> 0"),
     "data.num_workers": (lambda v: v >= 0, ">= 0"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
-    "optim.lr": (lambda v: v > 0, "> 0"),
+    "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
+    "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),
+    "data.min_crop_scale": (lambda v: 0 < v <= 1, "in (0, 1] (an area fraction)"),
+    "data.blur_p": (_probability, "a probability in [0, 1]"),
+    "machine.num_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
+    "optim.lr": (lambda v: v > 0 and _finite(v), "> 0 and finite"),
+    "optim.final_lr": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
     "optim.epochs": (lambda v: v >= 0, ">= 0"),
     "optim.max_steps": (lambda v: v >= 0, ">= 0 (0 = epochs decide)"),
-    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optim.weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
+    "optim.final_weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0 and finite (or null)"),
     "optim.warmup_epochs": (lambda v: v >= 0, ">= 0"),
+    "optim.momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.eta": (lambda v: v > 0, "> 0"),
+    "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "optim.lr_scaling": (lambda v: v in ("linear", "sqrt", "none"), "one of linear, sqrt, none"),
     "optim.name": (lambda v: v in ("sgd", "lars", "adamw", "adam"), "one of sgd, lars, adamw, adam"),
     "optim.schedule": (lambda v: v in ("cosine", "linear", "constant"), "one of cosine, linear, constant"),
@@ -234,9 +304,12 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.knn.k": (lambda v: v > 0, "> 0"),
-    "eval.knn.temperature": (lambda v: v > 0, "> 0"),
+    "eval.knn.temperature": (lambda v: v > 0 and _finite(v), "> 0"),
+    "eval.knn.batch_size": (lambda v: v > 0, "> 0"),
+    "eval.knn.every_n_epochs": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
     "distributed.nproc_per_node": (lambda v: v >= 1, ">= 1"),
     "distributed.num_nodes": (lambda v: v >= 1, ">= 1"),
+    "distributed.master_port": (lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0 = a free one)"),
     "distributed.backend": (lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo"),
     "distributed.timeout_s": (lambda v: v > 0, "> 0"),
     "distributed.bucket_cap_mb": (lambda v: v > 0, "> 0"),
@@ -245,10 +318,138 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _rule_holds(ok: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(ok(value))
+    except (TypeError, ValueError):  # e.g. a list of strings where numbers belong
+        return False
+
+
+def _origin(section: DictConfig, key: str, path: str) -> str:
+    """The key to set to change ``path``: the target of a plain ``${other.key}`` interpolation, else ``path``."""
+    if key in section and OmegaConf.is_interpolation(section, key):
+        match = re.fullmatch(r"\$\{([\w.]+)\}", str(section._get_node(key)._value()))  # type: ignore[union-attr]
+        if match:
+            return match.group(1)
+    return path
+
+
+def _check_transform_fits(cfg: DictConfig, where: str, splits: tuple[str, ...], errors: list[str]) -> None:
+    """Crops of the transform at ``where`` must fit the images of ``splits``' sources (where their size is
+    known), local crops must not exceed the global ones, an eval crop must fit its ``resize``, and
+    ``mean``/``std`` must have one value or one per channel."""
+    from sslkit.data.sources import source_shape
+
+    section = OmegaConf.select(cfg, where)
+    shapes = []
+    for split in splits:
+        name = cfg.data[split].source or cfg.data.train.source
+        try:
+            kwargs = OmegaConf.to_container(cfg.data[split].kwargs, resolve=True)
+            shapes.append((split, name, source_shape(str(name), kwargs)))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue  # a bad source kwarg: reported by the kwargs check or at build time
+    sizes = {k: section[k] for k in ("image_size", "small_size", "resize") if isinstance(section.get(k), int)}
+    resize = sizes.get("resize")
+    for key in ("image_size", "small_size"):
+        if key not in sizes:
+            continue
+        path, value = f"{where}.{key}", sizes[key]
+        origin = _origin(section, key, path)
+        if resize is not None and key == "image_size":
+            if value > resize:
+                errors.append(f"'{origin}' = {value}: the centre crop of {where} must fit the image resized to "
+                              f"'{where}.resize' = {resize}. Set {origin} <= {resize} or resize >= {value}.")
+            continue
+        for split, name, shape in shapes:
+            if shape.image_size is not None and value > shape.image_size:
+                side = shape.image_size
+                errors.append(f"'{origin}' = {value}: a crop larger than the {side}x{side} images of the "
+                              f"{split} split (source {name}) does not fit the image. Set {origin} <= {side}.")
+                break
+        else:
+            if key == "small_size" and "image_size" in sizes and value > sizes["image_size"]:
+                errors.append(f"'{origin}' = {value}: the local crops ({path}) must not be larger than the global "
+                              f"crops ({where}.image_size = {sizes['image_size']}). Set {origin} <= "
+                              f"{sizes['image_size']}.")
+    for key in ("mean", "std"):
+        values = section.get(key)
+        if not isinstance(values, ListConfig):
+            continue
+        for split, name, shape in shapes:
+            if shape.channels is not None and len(values) not in (1, shape.channels):
+                errors.append(f"'{where}.{key}' has {len(values)} values but the images of the {split} split "
+                              f"(source {name}) have {shape.channels} channel(s): give one value, or one per channel.")
+                break
+
+
+def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
+    """The ``folder`` source reads ``data.<split>.path``: the train path must be set, and a path that is set must be
+    an existing folder (so a typo stops here, before the output folder is made)."""
+    for split in ("train", "test"):
+        if (cfg.data[split].source or cfg.data.train.source) != "folder":
+            continue
+        path = cfg.data[split].path
+        if path is None:
+            if split == "train":
+                errors.append("'data.train.path' must be set for the folder source: the folder of images "
+                              "(an ImageFolder tree or a flat folder), e.g. data.train.path=/data/train")
+            continue
+        folder = Path(str(path)).expanduser()
+        if not folder.is_dir():
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            errors.append(f"'data.{split}.path' = {path}: {what}; the folder source needs the folder holding the "
+                          "images")
+
+
+def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
+    """With a known number of training samples (``data.limit`` or a synthetic source), at least one
+    optimizer step per epoch must fit."""
+    from sslkit.data.sources import source_shape
+
+    try:
+        kwargs = OmegaConf.to_container(cfg.data.train.kwargs, resolve=True)
+        n = source_shape(str(cfg.data.train.source), kwargs).num_samples  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        n = None
+    limit = cfg.data.limit
+    if limit > 0:
+        n = limit if n is None else min(n, limit)
+    if not n:
+        return
+    d, b, acc = cfg.distributed, cfg.data.batch_size, cfg.optim.accumulate_steps
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else (
+        d.nproc_per_node * d.num_nodes)
+    drop = cfg.data.drop_last
+    per_rank = n // world if drop else -(-n // world)
+    batches = per_rank // b if drop else -(-per_rank // b)
+    if batches // acc == 0:
+        where = "data.limit" if limit > 0 and limit == n else "data.train.kwargs.num_samples"
+        errors.append(f"'data.batch_size' = {b}: a step takes {b} x {world} process(es) x "
+                      f"optim.accumulate_steps={acc} = {b * world * acc} samples, more than the {n} training samples "
+                      f"({where}={n}): no optimizer step would run. Lower data.batch_size or raise {where}.")
+
+
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _check_transform(cfg: DictConfig, where: str, builder: Callable[..., Any], errors: list[str]) -> None:
+    """Build the transform at ``where`` (cheap: no data) so its own argument checks run now, then check
+    that its crops fit the images."""
+    before = len(errors)
+    try:
+        kwargs = OmegaConf.to_container(OmegaConf.select(cfg, where), resolve=True)
+        assert isinstance(kwargs, dict)
+        builder(**{k: v for k, v in kwargs.items() if k != "name"})
+    except Exception as exc:  # the transform's own message names the argument
+        kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
+        errors.append(f"'{where}'{kind}: {exc}")
+    if len(errors) == before:
+        splits = ("train",) if where == "data.transform" else ("train", "test")
+        _check_transform_fits(cfg, where, splits, errors)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -259,8 +460,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     for key, (ok, req) in _VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
-        if value is not None and not ok(value):
-            errors.append(f"'{key}' must be {req}, got {value!r}")
+        if value is not None and not _rule_holds(ok, value):
+            shown = list(value) if isinstance(value, ListConfig) else value
+            errors.append(f"'{key}' must be {req}, got {shown!r}")
     d = cfg.distributed
     if d.sync_bn and (cfg.machine.device == "cpu" or not _cuda_available()):
         errors.append("'distributed.sync_bn' needs CUDA: torch's SyncBatchNorm works only on GPU modules. "
@@ -269,6 +471,9 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:
         errors.append("'optim.epochs' and 'optim.max_steps' are both 0: set one of them > 0")
+    if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1:
+        _check_steps(cfg, errors)
+    _check_folder_paths(cfg, errors)
 
     import sslkit.data
     import sslkit.hooks
@@ -287,8 +492,12 @@ def validate(cfg: DictConfig) -> None:
             errors.append(f"'{where}' needs a 'name'")
             continue
         builder = _registered(errors, reg, section.name, where + ".name")
-        if builder is not None:
-            _check_kwargs(where, builder, {k: v for k, v in section.items() if k not in skip}, errors)
+        if builder is None:
+            continue
+        before = len(errors)
+        _check_kwargs(where, builder, {k: v for k, v in section.items() if k not in skip}, errors)
+        if reg is R.TRANSFORMS and len(errors) == before:
+            _check_transform(cfg, where, builder, errors)
     model = _registered(errors, R.MODELS, cfg.model.name, "model.name")
     if model is not None:
         _check_kwargs("model.kwargs", model, dict(cfg.model.kwargs), errors)
@@ -309,4 +518,4 @@ def validate(cfg: DictConfig) -> None:
         if hook is not None:
             _check_kwargs(where, hook, {k: v for k, v in spec.items() if k != "name"}, errors)
     if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once

@@ -1,7 +1,8 @@
 """Data: sources, augmentations, the seeded dataset wrapper, the resumable sampler and the loader."""
 
-from sslkit.data import sources, transforms
+from sslkit.data import health, sources, transforms
 from sslkit.data.dataset import SSLDataset
+from sslkit.data.health import SkippedSamples, SkipTotals
 from sslkit.data.loader import build_loader, collate_views
 from sslkit.data.sampler import StatefulDistributedSampler
 from sslkit.data.seeding import mix_seed
@@ -21,6 +22,8 @@ __all__ = [
     "FolderDataset",
     "SSLDataset",
     "SimCLRTransform",
+    "SkipTotals",
+    "SkippedSamples",
     "StatefulDistributedSampler",
     "SyntheticDataset",
     "TensorImageDataset",
@@ -29,6 +32,7 @@ __all__ = [
     "build_source",
     "build_transform",
     "collate_views",
+    "health",
     "mix_seed",
     "sources",
     "transforms",

@@ -24,7 +24,9 @@ class SSLDataset(Dataset):
     augmentation is seeded from ``(seed, epoch, index)`` alone, so a sample's views do not depend
     on the number of workers, the batch it lands in, or a resume; torch's global CPU RNG is
     restored afterwards. An unreadable source sample is replaced by the next readable one
-    (``valid`` False), with one warning per bad file.
+    (``valid`` False, so the batch's ``data_valid`` marks it and
+    :class:`~sslkit.data.health.SkippedSamples` counts it in the main process), with one warning
+    per bad file; if no sample at all can be read, :class:`DataSourceError` is raised.
     """
 
     def __init__(self, source: Dataset, transform: Callable[[torch.Tensor], list[torch.Tensor]], seed: int = 0):
@@ -34,6 +36,7 @@ class SSLDataset(Dataset):
         self.seed = int(seed)
         self._bad: set[int] = set()  # indices found unreadable (per process)
         self._warned: set[str] = set()
+        self._first_error = ""
 
     def __len__(self) -> int:
         """Length of the source."""
@@ -52,6 +55,7 @@ class SSLDataset(Dataset):
     def _warn_once(self, err: UnreadableSampleError) -> None:
         key = err.path or str(err)
         if key not in self._warned:
+            self._first_error = self._first_error or str(err)
             self._warned.add(key)
             logger.warning("skipping unreadable sample (%s); using the next readable one instead", err)
 
@@ -69,7 +73,11 @@ class SSLDataset(Dataset):
                 self._warn_once(e)
                 continue
             return image, int(label), k == 0
-        raise DataSourceError(f"no readable image in {n} files")
+        where = getattr(self.source, "root", None)
+        raise DataSourceError(
+            f"no readable image in {n} files{f' under {where}' if where else ''}: every sample is corrupt, "
+            f"truncated or not an image (e.g. {self._first_error or 'see the warnings above'})"
+        )
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, Any]:
         """The sample for ``(epoch, index)`` (a plain int means epoch 0)."""

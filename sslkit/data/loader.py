@@ -17,7 +17,9 @@ def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack :class:`SSLDataset` samples into a batch.
 
     Returns ``input`` (one ``[B,C,H,W]`` tensor per view, so views of different sizes are
-    fine), ``target`` (int64 labels), ``data_valid`` (bool) and ``data_idx`` (int64 indices).
+    fine), ``target`` (int64 labels), ``data_valid`` (bool; False for an unreadable sample that was
+    replaced, counted per epoch by :class:`~sslkit.data.health.SkippedSamples`) and ``data_idx``
+    (int64 indices).
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")

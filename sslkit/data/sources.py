@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "DataSourceError",
     "FolderDataset",
+    "SourceShape",
     "SyntheticDataset",
     "TensorImageDataset",
     "UnreadableSampleError",
@@ -32,6 +34,7 @@ __all__ = [
     "build_synthetic",
     "cache_dir",
     "read_idx",
+    "source_shape",
 ]
 
 logger = logging.getLogger("sslkit.data")
@@ -253,13 +256,31 @@ def _has_image_ext(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _images_under(folder: Path) -> list[str]:
-    """Image files anywhere below ``folder`` (hidden files and folders skipped), sorted."""
-    found: list[str] = []
+def _scan(folder: Path, recursive: bool) -> tuple[list[str], list[str]]:
+    """Image files and other (non-hidden) files in ``folder`` (and below it if ``recursive``), sorted.
+
+    Hidden files and folders (names starting with ``.``) are neither listed nor counted.
+    """
+    images: list[str] = []
+    others: list[str] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [os.path.join(dirpath, f) for f in filenames if _has_image_ext(f)]
-    return sorted(found)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")] if recursive else []
+        for f in filenames:
+            if _has_image_ext(f):
+                images.append(os.path.join(dirpath, f))
+            elif not f.startswith("."):
+                others.append(os.path.join(dirpath, f))
+    return sorted(images), sorted(others)
+
+
+def _describe_others(others: list[str]) -> str:
+    """``"3 other files (.txt: 2, .gif: 1)"`` for files without an image extension."""
+    counts: dict[str, int] = {}
+    for f in others:
+        ext = os.path.splitext(f)[1].lower() or "no extension"
+        counts[ext] = counts.get(ext, 0) + 1
+    kinds = ", ".join(f"{ext}: {n}" for ext, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{len(others)} other file{'s' if len(others) != 1 else ''} ({kinds})"
 
 
 class FolderDataset(Dataset):
@@ -267,40 +288,75 @@ class FolderDataset(Dataset):
 
     Either an ImageFolder tree (one subfolder per class, images anywhere below it; labels are the
     sorted class names' positions) or a flat folder of images (label -1, ``num_classes`` 0).
+    Files are images by their extension (:data:`IMAGE_EXTENSIONS`); other files are ignored and
+    counted in one log line. A corrupt or truncated image raises :class:`UnreadableSampleError`
+    when it is read (:class:`~sslkit.data.SSLDataset` skips it and counts it).
     """
 
-    def __init__(self, root: str | Path, channels: int = 3) -> None:
-        """Index the image files under ``root``; ``channels`` is 3 (RGB) or 1 (grayscale)."""
+    def __init__(self, root: str | Path, channels: int = 3, probe: int = 32) -> None:
+        """Index the image files under ``root``; ``channels`` is 3 (RGB) or 1 (grayscale).
+
+        Raises :class:`DataSourceError` if ``root`` is missing, not a folder or holds no image
+        files, and, unless ``probe`` is 0, if none of up to ``probe`` files spread evenly over the
+        dataset (all of them if there are fewer) can be decoded. The probe stops at the first
+        readable file, so on a healthy folder it costs one decode.
+        """
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels}")
         root = Path(root).expanduser()
         if not root.exists():
             raise DataSourceError(f"image folder {root} does not exist")
         if not root.is_dir():
-            raise DataSourceError(f"image folder {root} is not a folder")
+            raise DataSourceError(f"image folder {root} is a file, not a folder: give the folder holding the images")
         self.root = root
         self.channels = channels
-        class_files = {
-            d.name: files
-            for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-            if (files := _images_under(d))
-        }
+        class_files: dict[str, list[str]] = {}
+        others: list[str] = []
+        for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            images, other = _scan(d, recursive=True)
+            others += other
+            if images:
+                class_files[d.name] = images
+        loose, loose_others = _scan(root, recursive=False)
+        others += loose_others
         if class_files:
             self.classes = list(class_files)
             self.samples = [(f, c) for c, name in enumerate(self.classes) for f in class_files[name]]
-            loose = [p for p in root.iterdir() if p.is_file() and _has_image_ext(p.name)]
             if loose:
                 logger.warning("%s is a class-folder tree; ignoring %d image(s) directly in it", root, len(loose))
         else:
             self.classes = []
-            files = (str(p) for p in root.iterdir() if p.is_file() and _has_image_ext(p.name))
-            self.samples = [(f, -1) for f in sorted(files)]
+            self.samples = [(f, -1) for f in loose]
         if not self.samples:
+            found = f"found only {_describe_others(others)}" if others else "the folder is empty"
             raise DataSourceError(
-                f"no image files in {root} (looked for extensions {', '.join(IMAGE_EXTENSIONS)}, "
-                "any case, in the folder and in its class subfolders)"
+                f"no image files in {root} ({found}); looked for extensions {', '.join(IMAGE_EXTENSIONS)}, "
+                "any case, in the folder and in its class subfolders"
             )
+        if others:
+            logger.info("%s: ignoring %s without an image extension", root, _describe_others(others))
         self.num_classes = len(self.classes)
+        if probe > 0:
+            self._probe(probe)
+
+    def _probe(self, limit: int) -> None:
+        """Decode files spread over the dataset until one works; raise if the first ``limit`` all fail."""
+        n = len(self.samples)
+        k = min(n, limit)
+        errors: list[str] = []
+        for i in sorted({j * n // k for j in range(k)}):
+            try:
+                self[i]
+                return
+            except UnreadableSampleError as e:
+                errors.append(str(e))
+        what = f"all {n} image files" if k == n else f"the {k} image files tried (spread over all {n})"
+        examples = "".join(f"\n  - {e}" for e in errors[:3])
+        raise DataSourceError(
+            f"no readable image in {self.root}: {what} are corrupt, truncated or not images, e.g.:{examples}\n"
+            "Single unreadable files are skipped and counted, but there is nothing to train on here: "
+            "check or re-copy the files."
+        )
 
     def __len__(self) -> int:
         """Number of image files."""
@@ -329,7 +385,10 @@ def build_folder(split: str, path: str | None = None, channels: int = 3) -> Fold
     _check_split(split)
     if not path:
         raise DataSourceError(f"the 'folder' source needs a path: set data.{split}.path")
-    return FolderDataset(path, channels=channels)
+    try:
+        return FolderDataset(path, channels=channels)
+    except DataSourceError as e:
+        raise DataSourceError(f"data.{split}.path: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -400,6 +459,35 @@ def build_synthetic(
     """Synthetic images (``path`` ignored); both splits share class patterns but not noise."""
     _check_split(split)
     return SyntheticDataset(num_samples, image_size, channels, num_classes, seed, stream=SPLITS.index(split))
+
+
+class SourceShape(NamedTuple):
+    """What is known about a source's images before it is built; None where it depends on the files."""
+
+    channels: int | None
+    image_size: int | None  # the side of its square images
+    num_samples: int | None
+
+
+_FIXED_SHAPES = {"fashion_mnist": (1, 28), "cifar10": (3, 32), "cifar100": (3, 32)}
+
+
+def source_shape(name: str, kwargs: Mapping[str, Any] | None = None) -> SourceShape:
+    """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as
+    they are known without reading data (for config checks): Fashion-MNIST is 1x28x28, CIFAR 3x32x32,
+    ``synthetic`` follows its arguments, ``folder`` its ``channels`` (sizes vary); other sources: unknown.
+    """
+    kwargs = dict(kwargs or {})
+    if name in _FIXED_SHAPES:
+        channels, size = _FIXED_SHAPES[name]
+        return SourceShape(channels, size, None)
+    if name in ("synthetic", "folder"):
+        params = inspect.signature(build_synthetic if name == "synthetic" else build_folder).parameters
+        value = {k: kwargs.get(k, p.default) for k, p in params.items()}
+        if name == "folder":
+            return SourceShape(int(value["channels"]), None, None)
+        return SourceShape(int(value["channels"]), int(value["image_size"]), int(value["num_samples"]))
+    return SourceShape(None, None, None)
 
 
 def build_source(name: str, split: str, path: str | None = None, **kwargs: Any) -> Dataset:

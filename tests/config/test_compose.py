@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+from helpers import REPO, run_cli
 
 from sslkit.config.compose import ConfigError, compose_config, schema
 
@@ -133,3 +135,120 @@ def test_sync_bn_without_cuda_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(compose, "_cuda_available", lambda: False)
     with pytest.raises(ConfigError, match=r"'distributed.sync_bn' needs CUDA"):
         compose_config(["distributed.sync_bn=true"])
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["data.batch_size=-4"], r"'data.batch_size' must be > 0, got -4"),
+    (["data.batch_size=0"], r"'data.batch_size' must be > 0, got 0"),
+    (["optim.epochs=0"], r"'optim.epochs' and 'optim.max_steps' are both 0"),
+    (["optim.lr=-0.1"], r"'optim.lr' must be > 0 and finite, got -0.1"),
+    (["optim.lr=inf"], r"'optim.lr' must be > 0 and finite, got inf"),
+    (["optim.momentum=1.5"], r"'optim.momentum' must be in \[0, 1\)"),
+    (["optim.betas=[0.9,1.5]"], r"'optim.betas' must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
+    (["optim.betas=[a,b]"], r"'optim.betas' must be two numbers"),
+    (["data.min_crop_scale=0"], r"'data.min_crop_scale' must be in \(0, 1\]"),
+    (["eval.knn.batch_size=0"], r"'eval.knn.batch_size' must be > 0"),
+    (["distributed.master_port=70000"], r"'distributed.master_port' must be a TCP port"),
+])
+def test_impossible_values_are_refused_naming_the_key(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        compose_config(overrides)
+
+
+def test_epochs_zero_is_fine_when_max_steps_decides() -> None:
+    assert compose_config(["optim.epochs=0", "optim.max_steps=5"]).optim.max_steps == 5
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    # Fashion-MNIST is 28x28: a 64 crop (training and eval transforms both use data.image_size) does not fit
+    (["data.image_size=64"], r"'data.image_size' = 64: a crop larger than the 28x28 images of the train split "
+                             r"\(source fashion_mnist\) does not fit the image. Set data.image_size <= 28"),
+    (["data=cifar10", "data.image_size=40"], r"'data.image_size' = 40: .* 32x32 images .* <= 32"),
+    (["data=synthetic", "data.train.kwargs.image_size=16"], r"'data.image_size' = 32: .* 16x16 images .*synthetic"),
+    # the test split is built with data.test.kwargs: its synthetic images are 32x32 unless set there too
+    (["data=synthetic", "data.train.kwargs.image_size=64", "data.image_size=64"],
+     r"'data.image_size' = 64: .* 32x32 images of the test split \(source synthetic\)"),
+    (["data.eval_transform.image_size=29"], r"'data.eval_transform.image_size' = 29: .* 28x28"),
+    (["config=swav", "data.small_image_size=40"], r"'data.small_image_size' = 40: .* 28x28"),
+    (["config=swav", "data=cifar10", "data.image_size=16", "data.small_image_size=20"],
+     r"'data.small_image_size' = 20: the local crops \(data.transform.small_size\) must not be larger than the "
+     r"global crops \(data.transform.image_size = 16\)"),
+    (["data=folder", "data.train.path=/", "data.image_size=300"],
+     r"'data.image_size' = 300: the centre crop of data.eval_transform must fit .*'data.eval_transform.resize' = 256"),
+    (["data.transform.crop_scale=[0.5,0.2]"], r"'data.transform': crop_scale must satisfy 0 < lo <= hi <= 1"),
+    (["data.transform.blur_p=2"], r"'data.transform': blur_p must be a probability"),
+    (["data.transform.mean=[0.5,0.5,0.5]"], r"'data.transform.mean' has 3 values but the images of the train "
+                                            r"split \(source fashion_mnist\) have 1 channel"),
+])
+def test_transforms_that_do_not_fit_the_images_are_refused(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        compose_config(overrides)
+
+
+def test_a_shared_crop_key_is_reported_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["data.image_size=64"])
+    assert str(info.value).count("'data.image_size'") == 1
+
+
+def test_crops_that_fit_are_accepted() -> None:
+    assert compose_config(["data.image_size=28"]).data.transform.image_size == 28  # exactly the image
+    assert compose_config(["data=folder", "data.train.path=/", "data.image_size=256"]).data.image_size == 256
+    cfg = compose_config(["data=synthetic", "data.train.kwargs.image_size=64", "data.test.kwargs.image_size=64",
+                          "data.image_size=64"])
+    assert cfg.data.eval_transform.image_size == 64
+
+
+def test_folder_paths_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'data.train.path' must be set for the folder source"):
+        compose_config(["data=folder"])
+    with pytest.raises(ConfigError, match=rf"'data.train.path' = {tmp_path}/nope: does not exist"):
+        compose_config(["data=folder", f"data.train.path={tmp_path}/nope"])
+    (tmp_path / "notes.txt").write_text("a file")
+    with pytest.raises(ConfigError, match=r"'data.test.path' = .*notes.txt: is a file, not a folder"):
+        compose_config(["data=folder", f"data.train.path={tmp_path}", f"data.test.path={tmp_path}/notes.txt"])
+    assert compose_config(["data=folder", f"data.train.path={tmp_path}"]).data.test.path is None
+    assert compose_config([f"data.train.path={tmp_path}/nope"]).data.train.path  # fashion_mnist falls back
+
+
+def test_no_step_per_epoch_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"'data.batch_size' = 256: a step takes 256 .* more than the 100 training "
+                                          r"samples \(data.limit=100\).*raise data.limit"):
+        compose_config(["data.limit=100"])
+    with pytest.raises(ConfigError, match=r"'data.batch_size' = 16: a step takes 16 x 2 process\(es\) .* 32 samples, "
+                                          r"more than the 24 training samples \(data.train.kwargs.num_samples=24\)"):
+        compose_config(["data=synthetic", "data.train.kwargs.num_samples=24", "data.batch_size=16",
+                        "distributed.nproc_per_node=2"])
+    assert compose_config(["data.limit=256"]).data.limit == 256
+
+
+def test_builder_argument_types_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"'data.transform.image_size' must be int, got str 'abc'"):
+        compose_config(["data.transform.image_size=abc"])
+    with pytest.raises(ConfigError, match=r"'loss.temperature' must be float, got str 'warm'"):
+        compose_config(["loss.temperature=warm"])
+    with pytest.raises(ConfigError, match=r"'data.eval_transform.resize' must be int \| None, got number 2.5"):
+        compose_config(["data.eval_transform.resize=2.5"])
+    assert compose_config(["loss.temperature=1"]).loss.temperature == 1  # an int where a float belongs
+
+
+@pytest.mark.parametrize("recipe", ["barlow_twins", "byol", "dino", "moco", "mocov3", "simclr", "simsiam", "swav",
+                                    "vicreg"])
+def test_every_recipe_composes_on_its_default_data(recipe: str) -> None:
+    assert compose_config([f"config={recipe}"]).name == f"{recipe}-fashion_mnist"
+
+
+@pytest.mark.parametrize("data", ["cifar10", "cifar100", "fashion_mnist", "folder", "synthetic"])
+def test_multicrop_recipe_composes_on_every_data_preset(data: str, tmp_path: Path) -> None:
+    cfg = compose_config(["config=swav", f"data={data}", f"data.train.path={tmp_path}"])
+    assert cfg.data.transform.small_size < cfg.data.transform.image_size
+
+
+def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("data.batch_size=-4", "data.image_size=64", f"output_dir={out}", cwd=tmp_path,
+                   env={"PYTHONPATH": str(REPO)}, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "sslkit: config error" in proc.stderr
+    assert "'data.batch_size' must be > 0, got -4" in proc.stderr and "Set data.image_size <= 28" in proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nor runs/ in the working folder

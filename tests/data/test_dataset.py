@@ -12,6 +12,9 @@ from PIL import Image
 
 from sslkit.data import (
     DataSourceError,
+    FolderDataset,
+    SkippedSamples,
+    SkipTotals,
     SSLDataset,
     StatefulDistributedSampler,
     TensorImageDataset,
@@ -107,11 +110,13 @@ def test_unreadable_samples_are_substituted(tmp_path: Path, caplog: pytest.LogCa
 def test_all_unreadable_raises(tmp_path: Path) -> None:
     for name in ("x.jpg", "y.png"):
         (tmp_path / name).write_bytes(b"definitely not an image")
-    ds = SSLDataset(build_source("folder", "train", str(tmp_path)), build_transform("eval", image_size=8))
-    with pytest.raises(DataSourceError, match="no readable image in 2 files"):
-        ds[(0, 1)]
-    with pytest.raises(DataSourceError, match="no readable image in 2 files"):
-        ds[(0, 0)]
+    with pytest.raises(DataSourceError, match=r"no readable image in .*all 2 image files"):
+        build_source("folder", "train", str(tmp_path))  # the folder source probes at build
+    ds = SSLDataset(FolderDataset(tmp_path, probe=0), build_transform("eval", image_size=8))
+    for index in (1, 0):  # without the probe, the dataset itself stops
+        with pytest.raises(DataSourceError, match="no readable image in 2 files") as info:
+            ds[(0, index)]
+        assert str(tmp_path) in str(info.value) and "cannot read image" in str(info.value)
 
 
 def test_collate_views_shapes() -> None:
@@ -155,3 +160,78 @@ def test_loader_without_workers_ignores_worker_options() -> None:
     sampler = StatefulDistributedSampler(len(ds), shuffle=False)
     loader = build_loader(ds, 4, sampler, num_workers=0, persistent_workers=True, prefetch_factor=4, drop_last=False)
     assert [b["data_idx"].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
+
+
+# --- counting skipped samples per epoch -----------------------------------------------------------
+
+
+def write_half_broken(root: Path) -> None:
+    """Samples (sorted): 0-3 readable (a*.png), 4-7 unreadable (b*.jpg), so batch 2 of 4 is all bad."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(4):
+        Image.new("RGB", (8, 8), (10 * i, 0, 0)).save(root / f"a{i}.png")
+        (root / f"b{i}.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(40))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skipped_samples_counted_in_main_process(tmp_path: Path, num_workers: int,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    write_half_broken(tmp_path)
+    ds = SSLDataset(build_source("folder", "train", str(tmp_path)), build_transform("eval", image_size=8))
+    sampler = StatefulDistributedSampler(len(ds), shuffle=False)
+    loader = build_loader(ds, 4, sampler, num_workers=num_workers, drop_last=False)
+    counter = SkippedSamples()
+    for epoch in (0, 1):
+        counter.reset()
+        sampler.set_epoch(epoch)
+        batches = list(loader)
+        for batch in batches:
+            counter.update(batch)
+        assert [b["data_valid"].tolist() for b in batches] == [[True] * 4, [False] * 4]
+        assert counter.totals(across_ranks=False) == SkipTotals(skipped=4, seen=8, empty_batches=1)
+        report = counter.report(epoch)
+        assert report is not None and report.startswith(f"epoch {epoch}: 4 of 8 samples (50.00%) were unreadable")
+        assert "1 batch had no readable sample" in report
+        counter.check_all_unreadable(epoch)  # half was readable: no error
+
+
+def test_skipped_samples_all_unreadable_epoch_raises() -> None:
+    counter = SkippedSamples()
+    counter.update({"data_valid": torch.tensor([False, False, False])})
+    counter.update({"data_valid": torch.tensor([False])})
+    assert counter.totals() == SkipTotals(4, 4, 2)
+    assert "2 batches had no readable sample" in (counter.report(5) or "")
+    with pytest.raises(DataSourceError, match="epoch 5: all 4 samples were unreadable"):
+        counter.check_all_unreadable(5)
+    counter.reset()
+    counter.check_all_unreadable(6)  # nothing seen: nothing to complain about
+
+
+def test_skipped_samples_clean_epoch_and_batches_without_flags() -> None:
+    counter = SkippedSamples()
+    counter.update({"data_valid": torch.tensor([True, True])})
+    counter.update({"input": [torch.zeros(2, 3)]})  # no data_valid: counts as readable, not seen
+    counter.update(torch.tensor([True]))  # the flag tensor itself
+    assert counter.totals() == SkipTotals(0, 3, 0)
+    assert counter.report(0) is None
+
+
+def test_skipped_samples_update_never_reads_the_device() -> None:
+    # On the meta device a tensor has no data: any .item() / .tolist() / bool() in update would raise.
+    counter = SkippedSamples("meta")
+    for _ in range(3):
+        counter.update({"data_valid": torch.ones(4, dtype=torch.bool, device="meta")})
+    assert counter.counts.device.type == "meta" and counter.counts.shape == (3,)
+
+
+def test_skipped_samples_follow_batch_device_and_state_roundtrip() -> None:
+    counter = SkippedSamples()  # no device given: the first batch's
+    counter.update(torch.tensor([True, False]))
+    state = counter.state_dict()
+    assert state == {"counts": [1, 2, 0]}
+    fresh = SkippedSamples()
+    fresh.load_state_dict(state)
+    fresh.update(torch.tensor([False]))
+    assert fresh.totals() == SkipTotals(2, 3, 1)
+    counter.reset()
+    assert counter.totals() == SkipTotals(0, 0, 0)

@@ -254,13 +254,14 @@ def test_flat_folder_and_grayscale(tmp_path: Path) -> None:
 def test_folder_corrupt_file_raises_unreadable(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8).tobytes())
+    save(tmp_path / "good.png", (1, 2, 3))
     ds = build_source("folder", "train", str(tmp_path))
     with pytest.raises(UnreadableSampleError, match=r"bad\.jpg") as info:
         ds[0]
     assert info.value.path == str(bad)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no_images", "no_path"])
+@pytest.mark.parametrize("case", ["missing", "empty", "no_images", "no_path", "a_file"])
 def test_folder_errors(tmp_path: Path, case: str) -> None:
     path: str | None = str(tmp_path / "data")
     if case == "empty":
@@ -269,17 +270,106 @@ def test_folder_errors(tmp_path: Path, case: str) -> None:
         (tmp_path / "data" / "sub").mkdir(parents=True)
         (tmp_path / "data" / "readme.txt").write_text("hi")
         (tmp_path / "data" / "sub" / "x.gif").write_bytes(b"GIF89a")
+        (tmp_path / "data" / ".DS_Store").write_bytes(b"hidden: neither read nor counted")
+    elif case == "a_file":
+        path = str(save(tmp_path / "data.png", (1, 2, 3)))
     elif case == "no_path":
         path = None
     with pytest.raises(DataSourceError) as info:
         build_source("folder", "train", path)
     msg = str(info.value)
     if case == "missing":
-        assert "does not exist" in msg and str(tmp_path / "data") in msg
+        assert "does not exist" in msg and str(tmp_path / "data") in msg and "data.train.path" in msg
     elif case == "no_path":
         assert "data.train.path" in msg
+    elif case == "a_file":
+        assert "is a file, not a folder" in msg and "data.png" in msg and "data.train.path" in msg
     else:
-        assert "no image files" in msg and ".jpg" in msg and ".webp" in msg
+        assert "no image files" in msg and ".jpg" in msg and ".webp" in msg and "data.train.path" in msg
+        if case == "empty":
+            assert "the folder is empty" in msg
+        else:
+            assert "found only 2 other files (.gif: 1, .txt: 1)" in msg
+
+
+def write_bad_images(folder: Path) -> list[Path]:
+    """Five files that end in an image extension but cannot be decoded, each broken differently."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    noise = Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8))
+    files = []
+    for name, fmt in (("trunc.jpg", "JPEG"), ("trunc.png", "PNG")):  # real PIL output, cut in half
+        noise.save(folder / name, format=fmt)
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 2])
+        files.append(folder / name)
+    (folder / "header.jpg").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + rng.bytes(300))  # JPEG header, garbage
+    (folder / "header.png").write_bytes(b"\x89PNG\r\n\x1a\n" + rng.bytes(300))  # PNG signature, garbage
+    (folder / "notes.jpg").write_text("a text file with an image extension")
+    return [*files, folder / "header.jpg", folder / "header.png", folder / "notes.jpg"]
+
+
+def test_each_kind_of_bad_file_is_unreadable(tmp_path: Path) -> None:
+    bad = write_bad_images(tmp_path)
+    save(tmp_path / "zz_good.png", (9, 9, 9))
+    ds = build_source("folder", "train", str(tmp_path))
+    assert len(ds) == 6
+    for i, (path, _) in enumerate(ds.samples[:5]):
+        with pytest.raises(UnreadableSampleError) as info:
+            ds[i]
+        assert info.value.path == path and Path(path).name in str(info.value)
+    assert sorted(Path(p) for p, _ in ds.samples[:5]) == sorted(bad)
+    assert ds[5][0][:, 0, 0].tolist() == [9, 9, 9]
+
+
+def test_folder_where_nothing_can_be_read_stops_at_build(tmp_path: Path) -> None:
+    write_bad_images(tmp_path / "cls")
+    (tmp_path / "notes.txt").write_text("ignored: not an image extension")
+    with pytest.raises(DataSourceError) as info:
+        build_source("folder", "train", str(tmp_path))
+    msg = str(info.value)
+    assert f"no readable image in {tmp_path}" in msg and "all 5 image files" in msg
+    assert "cannot read image" in msg and "trunc" in msg  # an example error with its file
+    assert "data.train.path" in msg
+
+
+def test_probe_of_a_large_broken_folder_tries_a_spread_of_files(tmp_path: Path) -> None:
+    for i in range(40):
+        (tmp_path / f"{i:02d}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(50))
+    with pytest.raises(DataSourceError, match=r"the 32 image files tried \(spread over all 40\)"):
+        build_source("folder", "train", str(tmp_path))
+    assert len(sources.FolderDataset(tmp_path, probe=0)) == 40  # probe=0: no decoding at build
+
+
+def test_probe_stops_at_the_first_readable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_bad_images(tmp_path)
+    save(tmp_path / "zz_good.png", (9, 9, 9))
+    calls: list[int] = []
+    original = sources.FolderDataset.__getitem__
+
+    def counting(self: sources.FolderDataset, i: int) -> tuple[torch.Tensor, int]:
+        calls.append(i)
+        return original(self, i)
+
+    monkeypatch.setattr(sources.FolderDataset, "__getitem__", counting)
+    build_source("folder", "train", str(tmp_path))
+    assert calls == [0, 1, 2, 3, 4, 5]  # five bad files in name order, then the good one: stop
+    calls.clear()
+    for name in ("a.png", "b.png", "c.png"):
+        save(tmp_path / "healthy" / name, (1, 1, 1))
+    build_source("folder", "train", str(tmp_path / "healthy"))
+    assert calls == [0]
+
+
+def test_non_image_files_are_ignored_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    save(tmp_path / "a.png", (1, 2, 3))
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "labels.csv").write_text("a,1")
+    (tmp_path / "more.txt").write_text("not an image")
+    with caplog.at_level("INFO", logger="sslkit.data"):
+        ds = build_source("folder", "train", str(tmp_path))
+    assert [Path(p).name for p, _ in ds.samples] == ["a.png"]
+    assert any("ignoring 3 other files (.txt: 2, .csv: 1)" in r.getMessage() for r in caplog.records)
 
 
 # --- synthetic ----------------------------------------------------------------------------------
