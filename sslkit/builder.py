@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, Subset
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
-from sslkit.distributed import get_rank, get_world_size
+from sslkit.distributed import get_rank, get_world_size, setup_control_group
 from sslkit.hooks import (
     CheckpointHook,
     ConsistencyCheckHook,
@@ -27,6 +27,7 @@ from sslkit.hooks import (
     TensorboardSink,
 )
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
+from sslkit.reliability import NonFiniteLossHook, PreemptionHook
 from sslkit.task import Phase, SSLTask
 
 __all__ = ["build_task", "resolve_device", "seed_everything"]
@@ -93,6 +94,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     if cfg.machine.num_threads > 0:
         torch.set_num_threads(cfg.machine.num_threads)
     seed_everything(cfg.seed + rank)
+    setup_control_group()  # every rank, before any other group is created
 
     train_source = _source(cfg, "train")
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size)
@@ -164,6 +166,17 @@ def build_task(cfg: DictConfig) -> SSLTask:
     hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last))
+    rel = cfg.reliability
+    hooks.append(NonFiniteLossHook(rel.nonfinite_loss, every_n_steps=cfg.log.every_n_steps))
+    if rel.preemption_signals:
+        hooks.append(PreemptionHook(list(rel.preemption_signals), rel.preemption_check_every_n_steps))
+    manual_reduction = cfg.distributed.manual_gradient_reduction
+    if rel.oom == "skip" and world > 1 and not manual_reduction:
+        # DDP reduces gradients during backward: a rank whose backward ran out of memory would leave
+        # the others in that collective. Backward under no_sync, agree, then reduce.
+        logger.info("reliability.oom=skip with %d processes: gradients are reduced after backward "
+                    "(distributed.manual_gradient_reduction), so every rank can skip the same step", world)
+        manual_reduction = True
     if cfg.distributed.consistency_check_every_n_steps > 0:
         hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
@@ -172,15 +185,19 @@ def build_task(cfg: DictConfig) -> SSLTask:
         if knn is not None:
             hooks.append(knn)
 
-    return SSLTask(
+    task = SSLTask(
         model=model, loss=loss, optimizer=optimizer, loaders=loaders,
         phases=[Phase(train=True, epoch=e) for e in range(epochs)], hooks=hooks,
         lr_schedule=lr_schedule, wd_schedule=wd_schedule, device=device, amp_dtype=amp_dtype,
         scaler=scaler, global_batch_size=global_batch, max_iterations=max_iterations, output_dir=out,
         seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last,
-        accumulate_steps=accumulate, manual_gradient_reduction=cfg.distributed.manual_gradient_reduction,
+        accumulate_steps=accumulate, manual_gradient_reduction=manual_reduction,
         bucket_cap_mb=cfg.distributed.bucket_cap_mb, config=cfg,
     )
+    task.oom_policy = rel.oom
+    task.max_consecutive_skips = rel.max_consecutive_skips
+    task.snapshot_buffers = rel.oom == "skip" or rel.nonfinite_loss == "skip"
+    return task
 
 
 def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any]) -> KNNHook | None:

@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
 from sslkit.config.compose import ConfigError, compose_config
+from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun, shutdown
+from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
 from sslkit.task import SSLTask
 
 __all__ = ["main", "run", "setup_logging"]
@@ -75,26 +77,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sslkit: config error: {exc}", file=sys.stderr)
         return 2
     d = cfg.distributed
-    if launched_by_torchrun():
-        init_process_group(d.backend, d.timeout_s)
-        try:
+    try:
+        if launched_by_torchrun():
+            init_process_group(d.backend, d.timeout_s)
+            try:
+                run(cfg)
+            finally:
+                shutdown()
+        elif d.nproc_per_node > 1 or d.num_nodes > 1:
+            return _launch_workers(args, cfg)
+        else:
             run(cfg)
-        finally:
-            shutdown()
-    elif d.nproc_per_node > 1 or d.num_nodes > 1:
-        from torch.multiprocessing import ProcessRaisedException
+    except Preempted as exc:
+        print(f"sslkit: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    except TrainingHalted as exc:
+        print(f"sslkit: stopped: {exc}", file=sys.stderr)
+        return 1
+    except DataSourceError as exc:
+        print(f"sslkit: data error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
-        try:
-            launch(_worker_main, (args,), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
-                   d.master_port, d.backend, d.timeout_s)
-        except ProcessRaisedException as exc:
-            print(f"sslkit: a worker failed; all workers were stopped.\n{exc}", file=sys.stderr)
-            return 1
-    else:
-        run(cfg)
+
+def _launch_workers(args: list[str], cfg: DictConfig) -> int:
+    """Spawn this node's workers and turn their failures into a message and an exit status."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    d = cfg.distributed
+    try:
+        launch(_worker_main, (args,), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
+               d.master_port, d.backend, d.timeout_s)
+    except ProcessExitedException as exc:
+        if exc.exit_code == PREEMPTED_EXIT_CODE:
+            print("sslkit: pre-empted; the checkpoint was written. Run the same command again to resume.",
+                  file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        print(f"sslkit: a worker died ({exc}); all workers were stopped. Running the same command resumes "
+              "from the last checkpoint.", file=sys.stderr)
+        return 1
+    except ProcessRaisedException as exc:
+        print(f"sslkit: a worker failed; all workers were stopped.\n{exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _worker_main(args: list[str]) -> None:
-    """Entry point of a spawned worker: compose the same config (imports included) and run."""
-    run(compose_config(args))
+    """Entry point of a spawned worker: compose the same config (imports included) and run.
+    A pre-empted worker exits with :data:`PREEMPTED_EXIT_CODE` (rank 0 has logged why)."""
+    try:
+        run(compose_config(args))
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "agree_any",
+    "all_gather_object",
     "all_reduce_mean",
     "all_reduce_sum",
     "barrier",
@@ -49,6 +52,46 @@ def barrier() -> None:
     """Wait for every process; a no-op without a process group."""
     if is_distributed():
         dist.barrier()
+
+
+_CONTROL_GROUP: Any = None
+
+
+def setup_control_group() -> None:
+    """Create the CPU (gloo) group that :func:`agree_any` uses; call it on every rank, in the same
+    order as other group creations (:func:`sslkit.builder.build_task` does). A group of its own
+    keeps control messages from ever pairing with a collective of the training (and, under nccl,
+    off the GPU streams)."""
+    global _CONTROL_GROUP
+    if not is_distributed() or _CONTROL_GROUP is not None:
+        return
+    _CONTROL_GROUP = dist.new_group(backend="gloo")
+
+
+def agree_any(*flags: bool) -> list[bool]:
+    """For each flag, True if it is True on any rank: one small all-reduce on the CPU (gloo).
+
+    Every rank must call it at the same point with the same number of flags. It is how ranks
+    agree to stop for a pre-emption signal or to skip a step after an out-of-memory error, so
+    that no rank is left waiting in a collective the others never reach.
+    """
+    if not is_distributed():
+        return [bool(f) for f in flags]
+    setup_control_group()
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    return [bool(v) for v in t.tolist()]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group). Pickles through
+    the CPU control group, so it works under nccl without touching the GPU."""
+    if not is_distributed():
+        return [obj]
+    setup_control_group()
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj, group=_CONTROL_GROUP)
+    return out
 
 
 def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
@@ -118,6 +161,11 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
 logger = logging.getLogger("sslkit")
 
 
+#: Signals the spawning parent passes on to its workers (the pre-emption signals; SIGINT reaches
+#: the whole process group from a terminal anyway).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 def launched_by_torchrun() -> bool:
     """True when torchrun (or another launcher) set RANK and WORLD_SIZE for this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -168,6 +216,8 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], npro
 
 def shutdown() -> None:
     """Leave the process group, if this process is in one."""
+    global _CONTROL_GROUP
+    _CONTROL_GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -189,10 +239,23 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: i
     world = nproc_per_node * num_nodes
     import torch.multiprocessing as mp
 
-    mp.start_processes(
+    context = mp.start_processes(
         _worker, args=(fn, args, nproc_per_node, node_rank, world, master_addr, master_port, backend, timeout_s),
-        nprocs=nproc_per_node, join=True, start_method="spawn",
+        nprocs=nproc_per_node, join=False, start_method="spawn",
     )
+
+    def forward(signum: int, _frame: Any) -> None:  # pre-emption signals reach the workers too
+        for proc in context.processes:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        while not context.join():
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], bucket_cap_mb: float = 25.0) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sslkit.distributed import all_gather_object
 from sslkit.hooks.base import Event, SSLHook
 
 __all__ = ["LastBatch", "PerfStats", "Phase", "SSLTask"]
@@ -179,6 +180,20 @@ class SSLTask:
         #: The exception being handled during ``on_exception``.
         self.exception: BaseException | None = None
 
+        #: What to do on an out-of-memory error in a train step: ``halt`` or ``skip``.
+        self.oom_policy = "halt"
+        #: Skip policies stop the run after this many skipped steps in a row.
+        self.max_consecutive_skips = 10
+        #: Set (to a reason) during a step, e.g. by a hook in ``on_backward``, to drop its update:
+        #: gradients are discarded, the buffers restored, and no optimizer step is taken.
+        self.skip_update: str | None = None
+        #: Copy the model's and the loss's buffers before each train step, so that a dropped
+        #: update also undoes what the forward changed (BatchNorm statistics, queues).
+        self.snapshot_buffers = False
+        #: Dropped updates by reason, and how many of the latest steps in a row were dropped.
+        self.skipped_steps: dict[str, int] = {}
+        self.consecutive_skips = 0
+
     # ----------------------------------------------------------------------------- position
     @property
     def phase(self) -> Phase:
@@ -237,6 +252,11 @@ class SSLTask:
         """Position the current phase's sampler (epoch, resume offset) and open its iterator."""
         loader = self.loader
         sampler = loader.sampler
+        # DataLoader draws its workers' base seed from this generator at every iter(); without
+        # its own, that draw would consume the global torch RNG and a resumed run would diverge.
+        if loader.generator is None:
+            loader.generator = torch.Generator()
+        loader.generator.manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         if hasattr(sampler, "set_start"):
@@ -256,9 +276,14 @@ class SSLTask:
         self.data_iterator = iter(())
 
     # -------------------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, gather_rng: bool = True) -> dict[str, Any]:
         """Everything needed to continue the run exactly: model, loss, optimizer, scaler,
-        hooks, position and RNG states."""
+        hooks, position and the RNG states of every rank.
+
+        In a distributed run every rank must call it at the same point (the RNG states are
+        gathered); rank 0 then writes the result. ``gather_rng=False`` (error paths) keeps only
+        this rank's RNG state and runs no collective.
+        """
         phase_idx, steps = (
             (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
         )
@@ -273,8 +298,10 @@ class SSLTask:
                 "steps_in_phase": steps,
                 "iteration": self.iteration,
                 "num_updates": self.num_updates,
+                "skipped_steps": dict(self.skipped_steps),
+                "consecutive_skips": self.consecutive_skips,
             },
-            "rng": rng_state(),
+            "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -293,7 +320,16 @@ class SSLTask:
         self.steps_in_phase = pos["steps_in_phase"]
         self.iteration = pos["iteration"]
         self.num_updates = pos["num_updates"]
-        set_rng_state(state["rng"])
+        self.skipped_steps = dict(pos.get("skipped_steps", {}))
+        self.consecutive_skips = pos.get("consecutive_skips", 0)
+        rng = state["rng"]
+        if isinstance(rng, dict):  # written by a single process before per-rank states
+            rng = [rng]
+        if len(rng) != self.world_size:
+            logger.warning(
+                "the checkpoint holds the RNG states of %d process(es) and this run has %d: training "
+                "continues, but not bit-identically to an uninterrupted run", len(rng), self.world_size)
+        set_rng_state(rng[self.rank % len(rng)])
 
 
 def rng_state() -> dict[str, Any]:

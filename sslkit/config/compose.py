@@ -8,6 +8,7 @@ import inspect
 import math
 import os
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,14 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.bucket_cap_mb": (lambda v: v > 0, "> 0"),
     "distributed.consistency_check_every_n_steps": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "optim.accumulate_steps": (lambda v: v >= 1, ">= 1"),
+    "reliability.nonfinite_loss": (lambda v: v in ("halt", "skip"), "halt or skip"),
+    "reliability.oom": (lambda v: v in ("halt", "skip"), "halt or skip"),
+    "reliability.max_consecutive_skips": (lambda v: v >= 1, ">= 1"),
+    "reliability.preemption_signals": (
+        lambda v: all(isinstance(x, str) and x.startswith("SIG") and hasattr(signal, x) for x in v),
+        "a list of signal names such as [SIGTERM, SIGUSR1] ([] = do not catch any)",
+    ),
+    "reliability.preemption_check_every_n_steps": (lambda v: v >= 1, ">= 1"),
 }
 
 

@@ -93,6 +93,11 @@ class SSLHook:
     def on_exception(self, task: SSLTask) -> None:
         """When any exception escapes the loop; ``task.exception`` holds it. Then re-raised."""
 
+    def before_checkpoint(self, task: SSLTask) -> None:
+        """Not an event of the loop: called on every rank just before a checkpoint is taken.
+        A hook may raise here to keep a bad state out of the checkpoints (the non-finite loss
+        guard does)."""
+
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (empty for stateless hooks)."""
         return {}

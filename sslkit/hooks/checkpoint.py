@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from sslkit.checkpoint import checkpoint_dir, save_checkpoint
-from sslkit.distributed import is_primary
+from sslkit.distributed import barrier, is_primary
 from sslkit.hooks.base import SSLHook
 from sslkit.registry import register_hook
 
@@ -22,8 +22,8 @@ logger = logging.getLogger("sslkit")
 class CheckpointHook(SSLHook):
     """Save ``task.state_dict()`` every ``every_n_steps`` optimizer steps (0 = never), after every
     ``every_n_epochs`` train epochs (0 = never) and the last one, and once more at the end of
-    the run. Runs last (priority 90), so every other hook's state of this step is included.
-    Only rank 0 writes.
+    the run. Runs late (priority 90), so every other hook's state of this step is included.
+    Only rank 0 writes; every rank takes part (the RNG states of all ranks are saved).
     """
 
     priority = 90
@@ -34,12 +34,22 @@ class CheckpointHook(SSLHook):
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
 
-    def save(self, task: SSLTask, why: str) -> None:
-        """Write a checkpoint now."""
-        if not is_primary():
-            return
-        path = save_checkpoint(task.state_dict(), self.dir, task.iteration, self.keep_last)
-        logger.info("saved checkpoint %s (%s)", path, why)
+    def save(self, task: SSLTask, why: str) -> str | None:
+        """Write a checkpoint now; returns its path on rank 0 (None elsewhere).
+
+        Every rank calls it at the same point: the hooks' :meth:`before_checkpoint` runs, the
+        state (with every rank's RNG) is gathered, rank 0 writes, and a barrier keeps any rank
+        from moving on (or exiting) before the file is complete.
+        """
+        for hook in task.hooks:
+            hook.before_checkpoint(task)
+        state = task.state_dict()
+        path = None
+        if is_primary():
+            path = save_checkpoint(state, self.dir, task.iteration, self.keep_last)
+            logger.info("saved checkpoint %s (%s)", path, why)
+        barrier()
+        return path
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases)."""

@@ -9,8 +9,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
+from sslkit.data.health import SkippedSamples
+from sslkit.distributed import is_primary
 from sslkit.hooks.base import SSLHook
 from sslkit.registry import register_hook
 
@@ -69,7 +69,7 @@ class LogHook(SSLHook):
         self._bar: Any = None
         self._t_last = 0.0
         self._samples_since = 0
-        self._invalid = torch.zeros((), dtype=torch.long)
+        self.unreadable = SkippedSamples()
 
     def on_start(self, task: SSLTask) -> None:
         """Log what is about to run."""
@@ -89,7 +89,8 @@ class LogHook(SSLHook):
         task.perf_stats.reset()
         task.loss_sum.zero_()
         task.loss_count = 0
-        self._invalid = torch.zeros((), dtype=torch.long, device=task.device)
+        if task.steps_in_phase == 0:  # a resumed phase keeps the counts restored from the checkpoint
+            self.unreadable.reset(task.device)
         self._t_last = time.perf_counter()
         self._samples_since = 0
         if self.progress_bar:
@@ -103,9 +104,7 @@ class LogHook(SSLHook):
     def on_step(self, task: SSLTask) -> None:
         """Count the step; at the log interval, sync once and write a record."""
         assert task.last_batch is not None
-        valid = task.last_batch.sample.get("data_valid")
-        if valid is not None:
-            self._invalid += (~valid).sum()
+        self.unreadable.update(task.last_batch.sample)
         self._samples_since += task.global_batch_size
         if self._bar is not None:
             self._bar.update(1)
@@ -119,12 +118,28 @@ class LogHook(SSLHook):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        invalid = int(self._invalid.item())
-        if invalid:
-            logger.warning("epoch %d: %d unreadable samples were skipped (replaced by the next readable one)",
-                           task.epoch, invalid)
+        report = self.unreadable.report(task.epoch)  # every rank: the counts are summed over ranks
+        if report:
+            logger.warning(report)
+            totals = self.unreadable.totals()
+            for sink in self.sinks:
+                sink.write({"step": task.iteration, "epoch": task.epoch, "phase": "train" if task.train else "eval",
+                            "unreadable_samples": totals.skipped, "samples": totals.seen,
+                            "batches_without_readable_sample": totals.empty_batches})
+        self.unreadable.check_all_unreadable(task.epoch)
         logger.info("%s epoch %d done; time per step section:\n%s",
                     "train" if task.train else "eval", task.epoch, task.perf_stats.table())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's unreadable-sample counts of the current epoch, so that a resumed epoch reports
+        them too (no collective here: crash checkpoints are written by rank 0 alone)."""
+        return {"unreadable": self.unreadable.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` on rank 0 (the other ranks' counts before the checkpoint are
+        not kept: a resumed epoch's report can miss some of their unreadable samples)."""
+        if "unreadable" in state and is_primary():
+            self.unreadable.load_state_dict(state["unreadable"])
 
     def on_end(self, task: SSLTask) -> None:
         """Close the sinks."""

@@ -6,10 +6,11 @@ import contextlib
 
 import torch
 
-from sslkit.distributed import all_reduce_gradients, all_reduce_mean
+from sslkit.distributed import agree_any, all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
 from sslkit.optim import set_lr, set_weight_decay
 from sslkit.registry import register_train_step
+from sslkit.reliability import OutOfMemoryHalt, drop_update, snapshot_buffers
 from sslkit.task import LastBatch, SSLTask
 from sslkit.train_steps.sample import to_sample
 
@@ -43,6 +44,13 @@ def standard_train_step(task: SSLTask) -> None:
     step; ``on_forward`` and ``on_loss_and_meter`` fire per micro-batch, ``on_backward`` and
     ``on_update`` once. No host-device synchronisation happens here: the loss is accumulated on
     the device and read by the logging hook at its interval.
+
+    Reliability (docs/reliability.md): an out-of-memory error in the forward or backward raises
+    :class:`OutOfMemoryHalt` (``task.oom_policy == "halt"``) or drops the step's update on every
+    rank (``"skip"``); a hook may also drop the update by setting ``task.skip_update`` in
+    ``on_backward``. A dropped step still counts as an iteration (the schedules move on) but not
+    in ``num_updates``, and with ``task.snapshot_buffers`` the buffers its forward changed are
+    restored.
     """
     timer = task.perf_stats.timer
     train = task.train
@@ -53,44 +61,74 @@ def standard_train_step(task: SSLTask) -> None:
         if task.amp_dtype is not None
         else contextlib.nullcontext()
     )
+    snapshot = snapshot_buffers(task) if train and task.snapshot_buffers else None
+    out_of_memory = False
     for micro in range(micro_batches):
-        with timer("read_sample"):
-            batch = next(task.data_iterator)
-            sample = to_sample(batch, task.device, task.channels_last)
-        task.last_batch = LastBatch(sample=sample)
-        with grad_ctx, _sync_context(task, micro == micro_batches - 1):
-            with amp_ctx:
-                with timer("forward"):
-                    output = task.model(sample["input"])
-                task.last_batch.model_output = output
-                task.run_hooks(Event.ON_FORWARD)
-                with timer("loss"):
-                    loss, terms = _split_loss(task.loss(output, sample))
-            task.last_batch.loss = loss
-            task.last_batch.metrics.update(terms)
-            with timer("loss_all_reduce"):
-                reduced = all_reduce_mean(loss.detach().float())
-            task.last_batch.reduced_loss = reduced
-            with timer("meters"):
-                task.loss_sum += reduced
-                task.loss_count += 1
-            task.run_hooks(Event.ON_LOSS_AND_METER)
-            if not train:
-                continue
-            with timer("backward"):
-                if micro == 0:
-                    task.optimizer.zero_grad(set_to_none=True)
-                scaled = loss / micro_batches if micro_batches > 1 else loss
-                if task.scaler is not None:
-                    task.scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
+        try:
+            with timer("read_sample"):
+                batch = next(task.data_iterator)
+                sample = to_sample(batch, task.device, task.channels_last)
+            task.last_batch = LastBatch(sample=sample)
+            with grad_ctx, _sync_context(task, micro == micro_batches - 1):
+                with amp_ctx:
+                    with timer("forward"):
+                        output = task.model(sample["input"])
+                    task.last_batch.model_output = output
+                    task.run_hooks(Event.ON_FORWARD)
+                    with timer("loss"):
+                        loss, terms = _split_loss(task.loss(output, sample))
+                task.last_batch.loss = loss
+                task.last_batch.metrics.update(terms)
+                with timer("loss_all_reduce"):
+                    reduced = all_reduce_mean(loss.detach().float())
+                task.last_batch.reduced_loss = reduced
+                with timer("meters"):
+                    task.loss_sum += reduced
+                    task.loss_count += 1
+                task.run_hooks(Event.ON_LOSS_AND_METER)
+                if not train:
+                    continue
+                with timer("backward"):
+                    if micro == 0:
+                        task.optimizer.zero_grad(set_to_none=True)
+                    scaled = loss / micro_batches if micro_batches > 1 else loss
+                    if task.scaler is not None:
+                        task.scaler.scale(scaled).backward()
+                    else:
+                        scaled.backward()
+        except torch.OutOfMemoryError as exc:
+            if not train or task.oom_policy != "skip":
+                raise OutOfMemoryHalt(
+                    f"step {task.iteration + 1}: out of memory in the forward or backward pass ({exc}). "
+                    "Lower data.batch_size (optim.accumulate_steps keeps the global batch), enable amp, or "
+                    "set reliability.oom=skip to drop such steps. Running the same command resumes from the "
+                    "last checkpoint."
+                ) from exc
+            out_of_memory = True
+            for _ in range(micro + 1, micro_batches):  # consume the step's other micro-batches, so the
+                next(task.data_iterator)              # data position stays what a resume computes
+            break
     if not train:
         return
-    if task.manual_gradient_reduction:
-        with timer("gradient_all_reduce"):
-            all_reduce_gradients(task.base_model.parameters(), task.bucket_cap_mb)
-    task.run_hooks(Event.ON_BACKWARD)
+    if out_of_memory:  # free what the failed pass held before anything else allocates
+        task.last_batch = LastBatch(sample={})
+        task.optimizer.zero_grad(set_to_none=True)
+        if task.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if task.oom_policy == "skip" and task.world_size > 1:
+        (out_of_memory,) = agree_any(out_of_memory)  # every rank skips the same step
+    if out_of_memory:
+        task.skip_update = "out of memory"
+    else:
+        if task.manual_gradient_reduction:
+            with timer("gradient_all_reduce"):
+                all_reduce_gradients(task.base_model.parameters(), task.bucket_cap_mb)
+        task.run_hooks(Event.ON_BACKWARD)
+    if task.skip_update is not None:
+        drop_update(task, snapshot)
+        task.iteration += 1
+        return
+    task.consecutive_skips = 0
     with timer("optimizer_step"):
         set_lr(task.optimizer, task.lr_schedule(task.where))
         if task.wd_schedule is not None:

@@ -1,0 +1,75 @@
+"""Fault injection for the reliability tests, loaded into real runs with ``imports=[sslkit_faults]``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from sslkit.hooks.base import SSLHook
+from sslkit.registry import register_hook
+
+
+class _Fault(SSLHook):
+    """Fires at optimizer step ``step`` (1-based) on ``rank`` (-1: every rank); with ``once`` only
+    in a run that started from scratch, so that the resumed run of the same command goes through."""
+
+    def __init__(self, step: int, rank: int = -1, once: bool = True) -> None:
+        self.step = step
+        self.rank = rank
+        self.once = once
+        self.fresh = True
+
+    def on_start(self, task) -> None:
+        self.fresh = task.iteration == 0
+
+    def due(self, task) -> bool:
+        return (task.train and task.iteration + 1 == self.step and (self.rank < 0 or task.rank == self.rank)
+                and (self.fresh or not self.once))
+
+
+@register_hook("fault_signal")
+class SignalFault(_Fault):
+    """Sends ``signal`` to this process after step ``step`` (before the pre-emption check)."""
+
+    priority = 94
+
+    def __init__(self, step: int, signal: str = "SIGKILL", rank: int = -1, once: bool = True) -> None:
+        super().__init__(step, rank, once)
+        self.signal = signal
+
+    def on_step(self, task) -> None:
+        if task.train and task.iteration == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+@register_hook("fault_nan")
+class NaNFault(_Fault):
+    """Turns the model's projections into NaN in the forward of step ``step``."""
+
+    def on_forward(self, task) -> None:
+        if self.due(task):
+            out = task.last_batch.model_output
+            out["projections"] = [p * float("nan") for p in out["projections"]]
+
+
+@register_hook("fault_oom")
+class OOMFault(_Fault):
+    """Raises torch.OutOfMemoryError at step ``step``: in the forward hooks (``where: forward``) or
+    from inside autograd's backward (``where: backward``, a gradient hook on the loss)."""
+
+    def __init__(self, step: int, rank: int = -1, once: bool = False, where: str = "forward") -> None:
+        super().__init__(step, rank, once)
+        self.where = where
+
+    def on_forward(self, task) -> None:
+        if self.where == "forward" and self.due(task):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+
+    def on_loss_and_meter(self, task) -> None:
+        if self.where == "backward" and self.due(task):
+            def boom(grad: torch.Tensor) -> torch.Tensor:
+                raise torch.OutOfMemoryError("CUDA out of memory in backward (simulated)")
+
+            task.last_batch.loss.register_hook(boom)

@@ -1,0 +1,56 @@
+"""Exact resume: a run killed with SIGKILL mid-epoch and started again ends bit-identical to one never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
+
+# 2 epochs of 6 steps, a checkpoint every 4 steps: the kill after step 10 (epoch 1, 4 of 6 steps done)
+# loses steps 9-10, which the resumed run must redo exactly (from the checkpoint of step 8, mid-epoch).
+STEPS = ["optim.epochs=2", "checkpoint.every_n_steps=4"]
+
+
+def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list[str]) -> None:
+    args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *STEPS, *extra,
+            f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}"]  # 6 steps per epoch
+    never_fires = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
+    kill_at_10 = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+
+    reference = run_cli(*args, never_fires, f"output_dir={tmp_path / 'ref'}", env=FAULT_ENV)
+    assert "resumed" not in reference.stdout
+
+    out = tmp_path / "killed"
+    killed = run_cli(*args, kill_at_10, f"output_dir={out}", env=FAULT_ENV, check=False)
+    assert killed.returncode != 0, "the run was supposed to die by SIGKILL"
+    at_kill = latest_state(out)["position"]
+    assert (at_kill["iteration"], at_kill["phase_idx"], at_kill["steps_in_phase"]) == (8, 1, 2)
+
+    resumed = run_cli(*args, kill_at_10, f"output_dir={out}", env=FAULT_ENV)
+    assert "resumed from" in resumed.stdout and "checkpoint_000000008.pt" in resumed.stdout
+
+    ref, again = latest_state(tmp_path / "ref"), latest_state(out)
+    assert ref["position"]["iteration"] == 12
+    assert len(ref["rng"]) == nproc  # every rank's RNG state is saved
+    assert_identical(again, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "swav", "dino"])
+def test_sigkill_mid_epoch_resume_is_bit_identical(tmp_path: Path, recipe: str) -> None:
+    _run_killed_and_resumed(tmp_path, recipe, 1, [])
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_with_loader_workers(tmp_path: Path) -> None:
+    """Augmentations are seeded per (seed, epoch, index): worker processes change nothing."""
+    _run_killed_and_resumed(tmp_path, "simclr", 1, ["data.num_workers=2"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "swav", "dino"])
+def test_sigkill_mid_epoch_resume_is_bit_identical_2_ranks(tmp_path: Path, recipe: str) -> None:
+    _run_killed_and_resumed(tmp_path, recipe, 2, [])

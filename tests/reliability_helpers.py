@@ -1,0 +1,76 @@
+"""Shared pieces of the reliability tests: runs with fault injection, and exact state comparison."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from helpers import REPO, SMALL
+
+HERE = Path(__file__).resolve().parent / "reliability"
+#: tools/run.py finds the fault-injection hooks (imports=[sslkit_faults]) through this.
+FAULT_ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}"}
+if str(HERE) not in sys.path:  # and compose_config in this process too
+    sys.path.insert(0, str(HERE))
+#: Small runs: 96 synthetic images in batches of 16 = 6 steps per epoch, no kNN, no TensorBoard.
+BASE = [*SMALL, "data.train.kwargs.num_samples=96", "eval.knn.enabled=false", "log.tensorboard=false",
+        "imports=[sslkit_faults]", "checkpoint.keep_last=0"]
+#: Per recipe: the overrides that make it small, as in the method tests.
+RECIPE_ARGS = {
+    "simclr": [],
+    "moco": ["loss.queue_size=40"],
+    "swav": ["loss.queue_length=32", "model.kwargs.num_prototypes=10", "data.transform.num_small=2"],
+    "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
+}
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_render(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_render(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def hooks_override(recipe: str, *extra: dict[str, Any]) -> str:
+    """``hooks=[...]`` with the recipe's own hooks followed by ``extra`` (an override replaces the list)."""
+    from omegaconf import OmegaConf
+
+    from sslkit.config.compose import compose_config
+
+    cfg = compose_config([f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], "output_dir=/nonexistent/x"])
+    own = OmegaConf.to_container(cfg.hooks, resolve=True)
+    return "hooks=" + _render([*own, *extra])
+
+
+def latest_state(out: Path) -> dict[str, Any]:
+    ckpts = out / "checkpoints"
+    return torch.load(ckpts / (ckpts / "latest.txt").read_text().strip(), weights_only=False)
+
+
+def assert_identical(a: Any, b: Any, path: str = "state") -> None:
+    """Exact equality (atol = rtol = 0) of two checkpoint states, tensor by tensor, with the path of
+    the first difference in the message."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        if not torch.equal(a, b):
+            raise AssertionError(f"{path}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), f"{path}: arrays differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
