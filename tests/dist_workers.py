@@ -86,3 +86,33 @@ def diverging_ranks(rank: int, world: int) -> None:
     task = per_sample_task(rank, world, steps=4)
     task.hooks = [Nudge(), ConsistencyCheckHook(every_n_steps=1)]
     train(task, standard_train_step)
+
+
+def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
+    """MoCo v3 without BatchNorm on this rank's slice of an ``n``-sample two-view batch.
+
+    DDP-wrapped when a process group is up; with ``world=1`` and none, the one-process reference.
+    The teacher is moved off the student (seeded) so the keys are not the student's projections.
+    Returns the loss and acc averaged over ranks and the (DDP-averaged) gradients of the student.
+    """
+    import sslkit.methods  # noqa: F401
+    from sslkit.distributed import all_reduce_mean, is_distributed
+    from sslkit.methods.moco import MoCoV3Loss, build_mocov3
+    from sslkit.models.heads import MLPHead
+
+    # no BatchNorm anywhere: mlp() trunk, a BN-free projector, a one-layer (Linear) predictor
+    model = build_mocov3(mlp(), MLPHead(6, 8, 4, batch_norm=False), predictor_num_layers=1)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in [*model.teacher_trunk.parameters(), *model.teacher_head.parameters()]:
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    net = nn.parallel.DistributedDataParallel(model) if is_distributed() else model
+    x1, x2 = two_view_data(n)
+    b = n // world
+    sl = slice(rank * b, (rank + 1) * b)
+    out = MoCoV3Loss(temperature=0.2)(net([x1[sl], x2[sl]]), {})
+    out["loss"].backward()
+    student = [p for p in model.parameters() if p.requires_grad]
+    return {"loss": all_reduce_mean(out["loss"].detach()), "acc": all_reduce_mean(out["acc"].detach()),
+            "grads": [p.grad.clone() for p in student]}
