@@ -32,7 +32,8 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert len(knn) == 1 and 0.0 <= knn[0]["knn_top1"] <= 1.0
     assert "knn_top1" in proc.stdout
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
-    assert state["position"] == {"phase_idx": 2, "steps_in_phase": 0, "iteration": 8, "num_updates": 128}
+    assert state["position"] == {"phase_idx": 2, "steps_in_phase": 0, "iteration": 8, "num_updates": 128,
+                                 "skipped_steps": {}, "consecutive_skips": 0}
     assert state["hooks"]["knn"]["done"] is True
 
     # Running the same command again finds the finished run and redoes nothing.
