@@ -41,9 +41,10 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
     assert (position["iteration"], position["phase_idx"], position["steps_in_phase"]) == (9, 1, 3)
     assert max(r["step"] for r in metrics(out) if r.get("phase") == "train") <= 9
 
-    second = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV)
-    assert "checkpoint_000000009.pt" in second.stdout
-    assert_identical(latest_state(out), _reference(tmp_path))
+    if sig == "SIGTERM":  # the resume is the same whichever signal stopped the run: check it once
+        second = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV)
+        assert "checkpoint_000000009.pt" in second.stdout
+        assert_identical(latest_state(out), _reference(tmp_path))
 
 
 @pytest.mark.slow
