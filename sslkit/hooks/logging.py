@@ -46,6 +46,29 @@ class JsonlSink:
     def close(self) -> None:
         """Nothing to release: every write opens and closes the file."""
 
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps after ``step`` (logged by a run killed after its last checkpoint,
+        and about to be logged again by the resumed run); returns how many were dropped. The file
+        is rewritten atomically (temporary file, rename)."""
+        if not os.path.exists(self.path):
+            return 0
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.readlines()
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) > step:
+                    continue
+            except json.JSONDecodeError:  # a line torn by the kill
+                continue
+            keep.append(line if line.endswith("\n") else line + "\n")
+        if len(keep) != len(lines):
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
+        return len(lines) - len(keep)
+
 
 @register_hook("log")
 class LogHook(SSLHook):
@@ -83,6 +106,10 @@ class LogHook(SSLHook):
         if task.phase_idx or task.steps_in_phase:
             logger.info("resumed at phase %d, step %d of it, iteration %d",
                         task.phase_idx, task.steps_in_phase, task.iteration)
+            for sink in self.sinks:
+                if isinstance(sink, JsonlSink) and (dropped := sink.truncate_after(task.iteration)):
+                    logger.info("dropped %d records of steps after %d from %s: this run logs them again",
+                                dropped, task.iteration, sink.path)
 
     def on_phase_start(self, task: SSLTask) -> None:
         """Reset timers and meters; open a progress bar."""
