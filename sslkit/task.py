@@ -302,7 +302,24 @@ class SSLTask:
                 "consecutive_skips": self.consecutive_skips,
             },
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
+            "rank_local": self._rank_local_state(gather_rng),
         }
+
+    def _rank_local_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers that hold different values on different ranks, by ``part.module.buffer`` name:
+        those a module lists in its ``rank_local_state`` (e.g. SwAV's per-process queue). Everything
+        else in the model and the loss is identical on every rank (DDP broadcasts buffers; queues of
+        gathered keys and all-reduced centres are the same everywhere)."""
+        found: dict[str, torch.Tensor] = {}
+        for part, root in (("model", self.base_model), ("loss", self.loss)):
+            for prefix, module in root.named_modules():
+                for name in getattr(module, "rank_local_state", ()):
+                    found[".".join(x for x in (part, prefix, name) if x)] = getattr(module, name)
+        return found
+
+    def _rank_local_state(self, gather: bool) -> list[dict[str, torch.Tensor]]:
+        local = {k: v.detach().cpu().clone() for k, v in self._rank_local_buffers().items()}
+        return all_gather_object(local) if gather and local else [local]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -330,6 +347,12 @@ class SSLTask:
                 "the checkpoint holds the RNG states of %d process(es) and this run has %d: training "
                 "continues, but not bit-identically to an uninterrupted run", len(rng), self.world_size)
         set_rng_state(rng[self.rank % len(rng)])
+        rank_local = state.get("rank_local") or [{}]
+        mine = rank_local[self.rank % len(rank_local)]
+        with torch.no_grad():
+            for key, buffer in self._rank_local_buffers().items():
+                if key in mine:
+                    buffer.copy_(mine[key].to(buffer.device))
 
 
 def rng_state() -> dict[str, Any]:

@@ -193,6 +193,9 @@ class SwAVLoss(nn.Module):
     ``collapse_tolerance * ln K`` of ``ln K`` (or above) logs a warning: at most one per window.
     """
 
+    #: The queue holds this process's own past embeddings: checkpoints keep every rank's copy.
+    rank_local_state: tuple[str, ...] = ("queue",)
+
     def __init__(
         self,
         temperature: float = 0.1,
