@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from iopath.common.file_io import g_pathmgr
 
-__all__ = ["checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["atomic_write", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
 
@@ -23,7 +23,7 @@ def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
-def _atomic_write(path: str, write: Any) -> None:
+def atomic_write(path: str, write: Any) -> None:
     """Write through ``write(f)`` into a temporary file, fsync it, then rename over ``path``."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -55,8 +55,8 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
     os.makedirs(ckpt_dir, exist_ok=True)
     name = f"checkpoint_{iteration:09d}.pt"
     path = os.path.join(ckpt_dir, name)
-    _atomic_write(path, lambda f: torch.save(state, f))
-    _atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
+    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
     if keep_last > 0:
         for _, old in _list(ckpt_dir)[:-keep_last]:
             if old != name:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sslkit.checkpoint import checkpoint_dir, latest_checkpoint
+from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
 from sslkit.distributed import agree_any, is_primary
 from sslkit.hooks.base import SSLHook
 from sslkit.registry import register_hook
@@ -81,9 +81,7 @@ def save_crash_checkpoint(task: SSLTask, why: str) -> str | None:
     path = os.path.join(ckpt, f"crash_{task.iteration:09d}.pt")
     state = task.state_dict(gather_rng=False)
     state["crash"] = why
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 
@@ -245,7 +243,7 @@ class NonFiniteLossHook(SSLHook):
             self._names, self._values = names, values.clone()
             self._step = torch.full((), -1, dtype=torch.int64, device=bad.device)
         self._values = torch.where(first, values, self._values)
-        self._step = torch.where(first, torch.full_like(self._step, task.iteration + 1), self._step)
+        self._step = torch.where(first, task.iteration + 1, self._step)
         if isinstance(indices, torch.Tensor):
             indices = indices.to(bad.device)
             if self._indices is None or self._indices.shape != indices.shape:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
 from sslkit.hooks.base import Event, SSLHook
 
@@ -256,7 +257,7 @@ class SSLTask:
         # its own, that draw would consume the global torch RNG and a resumed run would diverge.
         if loader.generator is None:
             loader.generator = torch.Generator()
-        loader.generator.manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        loader.generator.manual_seed(mix_seed(self.seed, self.epoch))
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         if hasattr(sampler, "set_start"):
