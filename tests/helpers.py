@@ -48,11 +48,29 @@ def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int 
 
 
 REPO = Path(__file__).resolve().parents[1]
+#: Small CPU runs. machine.device=cpu: these tests mean the CPU (exact values, gloo processes), also
+#: where a GPU is visible; the GPU tests (tests/gpu, marker gpu) ask for CUDA themselves.
 SMALL = [
-    "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16", "data.num_workers=0",
+    "machine.device=cpu", "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16",
+    "data.num_workers=0",
     "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
     "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5",
 ]
+
+
+#: Every recipe, with the overrides (on top of SMALL) that make it small: tests that run all of them.
+RECIPES: dict[str, list[str]] = {
+    "simclr": [],
+    "moco": ["loss.queue_size=40"],
+    "mocov3": ["model.kwargs.predictor_hidden_dim=32"],
+    "byol": ["model.kwargs.predictor_hidden_dim=32"],
+    "simsiam": ["model.kwargs.predictor_hidden_dim=8"],
+    "swav": ["loss.queue_length=16", "loss.queue_start_iter=0", "model.kwargs.num_prototypes=10",
+             "data.transform.num_small=2"],
+    "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
+    "barlow_twins": [],
+    "vicreg": [],
+}
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

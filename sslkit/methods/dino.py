@@ -266,7 +266,9 @@ class DINOLoss(nn.Module):
         if self.training and torch.is_grad_enabled():
             self.update_center(teacher)
             self.iteration += 1
-        return {"loss": loss, "teacher_temp": torch.tensor(tau_t), "teacher_entropy": entropy}
+        # a Python number as a device tensor without a host-to-device copy (torch.full launches a fill)
+        tau = torch.full((), tau_t, device=entropy.device)
+        return {"loss": loss, "teacher_temp": tau, "teacher_entropy": entropy}
 
     @torch.no_grad()
     def update_center(self, teacher: Sequence[torch.Tensor]) -> None:

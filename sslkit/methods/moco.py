@@ -45,6 +45,7 @@ from torch import nn
 
 from sslkit.distributed import gather_no_grad, get_rank, is_distributed
 from sslkit.methods.byol import PredictorTeacherModel, check_two_views, projection_dim
+from sslkit.methods.infonce import cross_entropy_at
 from sslkit.models.heads import MLPHead
 from sslkit.models.ssl_model import forward_views
 from sslkit.models.teacher import frozen_copy
@@ -196,7 +197,7 @@ def moco_infonce(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, temperat
     batches and every vector L2-normalised. The cross entropy of :func:`moco_logits` with label 0.
     """
     logits = moco_logits(q, k, queue, temperature)
-    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+    return cross_entropy_at(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
 
 @register_loss("moco")
@@ -258,7 +259,7 @@ class MoCoLoss(nn.Module):
         for q, k in zip(queries, keys):
             logits = moco_logits(q, k, queue, self.temperature)
             target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-            losses.append(F.cross_entropy(logits, target))
+            losses.append(cross_entropy_at(logits, target))
             accs.append((logits.detach().argmax(dim=1) == 0).float().mean())
         if torch.is_grad_enabled():
             self.enqueue(gather_no_grad(torch.cat(list(keys))))
@@ -315,7 +316,7 @@ def mocov3_infonce(q: torch.Tensor, k: torch.Tensor, temperature: float = 0.2,
     factor makes the gradient scale insensitive to ``T``.
     """
     logits, labels = mocov3_logits(q, k, temperature, gather)
-    return F.cross_entropy(logits, labels) * (2 * temperature)
+    return cross_entropy_at(logits, labels) * (2 * temperature)
 
 
 @register_loss("mocov3")
@@ -342,6 +343,6 @@ class MoCoV3Loss(nn.Module):
         losses, accs = [], []
         for p, k in zip(preds, keys):
             logits, labels = mocov3_logits(p, k, self.temperature, self.gather)
-            losses.append(F.cross_entropy(logits, labels) * (2 * self.temperature))
+            losses.append(cross_entropy_at(logits, labels) * (2 * self.temperature))
             accs.append((logits.detach().argmax(dim=1) == labels).float().mean())
         return {"loss": torch.stack(losses).sum(), "acc": torch.stack(accs).mean()}

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_with_grad, get_rank
+from sslkit.methods.infonce import cross_entropy_at
 from sslkit.registry import register_loss
 
 __all__ = ["NTXentLoss", "nt_xent"]
@@ -40,10 +41,11 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.1, gather
     logits = anchors @ candidates.T / temperature  # [2b, 2n]
     idx = torch.arange(b, device=z1.device) + offset
     self_cols = torch.cat([idx, idx + n])
-    rows = torch.arange(2 * b, device=z1.device)
-    logits[rows, self_cols] = float("-inf")
-    pos_cols = torch.cat([idx + n, idx])
-    return F.cross_entropy(logits, pos_cols)
+    # Each anchor's own column is excluded with a mask built on the device: an indexed assignment of a
+    # Python number (logits[rows, cols] = -inf) copies that number to the GPU and waits for the stream.
+    own = torch.arange(2 * n, device=z1.device) == self_cols[:, None]
+    logits = logits.masked_fill(own, float("-inf"))
+    return cross_entropy_at(logits, torch.cat([idx + n, idx]))
 
 
 @register_loss("nt_xent")

@@ -185,7 +185,6 @@ def test_top5_presence_and_validation() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu() -> None:
     gen = torch.Generator().manual_seed(2)
     train_x, train_y = _clustered(3000, 20, 32, 2.0, gen)

@@ -13,7 +13,8 @@ from helpers import metrics, run_cli
 from PIL import Image
 from reliability_helpers import BASE, FAULT_ENV, assert_identical, latest_state
 
-SMALL_FOLDER = ["config=simclr", "data=folder", "data.batch_size=8", "data.num_workers=0", "model.trunk=small_cnn",
+SMALL_FOLDER = ["config=simclr", "machine.device=cpu", "data=folder", "data.batch_size=8", "data.num_workers=0",
+                "model.trunk=small_cnn",
                 "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16",
                 "data.image_size=24", "data.small_image_size=12", "data.eval_transform.resize=28",
                 "eval.knn.enabled=false", "log.tensorboard=false",
