@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import sys
 from typing import Any
@@ -30,7 +31,7 @@ from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.reliability import NonFiniteLossHook, PreemptionHook
 from sslkit.task import Phase, SSLTask
 
-__all__ = ["build_task", "resolve_device", "seed_everything"]
+__all__ = ["build_task", "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism"]
 
 logger = logging.getLogger("sslkit")
 
@@ -44,6 +45,7 @@ def resolve_device(name: str) -> torch.device:
             raise RuntimeError("machine.device=cuda but no CUDA device is visible; use machine.device=cpu or auto")
         if name == "cuda":
             name = f"cuda:{torch.cuda.current_device()}"
+        torch.cuda.set_device(name)  # so that events, streams and caches default to this GPU too
     return torch.device(name)
 
 
@@ -52,6 +54,51 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def set_determinism(deterministic: bool, device: torch.device) -> None:
+    """``machine.deterministic``: everything PyTorch needs for run-to-run identical results on CUDA.
+
+    On: ``torch.use_deterministic_algorithms(True)`` (deterministic kernels, and an error naming
+    any operation that has none), cuDNN in deterministic mode without autotuning, and
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS reads when its first handle is made (so
+    this runs before the first matrix product; :func:`sslkit.cli.run` sets it before anything
+    touches CUDA, and a value the user exported is kept). Off: cuDNN autotunes its convolution
+    algorithms on CUDA (``cudnn.benchmark``), the fastest choice for the fixed crop sizes of SSL.
+    Data order and augmentations are deterministic either way (seeded by seed, epoch, index).
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a SLURM allocation), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(setting: int | str, device: torch.device) -> tuple[int, str]:
+    """``data.num_workers``: the number itself, or for ``auto`` one derived from the cores per process.
+
+    The cores (affinity mask) are shared by the processes of this machine (``LOCAL_WORLD_SIZE``).
+    On CUDA the model runs on the GPU and the training process needs one core to feed it, so the
+    workers take the rest: ``cores - 1`` (15 on a 16-core, 1-GPU machine). On the CPU the model
+    itself computes on those cores, so the workers take half. Returns the number and how it was
+    chosen, for the log.
+    """
+    if setting != "auto":
+        return int(setting), "data.num_workers"
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cores = max(1, _cores() // local)
+    share = f"{cores} core(s) per process ({_cores()} for {local} process(es))"
+    if device.type == "cuda":
+        return max(1, cores - 1), f"auto: {share}, one kept for the training process"
+    return max(1, cores // 2), f"auto: {share}, half of them for the model on the CPU"
 
 
 def _kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> dict[str, Any]:
@@ -77,27 +124,38 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
     return _limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
 
 
-def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int) -> Any:
+def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
+            device: torch.device) -> Any:
+    """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
+    used once at the end, do not hold processes all run long)."""
     ds = SSLDataset(source, build_transform(transform.name, **_kwargs(transform)), seed=cfg.seed)
     sampler = StatefulDistributedSampler(
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
     )
-    return build_loader(ds, batch_size, sampler, num_workers=cfg.data.num_workers,
-                        pin_memory=cfg.data.pin_memory, drop_last=train and cfg.data.drop_last)
+    workers, _ = resolve_num_workers(cfg.data.num_workers, device)
+    pin = cfg.data.pin_memory
+    pin = device.type == "cuda" if pin == "auto" else bool(pin)
+    return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
+                        drop_last=train and cfg.data.drop_last, persistent_workers=train)
 
 
 def build_task(cfg: DictConfig) -> SSLTask:
     """Build data, model, loss, optimizer, schedules and hooks from ``cfg`` into an SSLTask."""
     rank, world = get_rank(), get_world_size()
     device = resolve_device(cfg.machine.device)
+    set_determinism(cfg.machine.deterministic, device)
     if cfg.machine.num_threads > 0:
         torch.set_num_threads(cfg.machine.num_threads)
     seed_everything(cfg.seed + rank)
     setup_control_group()  # every rank, before any other group is created
 
     train_source = _source(cfg, "train")
-    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size)
+    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
+                           device=device)
+    workers, why = resolve_num_workers(cfg.data.num_workers, device)
+    logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why,
+                "on" if train_loader.pin_memory else "off")
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
@@ -124,7 +182,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
     if cfg.machine.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.sync_bn and world > 1:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        from sslkit.models.sync_batchnorm import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model, device)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)
 
     o = cfg.optim
@@ -181,7 +241,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
         hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
     if cfg.eval.knn.enabled:
-        knn = _knn_hook(cfg, train_source, sinks)
+        knn = _knn_hook(cfg, train_source, sinks, device)
         if knn is not None:
             hooks.append(knn)
 
@@ -200,7 +260,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     return task
 
 
-def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any]) -> KNNHook | None:
+def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], device: torch.device) -> KNNHook | None:
     num_classes = getattr(train_source, "num_classes", 0)
     if num_classes <= 0:
         logger.warning("kNN evaluation skipped: the training data has no labels (num_classes=0)")
@@ -215,13 +275,13 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any]) -> KNNHo
         return None
     k = cfg.eval.knn
     channels = getattr(train_source, "channels", 3)
-    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
-    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size)
+    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size, device=device)
+    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size, device=device)
     raw = None
     if k.baselines:  # the same eval crop without normalisation: pixels in [0, 1]
         identity = OmegaConf.create({**_kwargs(cfg.data.eval_transform, ()), "mean": [0.0] * channels,
                                      "std": [1.0] * channels})
-        raw = (_loader(cfg, train_source, identity, train=False, batch_size=k.batch_size),
-               _loader(cfg, test_source, identity, train=False, batch_size=k.batch_size))
+        raw = (_loader(cfg, train_source, identity, train=False, batch_size=k.batch_size, device=device),
+               _loader(cfg, test_source, identity, train=False, batch_size=k.batch_size, device=device))
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
                    every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw)

@@ -46,6 +46,8 @@ def run(cfg: DictConfig) -> SSLTask:
     from sslkit.trainer import train
 
     rank = get_rank()
+    if cfg.machine.deterministic:  # before anything makes a cuBLAS handle (sslkit.builder.set_determinism)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     setup_logging(cfg.output_dir, rank)
     if rank == 0:
         text = OmegaConf.to_yaml(cfg, resolve=True)
@@ -54,7 +56,9 @@ def run(cfg: DictConfig) -> SSLTask:
             f.write(text)
     task = build_task(cfg)
     if cfg.checkpoint.auto_resume:
-        found = load_checkpoint(checkpoint_dir(cfg.output_dir), map_location=task.device)
+        # Loaded on the CPU: RNG states must be CPU tensors, and load_state_dict moves model, loss and
+        # optimizer state onto the device of the tensors they are copied into.
+        found = load_checkpoint(checkpoint_dir(cfg.output_dir), map_location="cpu")
         if found is not None:
             state, path = found
             task.load_state_dict(state)
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     d = cfg.distributed
     try:
         if launched_by_torchrun():
-            init_process_group(d.backend, d.timeout_s)
+            init_process_group(d.backend, d.timeout_s, cfg.machine.device)
             try:
                 run(cfg)
             finally:
@@ -107,7 +111,7 @@ def _launch_workers(args: list[str], cfg: DictConfig) -> int:
     d = cfg.distributed
     try:
         launch(_worker_main, (args,), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
-               d.master_port, d.backend, d.timeout_s)
+               d.master_port, d.backend, d.timeout_s, cfg.machine.device)
     except ProcessExitedException as exc:
         if exc.exit_code == PREEMPTED_EXIT_CODE:
             print("sslkit: pre-empted; the checkpoint was written. Run the same command again to resume.",

@@ -18,6 +18,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce_mean",
     "all_reduce_sum",
+    "all_reduce_sum_with_grad",
     "barrier",
     "gather_no_grad",
     "gather_with_grad",
@@ -78,7 +79,7 @@ def agree_any(*flags: bool) -> list[bool]:
     if not is_distributed():
         return [bool(f) for f in flags]
     setup_control_group()
-    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device="cpu")  # gloo group: CPU
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return [bool(v) for v in t.tolist()]
 
@@ -113,6 +114,39 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     from classy_vision.generic.distributed_util import all_reduce_sum as _cv_all_reduce_sum
 
     return _cv_all_reduce_sum(tensor.clone())
+
+
+class _AllReduceSumWithGrad(torch.autograd.Function):
+    """all_reduce (sum) whose backward all-reduces (sums) the incoming gradient.
+
+    ``y = sum_r x_r`` on every rank and every rank's loss ``L_q`` depends on ``y``, so the gradient of
+    ``sum_q L_q`` with respect to this rank's ``x_r`` is ``sum_q dL_q/dy``: the sum of the gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all processes (a new tensor) whose backward sums the gradient over ranks.
+
+    Differentiable counterpart of :func:`all_reduce_sum` (what the synced BatchNorm reduces its
+    statistics with): the gradient reaching this rank's input is the derivative of the sum of every
+    rank's loss. Every rank must run the backward through it, as for any collective. Without a
+    process group it returns ``tensor`` itself.
+    """
+    if not is_distributed():
+        return tensor
+    return _AllReduceSumWithGrad.apply(tensor)
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -178,36 +212,39 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_process_group(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
+def init_process_group(backend: str = "auto", timeout_s: float = 1800.0, device: str = "auto") -> torch.device:
     """Join the process group described by the environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT) and return this process's device.
 
-    ``backend`` ``auto`` is nccl when CUDA is available and gloo otherwise. A collective that
-    waits longer than ``timeout_s`` fails instead of hanging.
+    ``device`` is ``machine.device``: ``cpu`` keeps every process on the CPU even where GPUs are
+    visible; ``auto``, ``cuda`` (or ``cuda:N``) give each process the GPU of its local rank,
+    ``cuda:<LOCAL_RANK>``. ``backend`` ``auto`` is nccl for GPU processes and gloo for CPU ones.
+    A collective that waits longer than ``timeout_s`` fails instead of hanging.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = device != "cpu" and torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    where = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(where)
     else:  # CPU workers share the cores: one process's threads per core share, not all cores each
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
-    return device
+                                device_id=where if backend == "nccl" else None)
+    return where
 
 
 def _worker(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, node_rank: int,
-            world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+            world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float,
+            device: str) -> None:
     os.environ.update({
         "RANK": str(node_rank * nproc + local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
     })
-    init_process_group(backend, timeout_s)
+    init_process_group(backend, timeout_s, device)
     try:
         fn(*args)
     finally:
@@ -224,13 +261,14 @@ def shutdown() -> None:
 
 def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: int = 1, num_nodes: int = 1,
            node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0, backend: str = "auto",
-           timeout_s: float = 1800.0) -> None:
+           timeout_s: float = 1800.0, device: str = "auto") -> None:
     """Run ``fn(*args)`` in ``nproc_per_node`` spawned processes of a process group.
 
     Multi-node: start the same command on every node with its ``node_rank`` and the same
     ``master_addr`` / ``master_port`` (port 0 picks a free one, single node only). If any worker
     raises, the others are terminated and the error is re-raised here (torch.multiprocessing
-    ``ProcessRaisedException``), so a failure never leaves a hanging run.
+    ``ProcessRaisedException``), so a failure never leaves a hanging run. ``backend`` and ``device``
+    as in :func:`init_process_group`.
     """
     if master_port == 0:
         if num_nodes > 1:
@@ -240,7 +278,8 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: i
     import torch.multiprocessing as mp
 
     context = mp.start_processes(
-        _worker, args=(fn, args, nproc_per_node, node_rank, world, master_addr, master_port, backend, timeout_s),
+        _worker,
+        args=(fn, args, nproc_per_node, node_rank, world, master_addr, master_port, backend, timeout_s, device),
         nprocs=nproc_per_node, join=False, start_method="spawn",
     )
 

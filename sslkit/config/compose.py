@@ -32,7 +32,7 @@ FREE_FORM = {
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
-_VALUE_RULES_ONLY = {"log.progress_bar"}
+_VALUE_RULES_ONLY = {"log.progress_bar", "data.num_workers", "data.pin_memory"}
 
 
 class ConfigError(ValueError):
@@ -276,7 +276,9 @@ def _probability(v: Any) -> bool:
 # value checks: key -> (predicate, requirement)
 _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.batch_size": (lambda v: v > 0, "> 0"),
-    "data.num_workers": (lambda v: v >= 0, ">= 0"),
+    "data.num_workers": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                         "auto or an integer >= 0"),
+    "data.pin_memory": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),
@@ -445,6 +447,55 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _why_no_cuda() -> str:
+    """Why ``torch.cuda.is_available()`` is False, in words a user can act on."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch to use a GPU."
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but finds no usable GPU{where}: "
+            "check that a GPU and its driver are there (nvidia-smi).")
+
+
+def _check_device(cfg: DictConfig, errors: list[str]) -> None:
+    """``machine.device`` must name a device this machine has, and a run on GPUs needs one GPU per process
+    (NCCL refuses two ranks on one GPU): checked here, before anything is written."""
+    device, d = str(cfg.machine.device), cfg.distributed
+    torchrun = "RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
+    procs = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else d.nproc_per_node
+    how = "torchrun --nproc_per_node" if torchrun else "distributed.nproc_per_node"
+    if device == "cpu" or (device == "auto" and not _cuda_available()):
+        if d.backend == "nccl":
+            why = "" if device == "cpu" else ", and no GPU is visible"
+            errors.append(f"'distributed.backend' = nccl needs GPUs, but the processes run on the CPU (machine.device="
+                          f"{device}{why}). Use distributed.backend=gloo or auto.")
+        return
+    if not _cuda_available():
+        errors.append(f"'machine.device' = {device}: {_why_no_cuda()} Or set machine.device=cpu (auto picks the GPU "
+                      "when there is one).")
+        return
+    count = _cuda_device_count()
+    if device.startswith("cuda:"):
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= count:
+            errors.append(f"'machine.device' = {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}.")
+        elif procs > 1:
+            errors.append(f"'machine.device' = {device} names one GPU, but {procs} processes each need their own "
+                          f"({how}={procs}): set machine.device=cuda, and process i uses cuda:i.")
+    if procs > count:
+        errors.append(f"'{how}' = {procs}: {procs} processes on GPUs need {procs} GPUs, and {count} is visible "
+                      f"(one process per GPU; NCCL refuses two ranks on one GPU). Set {how}={count}, or "
+                      f"machine.device=cpu to run {procs} CPU processes with gloo.")
+
+
 def _check_transform(cfg: DictConfig, where: str, builder: Callable[..., Any], errors: list[str]) -> None:
     """Build the transform at ``where`` (cheap: no data) so its own argument checks run now, then check
     that its crops fit the images."""
@@ -473,9 +524,8 @@ def validate(cfg: DictConfig) -> None:
             shown = list(value) if isinstance(value, ListConfig) else value
             errors.append(f"'{key}' must be {req}, got {shown!r}")
     d = cfg.distributed
-    if d.sync_bn and (cfg.machine.device == "cpu" or not _cuda_available()):
-        errors.append("'distributed.sync_bn' needs CUDA: torch's SyncBatchNorm works only on GPU modules. "
-                      "On CPU leave it false (BatchNorm then normalises each rank's batch).")
+    if not errors:
+        _check_device(cfg, errors)
     if not 0 <= d.node_rank < d.num_nodes:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:

@@ -3,17 +3,46 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 
 from sslkit.registry import register_trunk
 
-__all__ = ["SmallCNN", "build_resnet"]
+__all__ = ["SmallCNN", "build_resnet", "grid_pool"]
+
+
+def _pool_matrix(size: int, out: int, like: torch.Tensor) -> torch.Tensor:
+    """[out, size]: row i averages the input cells of adaptive-pooling window i (floor/ceil bounds)."""
+    rows = torch.arange(out, device=like.device)
+    start = (rows * size) // out
+    end = -((-(rows + 1) * size) // out)  # ceil((i + 1) * size / out)
+    cols = torch.arange(size, device=like.device)
+    inside = (cols >= start[:, None]) & (cols < end[:, None])
+    return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
+
+
+def grid_pool(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Average-pool ``x`` [B, C, H, W] to a ``size`` x ``size`` grid: what ``F.adaptive_avg_pool2d`` computes.
+
+    ``adaptive_avg_pool2d``'s CUDA backward accumulates with atomics, and PyTorch raises on it under
+    ``torch.use_deterministic_algorithms(True)`` (``machine.deterministic=true``). Here the grid is
+    taken without it: the input itself when it already is the grid, ``avg_pool2d`` (deterministic
+    backward) when the sides divide evenly, and otherwise the product with two small averaging
+    matrices, ``P_h x P_w^T``, whose windows are adaptive pooling's (also when the grid is larger
+    than the input, e.g. the 2x2 maps of 12-pixel local crops, which are replicated).
+    """
+    h, w = x.shape[-2:]
+    if (h, w) == (size, size):
+        return x
+    if h % size == 0 and w % size == 0:
+        return F.avg_pool2d(x, (h // size, w // size))
+    return torch.einsum("ph,nchw,qw->ncpq", _pool_matrix(h, size, x), x, _pool_matrix(w, size, x))
 
 
 class SmallCNN(nn.Module):
     """Four 3x3 conv-BN-ReLU blocks (the last three with stride 2), average-pooled to a
-    ``pool_size`` x ``pool_size`` grid and flattened.
+    ``pool_size`` x ``pool_size`` grid (:func:`grid_pool`: deterministic on CUDA too) and flattened.
 
     Sized for 28x28 to 64x64 images on a CPU: about 12 MFLOPs per 28x28 image at width 32.
     ``out_dim`` is ``8 * width * pool_size**2``. The grid keeps the coarse layout of the image,
@@ -34,7 +63,7 @@ class SmallCNN(nn.Module):
                 nn.ReLU(inplace=True),
             ]
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(pool_size)
+        self.pool_size = pool_size
         self.out_dim = chans[-1] * pool_size * pool_size
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -42,7 +71,7 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map images [B, C, H, W] to features [B, out_dim]."""
-        return torch.flatten(self.pool(self.features(x)), 1)
+        return torch.flatten(grid_pool(self.features(x), self.pool_size), 1)
 
 
 @register_trunk("small_cnn")
