@@ -35,10 +35,16 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert state["position"] == {"phase_idx": 2, "steps_in_phase": 0, "iteration": 8, "num_updates": 128,
                                  "skipped_steps": {}, "consecutive_skips": 0}
     assert state["hooks"]["knn"]["done"] is True
+    # each checkpoint is logged once; the last epoch's is updated once with the kNN results of the end of the run
+    saves = [line.split("] ", 1)[1] for line in (out / "log.txt").read_text().splitlines() if "checkpoint_0" in line]
+    assert [s.rsplit("/", 1)[1] for s in saves] == [
+        "checkpoint_000000004.pt (end of epoch 0)", "checkpoint_000000008.pt (end of epoch 1)",
+        "checkpoint_000000008.pt (updated at the end of the run with the state of knn)"]
 
-    # Running the same command again finds the finished run and redoes nothing.
+    # Running the same command again finds the finished run and redoes nothing, not even a save.
     again = run_cli("config=simclr", *SMALL, "optim.epochs=2", f"output_dir={out}")
     assert "resumed from" in again.stdout and "kNN already evaluated" in again.stdout
+    assert "saved checkpoint" not in again.stdout
     assert len(metrics(out)) == len(records)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from sslkit.checkpoint import checkpoint_dir, save_checkpoint
 from sslkit.distributed import barrier, is_primary
@@ -24,6 +26,10 @@ class CheckpointHook(SSLHook):
     ``every_n_epochs`` train epochs (0 = never) and the last one, and once more at the end of
     the run. Runs late (priority 90), so every other hook's state of this step is included.
     Only rank 0 writes; every rank takes part (the RNG states of all ranks are saved).
+
+    The end of the last epoch and the end of the run are the same step: the end-of-run save
+    rewrites that file only if a hook's state changed in between (the final kNN results), and
+    logs it as an update naming those hooks; otherwise nothing is written or logged twice.
     """
 
     priority = 90
@@ -33,6 +39,7 @@ class CheckpointHook(SSLHook):
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
+        self._saved: tuple[int, dict[str, Any]] | None = None  # iteration and hook states of the last save
 
     def save(self, task: SSLTask, why: str) -> str | None:
         """Write a checkpoint now; returns its path on rank 0 (None elsewhere).
@@ -48,8 +55,15 @@ class CheckpointHook(SSLHook):
         if is_primary():
             path = save_checkpoint(state, self.dir, task.iteration, self.keep_last)
             logger.info("saved checkpoint %s (%s)", path, why)
+        self._saved = (task.iteration, state["hooks"])
         barrier()
         return path
+
+    def on_start(self, task: SSLTask) -> None:
+        """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
+        state changes (a finished run started again writes nothing)."""
+        if task.iteration > 0:
+            self._saved = (task.iteration, {h.name: h.state_dict() for h in task.hooks if h.name})
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases)."""
@@ -66,5 +80,25 @@ class CheckpointHook(SSLHook):
             self.save(task, f"end of epoch {task.epoch}")
 
     def on_end(self, task: SSLTask) -> None:
-        """Save the final state, with the results of the hooks that ran at the end (kNN)."""
+        """Save the final state, with the results of the hooks that ran at the end (kNN), unless the
+        checkpoint of this step already holds it."""
+        if self._saved is not None and self._saved[0] == task.iteration:
+            before = self._saved[1]
+            changed = [h.name for h in task.hooks if h.name and not _same(before.get(h.name), h.state_dict())]
+            if not changed:
+                return
+            self.save(task, f"updated at the end of the run with the state of {', '.join(changed)}")
+            return
         self.save(task, "end of run")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exact equality of two hook states (nested dicts, lists, tensors, plain values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
+            torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from sslkit.data.health import SkippedSamples
 from sslkit.distributed import is_primary
 from sslkit.hooks.base import SSLHook
@@ -180,8 +182,14 @@ class LogHook(SSLHook):
             self._bar = None
 
     def _emit(self, task: SSLTask) -> None:
+        assert task.last_batch is not None
+        metrics = task.last_batch.metrics
+        # one host-device sync for the loss and every logged term together
+        values = torch.stack([(task.loss_sum / max(task.loss_count, 1)).float(),
+                              *[v.detach().float().mean().to(task.loss_sum.device) for v in metrics.values()]]).tolist()
+        task.perf_stats.resolve()  # the events of the steps since the last record are done now: no extra wait
         now = time.perf_counter()
-        loss = (task.loss_sum / max(task.loss_count, 1)).item()
+        loss = values[0]
         record: dict[str, Any] = {
             "step": task.iteration,
             "epoch": task.epoch,
@@ -190,9 +198,7 @@ class LogHook(SSLHook):
             "lr": task.optimizer.param_groups[0]["lr"],
             "img_per_s": self._samples_since / max(now - self._t_last, 1e-9),
         }
-        assert task.last_batch is not None
-        for key, value in task.last_batch.metrics.items():
-            record[key] = float(value.float().mean().item())
+        record.update(zip(metrics, values[1:], strict=True))
         task.loss_sum.zero_()
         task.loss_count = 0
         self._t_last, self._samples_since = now, 0
