@@ -48,11 +48,13 @@ def test_no_item_call_between_log_intervals(monkeypatch) -> None:
     state = {"stepping": False}
     task = make_task([Phase(train=True, epoch=0)], [], n=30, batch=3)  # 10 steps
     task.hooks.append(LogHook(every_n_steps=5))
-    original = torch.Tensor.item
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
 
-    def counting_item(self):
-        (in_step if state["stepping"] else in_hooks).append(task.iteration)
-        return original(self)
+    def counting(name: str):
+        def read(self):
+            (in_step if state["stepping"] else in_hooks).append(task.iteration)
+            return originals[name](self)
+        return read
 
     def step(t: SSLTask) -> None:
         state["stepping"] = True
@@ -61,7 +63,8 @@ def test_no_item_call_between_log_intervals(monkeypatch) -> None:
         finally:
             state["stepping"] = False
 
-    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    for name in originals:  # the host reads of a tensor's values: each one a sync on CUDA
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
     train(task, step)
     assert task.iteration == 10
     assert in_step == []  # nothing inside the step (on_forward ... on_update included) syncs
