@@ -1,0 +1,119 @@
+"""benchmarks/overhead.py: its plain loop runs under sslkit's precision policy and method hooks, so the
+weights of both loops come out bit-identical, and a plain loop that ignored either would not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from helpers import REPO, SMALL
+from omegaconf import OmegaConf
+
+TINY = [*SMALL, "machine.device=cpu"]
+BF16 = ["amp.enabled=true", "amp.dtype=bfloat16"]
+RECIPES = {  # small settings of the recipes whose method hooks change weights
+    "byol": (["model.kwargs.predictor_hidden_dim=32"], {"MomentumTeacherHook"}),
+    "swav": (["loss.queue_length=32", "model.kwargs.num_prototypes=10", "data.transform.num_small=2"],
+             {"SwAVPrototypesHook"}),
+    "dino": (["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
+             {"MomentumTeacherHook", "FreezeLastLayerHook"}),
+}
+
+
+@pytest.fixture(scope="module")
+def overhead() -> ModuleType:
+    """benchmarks/overhead.py as a module; SSLKIT_MALLOC_TUNED keeps its import from re-executing pytest."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSLKIT_MALLOC_TUNED", "1")
+        spec = importlib.util.spec_from_file_location("sslkit_bench_overhead", REPO / "benchmarks" / "overhead.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(overhead: ModuleType, tmp_path: Path, *overrides: str, steps: int = 4):
+    return overhead.bench_config(steps, [*TINY, *overrides], str(tmp_path))
+
+
+@pytest.mark.slow
+def test_cli_bf16_prints_machine_ratio_and_identical_weights(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("SSLKIT_MALLOC_TUNED", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--steps", "4", "--rounds", "1", "--warmup", "1",
+         *TINY, *BF16], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"^machine: .+ cores .+ torch \S+", out, re.M), out
+    assert re.search(r"^device cpu, precision bf16 autocast, channels_last True", out, re.M), out
+    assert re.search(r"^round 0: sslkit [\d.]+ ms/step median, [\d.]+ mean; plain .* weights identical: True$", out,
+                     re.M), out
+    for label in ("median step", "mean step"):
+        assert re.search(rf"^{label}: sslkit [\d.]+ ms, plain PyTorch [\d.]+ ms, ratio \d+\.\d{{3}} \(overhead",
+                         out, re.M), out
+    assert "weights after 4 steps identical (torch.equal, every tensor, every round): True" in out
+
+
+@pytest.mark.parametrize("precision", [BF16, ["amp.enabled=false"]], ids=["bf16", "fp32"])
+def test_plain_loop_matches_sslkit_and_the_check_sees_a_precision_mismatch(overhead, tmp_path, precision) -> None:
+    cfg = _cfg(overhead, tmp_path, *precision)
+    ours = overhead.sslkit_loop(cfg, 1)
+    plain = overhead.plain_loop(cfg, 1)
+    assert overhead.identical(ours.weights, plain.weights)
+    assert len(ours.step_times) == len(plain.step_times) == 3 and ours.block_steps == plain.block_steps == 3
+    # The same plain loop in the other precision (e.g. one that ignores autocast) must not pass the check.
+    other = _cfg(overhead, tmp_path, "amp.enabled=false" if cfg.amp.enabled else "amp.enabled=true")
+    mismatch = overhead.plain_loop(other, 1).weights
+    assert not overhead.identical(ours.weights, mismatch)
+    key, diff = overhead.largest_difference(ours.weights, mismatch)
+    assert key in ours.weights and diff > 0
+    assert overhead.largest_difference(ours.weights, plain.weights) == ("", 0.0)
+
+
+@pytest.mark.parametrize("overrides", [["amp.enabled=true", "amp.dtype=float16"], ["optim.accumulate_steps=2"]],
+                         ids=["fp16-gradscaler", "accumulate2"])
+def test_plain_loop_matches_with_gradscaler_and_accumulation(overhead, tmp_path, overrides) -> None:
+    cfg = _cfg(overhead, tmp_path, *overrides, "data.train.kwargs.num_samples=128")
+    assert overhead.identical(overhead.sslkit_loop(cfg, 1).weights, overhead.plain_loop(cfg, 1).weights)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_method_hooks_run_in_the_plain_loop(overhead, tmp_path, monkeypatch, recipe) -> None:
+    extra, expected = RECIPES[recipe]
+    # 6 steps of 4 per epoch: DINO's last layer is frozen in epoch 0 and trained in epoch 1.
+    cfg = _cfg(overhead, tmp_path, f"config={recipe}", *extra, *BF16, steps=6)
+    ours = overhead.sslkit_loop(cfg, 1)
+    plain = overhead.plain_loop(cfg, 1)
+    assert overhead.identical(ours.weights, plain.weights)
+    shared = {type(h).__name__ for h in overhead.method_hooks(overhead.build_task(cfg))}
+    assert expected <= shared and not shared & {"LogHook", "CheckpointHook", "NonFiniteLossHook", "PreemptionHook"}
+    monkeypatch.setattr(overhead, "method_hooks", lambda task: [])  # a plain loop without the method's hooks
+    assert not overhead.identical(ours.weights, overhead.plain_loop(cfg, 1).weights)
+
+
+def test_clock_times_the_steps_after_warmup(overhead) -> None:
+    clock = overhead.Clock(torch.device("cpu"), warmup=2, total=5)
+    clock.start()
+    for _ in range(5):
+        clock.step()
+    assert len(clock.intervals()) == 3 and clock.block_seconds() >= 0
+    with pytest.raises(ValueError, match="no step to time"):
+        overhead.Clock(torch.device("cpu"), warmup=5, total=5)
+
+
+def test_refuses_what_the_plain_loop_does_not_mirror(overhead) -> None:
+    task = SimpleNamespace(config=OmegaConf.create({"train_step": "mine"}), world_size=1, phases=[])
+    with pytest.raises(SystemExit, match="only the standard train step"):
+        overhead.check_supported(task)
+    task = SimpleNamespace(config=OmegaConf.create({"train_step": "standard"}), world_size=2, phases=[])
+    with pytest.raises(SystemExit, match="one process"):
+        overhead.check_supported(task)
