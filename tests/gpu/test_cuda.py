@@ -1,0 +1,144 @@
+"""On CUDA: every recipe (bf16 autocast, channels_last), resume, kNN, no sync in the step, deterministic runs.
+
+Marked ``gpu``: skipped where no CUDA device is visible (CI). Run them on a GPU machine with
+``python -m pytest -q -m gpu``. The CPU checks of the same properties are tests/test_audit.py
+(device-less tensors, host syncs, nondeterministic ops, unregistered state) and
+tests/reliability/test_resume.py (bit-exact resume on the CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import RECIPES, SMALL, metrics, run_cli
+from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+#: What a GPU user runs: bf16 autocast and channels_last on the GPU (later overrides win over SMALL's cpu).
+GPU = ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16", "machine.channels_last=true"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_trains_and_evaluates_on_cuda(tmp_path: Path, recipe: str) -> None:
+    out = tmp_path / recipe
+    proc = run_cli(f"config={recipe}", *SMALL, *RECIPES[recipe], *GPU, "optim.max_steps=3", f"output_dir={out}")
+    assert "device cuda:" in proc.stdout and "AMP torch.bfloat16" in proc.stdout
+    train = [r for r in metrics(out) if r.get("phase") == "train"]
+    assert train and all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    assert any("knn_top1" in r for r in metrics(out))  # the kNN evaluation ran on the GPU
+    assert "GPU time per section (CUDA events)" in (out / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "dino"])
+def test_resume_on_cuda_restores_the_state_onto_the_gpu(tmp_path: Path, recipe: str) -> None:
+    """A run killed after step 10 resumes from step 8 on the GPU (the RNG states must come back as CPU tensors,
+    the model, loss buffers and optimizer state on the GPU) and finishes."""
+    from sslkit.builder import build_task
+    from sslkit.checkpoint import checkpoint_dir, load_checkpoint
+    from sslkit.config.compose import compose_config
+
+    args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *GPU, "optim.epochs=2", "checkpoint.every_n_steps=4"]
+    out = tmp_path / "run"
+    kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    resumed = run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV)
+    assert "checkpoint_000000008.pt" in resumed.stdout and latest_state(out)["position"]["iteration"] == 12
+
+    task = build_task(compose_config([*args, f"output_dir={tmp_path / 'fresh'}"]))
+    state, _ = load_checkpoint(checkpoint_dir(str(out)), map_location="cpu")
+    task.load_state_dict(state)
+    assert {p.device.type for p in task.base_model.parameters()} == {"cuda"}
+    assert {b.device.type for b in task.loss.buffers()} <= {"cuda"}
+    moments = [v for s in task.optimizer.state.values() for k, v in s.items()
+               if isinstance(v, torch.Tensor) and k != "step"]
+    assert moments and {v.device.type for v in moments} == {"cuda"}
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "swav", "dino"])
+def test_deterministic_cuda_runs_and_resumes_are_bit_identical(tmp_path: Path, recipe: str) -> None:
+    """machine.deterministic=true: two identical runs, and a run killed with SIGKILL mid-epoch and resumed, end
+    with identical checkpoints (model, teacher, optimizer, queues, centre, hook states, RNG of CPU and GPU)."""
+    args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *GPU, "machine.deterministic=true", "optim.epochs=2",
+            "checkpoint.every_n_steps=4"]
+    never = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
+    kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    run_cli(*args, never, f"output_dir={tmp_path / 'a'}", env=FAULT_ENV)
+    run_cli(*args, never, f"output_dir={tmp_path / 'b'}", env=FAULT_ENV)
+    reference = latest_state(tmp_path / "a")
+    assert "cuda" in reference["rng"][0]
+    assert_identical(latest_state(tmp_path / "b"), reference)
+
+    out = tmp_path / "killed"
+    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV)
+    assert_identical(latest_state(out), reference)
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "byol", "swav", "dino", "vicreg"])
+def test_no_host_device_sync_inside_the_step(tmp_path: Path, recipe: str) -> None:
+    """CUDA's sync debug mode raises on any synchronising call (item, a blocking copy, a stream sync) inside steps
+    3-6; the first two may sync (cuDNN autotuning, first allocations). Logging and checkpoints, which sync at their
+    interval by contract, run outside the step."""
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], *GPU, "optim.max_steps=6",
+                          "log.every_n_steps=100", "eval.knn.enabled=false", "log.tensorboard=false",
+                          f"output_dir={tmp_path}"])
+    task = build_task(cfg)
+    steps = {"done": 0}
+
+    def watched(task) -> None:
+        steps["done"] += 1
+        if steps["done"] <= 2:
+            return standard_train_step(task)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            standard_train_step(task)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    train(task, watched)
+    assert task.iteration == 6
+
+
+def test_step_timers_charge_gpu_time_to_the_section_that_queued_it() -> None:
+    """Host timers would give ~0 to 'kernel' (it only queues) and the whole time to 'wait' (it syncs)."""
+    from sslkit.task import PerfStats
+
+    stats = PerfStats(torch.device("cuda"))
+    torch.cuda.synchronize()
+    with stats.timer("kernel"):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time, returns at once on the host
+    with stats.timer("wait"):
+        torch.cuda.synchronize()
+    stats.resolve()
+    assert stats.totals["kernel"] > 0.005
+    assert stats.totals["kernel"] > 10 * stats.totals["wait"]
+    assert "GPU time per section" in stats.table()
+
+
+def test_more_processes_than_gpus_stop_at_config_time(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    n = torch.cuda.device_count() + 1
+    proc = run_cli("config=simclr", *SMALL, "machine.device=cuda", f"distributed.nproc_per_node={n}",
+                   f"output_dir={out}", check=False)
+    assert proc.returncode == 2
+    assert f"Set distributed.nproc_per_node={n - 1}, or machine.device=cpu" in proc.stderr
+    assert not out.exists()
+
+
+def test_auto_workers_and_pinned_memory_on_cuda(tmp_path: Path) -> None:
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+
+    task = build_task(compose_config(["config=simclr", *SMALL, *GPU, "data.num_workers=auto", "data.pin_memory=auto",
+                                      f"output_dir={tmp_path}"]))
+    loader = task.loaders["train"]
+    assert loader.pin_memory and loader.num_workers >= 1 and loader.persistent_workers
+    assert torch.backends.cudnn.benchmark  # autotuned convolutions when not deterministic
