@@ -112,6 +112,9 @@ from sslkit.registry import register_loss
 
 @register_loss("cpu_scale_loss")
 class CpuScaleLoss(torch.nn.Module):
+    def __init__(self, temperature: float = 0.1) -> None:
+        super().__init__()
+
     def forward(self, output, sample):
         z = output["projections"][0]
         scale = torch.tensor(2.0)
@@ -130,10 +133,10 @@ def test_tools_audit_names_a_user_method_s_faults_and_exits_1(tmp_path: Path) ->
     (tmp_path / "my_ssl.py").write_text(BAD_LOSS.lstrip("\n"))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     base = [sys.executable, str(REPO / "tools" / "audit.py"), "config=simclr", *SMALL]
-    bad = subprocess.run([*base, "imports=[my_ssl]", "loss.name=cpu_scale_loss", "~loss.temperature"],
+    bad = subprocess.run([*base, "imports=[my_ssl]", "loss.name=cpu_scale_loss"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert bad.returncode == 1, bad.stderr
-    assert "my_ssl.py:9 in forward: torch.tensor [no-device]" in bad.stdout
-    assert "my_ssl.py:10 in forward: Tensor.item [host-sync]" in bad.stdout
+    assert "my_ssl.py:12 in forward: torch.tensor [no-device]" in bad.stdout
+    assert "my_ssl.py:13 in forward: Tensor.item [host-sync]" in bad.stdout
     good = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert good.returncode == 0 and "0 finding(s)" in good.stdout
