@@ -62,8 +62,8 @@ def set_determinism(deterministic: bool, device: torch.device) -> None:
     On: ``torch.use_deterministic_algorithms(True)`` (deterministic kernels, and an error naming
     any operation that has none), cuDNN in deterministic mode without autotuning, and
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS reads when its first handle is made (so
-    this runs before the first matrix product; :func:`sslkit.cli.run` sets it before anything
-    touches CUDA, and a value the user exported is kept). Off: cuDNN autotunes its convolution
+    :func:`build_task` calls this before anything computes on the device; a value the user
+    exported is kept). Off: cuDNN autotunes its convolution
     algorithms on CUDA (``cudnn.benchmark``), the fastest choice for the fixed crop sizes of SSL.
     Data order and augmentations are deterministic either way (seeded by seed, epoch, index).
     """
@@ -125,7 +125,7 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
 
 
 def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
-            device: torch.device) -> Any:
+            workers: int, pin: bool) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
     used once at the end, do not hold processes all run long)."""
     ds = SSLDataset(source, build_transform(transform.name, **_kwargs(transform)), seed=cfg.seed)
@@ -133,9 +133,6 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
     )
-    workers, _ = resolve_num_workers(cfg.data.num_workers, device)
-    pin = cfg.data.pin_memory
-    pin = device.type == "cuda" if pin == "auto" else bool(pin)
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
                         drop_last=train and cfg.data.drop_last, persistent_workers=train)
 
@@ -151,11 +148,11 @@ def build_task(cfg: DictConfig) -> SSLTask:
     setup_control_group()  # every rank, before any other group is created
 
     train_source = _source(cfg, "train")
-    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
-                           device=device)
     workers, why = resolve_num_workers(cfg.data.num_workers, device)
-    logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why,
-                "on" if train_loader.pin_memory else "off")
+    pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
+    logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
+    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
+                           workers=workers, pin=pin)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
@@ -241,7 +238,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
         hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
     if cfg.eval.knn.enabled:
-        knn = _knn_hook(cfg, train_source, sinks, device)
+        knn = _knn_hook(cfg, train_source, sinks, workers, pin)
         if knn is not None:
             hooks.append(knn)
 
@@ -260,7 +257,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     return task
 
 
-def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], device: torch.device) -> KNNHook | None:
+def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool) -> KNNHook | None:
     num_classes = getattr(train_source, "num_classes", 0)
     if num_classes <= 0:
         logger.warning("kNN evaluation skipped: the training data has no labels (num_classes=0)")
@@ -275,13 +272,14 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], device: 
         return None
     k = cfg.eval.knn
     channels = getattr(train_source, "channels", 3)
-    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size, device=device)
-    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, batch_size=k.batch_size, device=device)
+    loading = {"batch_size": k.batch_size, "workers": workers, "pin": pin}
+    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, **loading)
+    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, **loading)
     raw = None
     if k.baselines:  # the same eval crop without normalisation: pixels in [0, 1]
         identity = OmegaConf.create({**_kwargs(cfg.data.eval_transform, ()), "mean": [0.0] * channels,
                                      "std": [1.0] * channels})
-        raw = (_loader(cfg, train_source, identity, train=False, batch_size=k.batch_size, device=device),
-               _loader(cfg, test_source, identity, train=False, batch_size=k.batch_size, device=device))
+        raw = (_loader(cfg, train_source, identity, train=False, **loading),
+               _loader(cfg, test_source, identity, train=False, **loading))
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
                    every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw)

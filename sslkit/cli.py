@@ -46,8 +46,6 @@ def run(cfg: DictConfig) -> SSLTask:
     from sslkit.trainer import train
 
     rank = get_rank()
-    if cfg.machine.deterministic:  # before anything makes a cuBLAS handle (sslkit.builder.set_determinism)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     setup_logging(cfg.output_dir, rank)
     if rank == 0:
         text = OmegaConf.to_yaml(cfg, resolve=True)
