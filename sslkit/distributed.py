@@ -116,26 +116,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return _cv_all_reduce_sum(tensor.clone())
 
 
-class _AllReduceSumWithGrad(torch.autograd.Function):
-    """all_reduce (sum) whose backward all-reduces (sums) the incoming gradient.
-
-    ``y = sum_r x_r`` on every rank and every rank's loss ``L_q`` depends on ``y``, so the gradient of
-    ``sum_q L_q`` with respect to this rank's ``x_r`` is ``sum_q dL_q/dy``: the sum of the gradients.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad
-
-
 def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of ``tensor`` over all processes (a new tensor) whose backward sums the gradient over ranks.
 
@@ -146,7 +126,9 @@ def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """
     if not is_distributed():
         return tensor
-    return _AllReduceSumWithGrad.apply(tensor)
+    from torch.distributed.nn.functional import all_reduce  # its backward all-reduces the gradient with the same op
+
+    return all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 class _GatherWithGrad(torch.autograd.Function):

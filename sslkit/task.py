@@ -331,7 +331,7 @@ class SSLTask:
             "loss": self.loss.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "hooks": {h.name: h.state_dict() for h in self.hooks if h.name},
+            "hooks": self.hook_states(),
             "position": {
                 "phase_idx": phase_idx,
                 "steps_in_phase": steps,
@@ -343,6 +343,10 @@ class SSLTask:
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
             "rank_local": self._rank_local_state(gather_rng),
         }
+
+    def hook_states(self) -> dict[str, Any]:
+        """The state of every named hook, by name (what a checkpoint stores under ``hooks``)."""
+        return {h.name: h.state_dict() for h in self.hooks if h.name}
 
     def _rank_local_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers that hold different values on different ranks, by ``part.module.buffer`` name:

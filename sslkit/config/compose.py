@@ -468,9 +468,11 @@ def _why_no_cuda() -> str:
 def _check_device(cfg: DictConfig, errors: list[str]) -> None:
     """``machine.device`` must name a device this machine has, and a run on GPUs needs one GPU per process
     (NCCL refuses two ranks on one GPU): checked here, before anything is written."""
+    from sslkit.distributed import launched_by_torchrun
+
     device, d = str(cfg.machine.device), cfg.distributed
-    torchrun = "RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
-    procs = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else d.nproc_per_node
+    torchrun = launched_by_torchrun()
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if torchrun else d.nproc_per_node
     how = "torchrun --nproc_per_node" if torchrun else "distributed.nproc_per_node"
     if device == "cpu" or (device == "auto" and not _cuda_available()):
         if d.backend == "nccl":

@@ -63,7 +63,7 @@ class CheckpointHook(SSLHook):
         """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
         state changes (a finished run started again writes nothing)."""
         if task.iteration > 0:
-            self._saved = (task.iteration, {h.name: h.state_dict() for h in task.hooks if h.name})
+            self._saved = (task.iteration, task.hook_states())
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases)."""
@@ -83,8 +83,8 @@ class CheckpointHook(SSLHook):
         """Save the final state, with the results of the hooks that ran at the end (kNN), unless the
         checkpoint of this step already holds it."""
         if self._saved is not None and self._saved[0] == task.iteration:
-            before = self._saved[1]
-            changed = [h.name for h in task.hooks if h.name and not _same(before.get(h.name), h.state_dict())]
+            before, now = self._saved[1], task.hook_states()
+            changed = [name for name, state in now.items() if not _same(before.get(name), state)]
             if not changed:
                 return
             self.save(task, f"updated at the end of the run with the state of {', '.join(changed)}")
