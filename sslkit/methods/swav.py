@@ -234,14 +234,19 @@ class SwAVLoss(nn.Module):
         self._window_count = 0
 
     # the python counters travel in state_dict() under "_extra_state" (checkpointed, no sync)
-    def get_extra_state(self) -> dict[str, int]:
-        """``iteration`` and ``queue_filled``, saved with the module's state dict."""
-        return {"iteration": self.iteration, "queue_filled": self.queue_filled}
+    def get_extra_state(self) -> dict[str, int | float]:
+        """``iteration``, ``queue_filled`` and the collapse check's open window (its loss sum: one host
+        sync, at checkpoint time only), saved with the module's state dict, so a resumed run judges the
+        same windows as an uninterrupted one."""
+        return {"iteration": self.iteration, "queue_filled": self.queue_filled,
+                "window_count": self._window_count, "window_sum": float(self._window_sum.item())}
 
-    def set_extra_state(self, state: dict[str, int]) -> None:
-        """Restore :meth:`get_extra_state`."""
+    def set_extra_state(self, state: dict[str, int | float]) -> None:
+        """Restore :meth:`get_extra_state` (checkpoints older than the window fields start a new window)."""
         self.iteration = int(state["iteration"])
         self.queue_filled = int(state["queue_filled"])
+        self._window_count = int(state.get("window_count", 0))
+        self._window_sum.fill_(float(state.get("window_sum", 0.0)))
 
     @property
     def queue_active(self) -> bool:
@@ -347,8 +352,11 @@ class SwAVPrototypesHook(SSLHook):
         w.copy_(F.normalize(w, dim=1))
 
     def on_start(self, task: SSLTask) -> None:
-        """Normalise the prototypes once before training (or after a resume)."""
-        self._normalize(task)
+        """Normalise the prototypes once before a fresh run. Not after a resume: the checkpointed
+        prototypes were normalised by the last ``on_update``, and normalising again is not exact in
+        floating point (the last bits move), so a resumed run would drift from an uninterrupted one."""
+        if task.iteration == 0:
+            self._normalize(task)
 
     def on_backward(self, task: SSLTask) -> None:
         """Drop the prototypes' gradient during the first ``freeze_prototypes_iters`` steps."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL, run_cli
+from helpers import SMALL, metrics, run_cli
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -322,7 +322,12 @@ def test_recipe_runs_and_checkpoints_the_queue(tmp_path: Path) -> None:
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
     assert state["position"]["iteration"] == 3
     loss_state = state["loss"]
-    assert loss_state["_extra_state"] == {"iteration": 3, "queue_filled": 24}
+    extra = loss_state["_extra_state"]
+    assert (extra["iteration"], extra["queue_filled"], extra["window_count"]) == (3, 24, 3)
+    # the collapse check's open window (saved so a resumed run judges the same windows): the sum of the 3
+    # train losses, which metrics.jsonl logs as the mean of steps 1-2 (at step 2) and of step 3 (epoch end)
+    losses = {r["step"]: r["loss"] for r in metrics(out) if r.get("phase") == "train" and "loss" in r}
+    assert extra["window_sum"] == pytest.approx(2 * losses[2] + losses[3], rel=1e-5)
     queue = loss_state["queue"]
     assert queue.shape == (2, 24, 16) and queue.abs().sum() > 0  # filled from its zero initial value
     assert torch.allclose(queue[0].norm(dim=1), torch.ones(24), atol=1e-5)
