@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch.utils.data import Dataset, Subset
 
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
+from sslkit.config.compose import ConfigError
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
 from sslkit.hooks import (
@@ -133,8 +135,9 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
     )
+    ignores = tuple(int(getattr(signal, name)) for name in cfg.reliability.preemption_signals)
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
-                        drop_last=train and cfg.data.drop_last, persistent_workers=train)
+                        drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores)
 
 
 def build_task(cfg: DictConfig) -> SSLTask:
@@ -156,10 +159,15 @@ def build_task(cfg: DictConfig) -> SSLTask:
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"data.batch_size={cfg.data.batch_size} x {world} processes x optim.accumulate_steps={accumulate} "
-            f"is larger than the {len(train_source)} training samples (data.limit={cfg.data.limit}): no full "
-            "step. Lower data.batch_size or raise data.limit."
+        n = len(train_source)  # type: ignore[arg-type]
+        per_step = cfg.data.batch_size * world * accumulate
+        most = max(1, n // (world * accumulate))
+        cut = " (data.limit keeps only those; raise it)" if 0 < cfg.data.limit <= n else ""
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size}: one optimizer step takes {cfg.data.batch_size} x {world} "
+            f"process(es) x optim.accumulate_steps={accumulate} = {per_step} images, and the training data has "
+            f"{n}{cut}: no step would run. Set data.batch_size={min(most, cfg.data.batch_size)} or lower, or "
+            "use more data."
         )
     global_batch = cfg.data.batch_size * world * accumulate
     if cfg.optim.max_steps > 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import re
@@ -10,11 +12,20 @@ from typing import Any
 import torch
 from iopath.common.file_io import g_pathmgr
 
-__all__ = ["atomic_write", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
+
+__all__ = [
+    "CheckpointError",
+    "atomic_write", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
 
 LATEST = "latest.txt"
+
+
+class CheckpointError(UserError):
+    """No checkpoint of the run folder can be read; the message says how to start afresh."""
+
 _NAME = re.compile(r"^checkpoint_(\d+)\.pt$")
 
 
@@ -26,11 +37,16 @@ def checkpoint_dir(output_dir: str) -> str:
 def atomic_write(path: str, write: Any) -> None:
     """Write through ``write(f)`` into a temporary file, fsync it, then rename over ``path``."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal, a bug: never leave a half-written file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -52,16 +68,43 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
     The pointer is written last, so a crash at any moment leaves the previous checkpoint and
     pointer intact. Checkpoints beyond the ``keep_last`` newest are deleted (0 keeps all).
     """
-    os.makedirs(ckpt_dir, exist_ok=True)
     name = f"checkpoint_{iteration:09d}.pt"
     path = os.path.join(ckpt_dir, name)
-    atomic_write(path, lambda f: torch.save(state, f))
-    atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a full disk as a RuntimeError ("enforce fail at inline_container.cc")
+        # with the OSError as its cause, or none at all: look for the errno in the chain.
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        with contextlib.suppress(OSError):  # the new file is incomplete or unpointed: keep the old pointer valid
+            if latest_checkpoint(ckpt_dir) != path and os.path.exists(path):
+                os.remove(path)
+        raise storage_error(cause, "the checkpoint", path, latest_checkpoint(ckpt_dir)) from exc
     if keep_last > 0:
         for _, old in _list(ckpt_dir)[:-keep_last]:
             if old != name:
                 os.remove(os.path.join(ckpt_dir, old))
     return path
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The storage OSError behind ``exc`` (itself, a cause in its chain, or one named in torch's message)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in STORAGE_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    for code, words in ((errno.ENOSPC, "No space left"), (errno.EDQUOT, "quota exceeded"),
+                        (errno.EROFS, "Read-only file system"), (errno.EACCES, "Permission denied"),
+                        (errno.EIO, "file write failed")):
+        if words.lower() in text.lower():
+            return OSError(code, os.strerror(code))
+    return None
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:
@@ -96,8 +139,9 @@ def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> 
         except Exception as exc:  # a truncated or corrupt file: fall back to an older one
             logger.error("checkpoint %s is unreadable (%s: %s); trying an older one", path,
                          type(exc).__name__, exc)
-    raise RuntimeError(
-        f"no readable checkpoint in {ckpt_dir} ({len(candidates)} tried). Move the folder away to "
-        "start afresh, or set checkpoint.auto_resume=false."
+    raise CheckpointError(
+        f"no checkpoint in {ckpt_dir} can be read ({len(candidates)} tried; the reasons are logged above). "
+        "To start afresh in the same folder, run the same command with checkpoint.auto_resume=false: the old "
+        "run's files are moved to previous/ in the folder, not deleted. Or set a new output_dir."
     )
 

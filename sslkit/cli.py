@@ -6,17 +6,26 @@ import logging
 import os
 import sys
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
 from sslkit.config.compose import ConfigError, compose_config
 from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun, shutdown
+from sslkit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    STORAGE_ERRNOS,
+    UserError,
+    storage_error,
+)
 from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
+from sslkit.runfolder import FolderPlan, prepare_output_dir, write_config
 from sslkit.task import SSLTask
 
-__all__ = ["main", "run", "setup_logging"]
+__all__ = ["console", "main", "run", "setup_logging"]
 
 logger = logging.getLogger("sslkit")
 
@@ -40,94 +49,180 @@ def setup_logging(output_dir: str | None, rank: int = 0) -> None:
         logger.addHandler(file)
 
 
-def run(cfg: DictConfig) -> SSLTask:
-    """Train with a composed config: write config.yaml, build the task, auto-resume, train."""
+def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = None) -> SSLTask:
+    """Train with a composed config: write config.yaml, build the task, auto-resume, train.
+
+    ``plan`` is what :func:`~sslkit.runfolder.prepare_output_dir` decided for the folder (made by
+    :func:`main` before any worker starts); ``summary`` the config as a diff against its recipe.
+    """
     from sslkit.builder import build_task
     from sslkit.trainer import train
 
     rank = get_rank()
     setup_logging(cfg.output_dir, rank)
     if rank == 0:
-        text = OmegaConf.to_yaml(cfg, resolve=True)
-        logger.info("config:\n%s", text)
-        with open(os.path.join(cfg.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(text)
+        if plan is not None:
+            plan.log()
+        write_config(cfg)
+        logger.info("%s", summary or f"config: {cfg.name}; the full config is in "
+                    f"{os.path.join(cfg.output_dir, 'config.yaml')}")
     task = build_task(cfg)
-    if cfg.checkpoint.auto_resume:
-        # Loaded on the CPU: RNG states must be CPU tensors, and load_state_dict moves model, loss and
-        # optimizer state onto the device of the tensors they are copied into.
-        found = load_checkpoint(checkpoint_dir(cfg.output_dir), map_location="cpu")
-        if found is not None:
-            state, path = found
-            task.load_state_dict(state)
-            logger.info("resumed from %s", path)
-    step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
-    train(task, step)
+    try:
+        if cfg.checkpoint.auto_resume:
+            # Loaded on the CPU: RNG states must be CPU tensors, and load_state_dict moves model, loss and
+            # optimizer state onto the device of the tensors they are copied into.
+            found = load_checkpoint(checkpoint_dir(cfg.output_dir), map_location="cpu")
+            if found is not None:
+                state, path = found
+                task.load_state_dict(state)
+                logger.info("resumed from %s", path)
+        step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
+        train(task, step)
+    finally:
+        task.close()
     return task
 
 
+def _debug(args: list[str]) -> tuple[list[str], bool]:
+    """``--debug`` (or ``SSLKIT_DEBUG=1``): tracebacks for the errors that are otherwise a message."""
+    flag = "--debug" in args
+    return [a for a in args if a != "--debug"], flag or os.environ.get("SSLKIT_DEBUG", "") not in ("", "0")
+
+
+def _summary(args: list[str], cfg: DictConfig) -> str | None:
+    try:
+        from sslkit.config.compose import format_recipe_diff
+    except ImportError:
+        return None
+    return format_recipe_diff(args, cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python tools/run.py config=simclr a.b=c ...``; returns the exit code."""
-    args = sys.argv[1:] if argv is None else argv
+    """``python tools/run.py config=simclr a.b=c ...``; returns the exit code.
+
+    Every failure a user can cause (a config, a path, a folder, a full disk, a signal) ends with a
+    message on stderr and an exit code (2: bad input, 1: stopped, 75: pre-empted with a checkpoint,
+    130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
+    traceback means a bug in sslkit (or in user code it runs).
+    """
+    args, debug = _debug(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
-        print(__doc__ + "\n\nusage: python tools/run.py [config=NAME] [data=NAME] [key=value ...]\n"
-              "Every key is documented in sslkit/config/defaults.yaml and docs/configs.md.")
+        print(_usage())
         return 0
+    logging.raiseExceptions = False  # a log file on a full disk must not print tracebacks
     try:
-        cfg = compose_config(args)
-    except (ConfigError, R.UnknownNameError) as exc:
-        print(f"sslkit: config error: {exc}", file=sys.stderr)
-        return 2
-    d = cfg.distributed
-    try:
-        if launched_by_torchrun():
-            init_process_group(d.backend, d.timeout_s, cfg.machine.device)
-            try:
-                run(cfg)
-            finally:
-                shutdown()
-        elif d.nproc_per_node > 1 or d.num_nodes > 1:
-            return _launch_workers(args, cfg)
-        else:
-            run(cfg)
+        return _main(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("sslkit: interrupted at once (a second Ctrl-C, or one before training started); no checkpoint was "
+              "written for the steps since the last one. Run the same command again to resume from the last "
+              "checkpoint.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Preempted as exc:
         print(f"sslkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except TrainingHalted as exc:
+        if debug:
+            raise
         print(f"sslkit: stopped: {exc}", file=sys.stderr)
-        return 1
-    except DataSourceError as exc:
-        print(f"sslkit: data error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_STOPPED
+    except (UserError, R.UnknownNameError) as exc:
+        if debug:
+            raise
+        kind = "config error" if isinstance(exc, ConfigError | R.UnknownNameError) else (
+            "data error" if isinstance(exc, DataSourceError) else "error")
+        print(f"sslkit: {kind}: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", EXIT_BAD_INPUT)
+    except OSError as exc:
+        if debug or exc.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'))}", file=sys.stderr)
+        return EXIT_STOPPED
+
+
+def _usage() -> str:
+    try:
+        from sslkit.catalog import usage_text
+    except ImportError:
+        return (__doc__ + "\n\nusage: python tools/run.py [config=NAME] [data=NAME] [key=value ...]\n"
+                "Every key is documented in sslkit/config/defaults.yaml and docs/configs.md.")
+    return usage_text()
+
+
+def _main(args: list[str]) -> int:
+    cfg = compose_config(args)
+    d = cfg.distributed
+    torchrun = launched_by_torchrun()
+    plan = prepare_output_dir(cfg, primary=not torchrun or int(os.environ["RANK"]) == 0)
+    summary = _summary(args, cfg)
+    if torchrun:
+        init_process_group(d.backend, d.timeout_s, cfg.machine.device)
+        try:
+            run(cfg, plan, summary)
+        finally:
+            shutdown()
+    elif d.nproc_per_node > 1 or d.num_nodes > 1:
+        return _launch_workers(args, cfg, plan, summary)
+    else:
+        run(cfg, plan, summary)
     return 0
 
 
-def _launch_workers(args: list[str], cfg: DictConfig) -> int:
+def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:
     """Spawn this node's workers and turn their failures into a message and an exit status."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     d = cfg.distributed
     try:
-        launch(_worker_main, (args,), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
+        launch(_worker_main, (args, plan, summary), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
                d.master_port, d.backend, d.timeout_s, cfg.machine.device)
     except ProcessExitedException as exc:
         if exc.exit_code == PREEMPTED_EXIT_CODE:
             print("sslkit: pre-empted; the checkpoint was written. Run the same command again to resume.",
                   file=sys.stderr)
             return PREEMPTED_EXIT_CODE
+        if exc.exit_code in (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED):  # the worker printed why
+            print(f"sslkit: worker {exc.error_index} stopped (exit {exc.exit_code}, its message is above); all "
+                  "workers were stopped.", file=sys.stderr)
+            return exc.exit_code
         print(f"sslkit: a worker died ({exc}); all workers were stopped. Running the same command resumes "
               "from the last checkpoint.", file=sys.stderr)
-        return 1
+        return EXIT_STOPPED
     except ProcessRaisedException as exc:
         print(f"sslkit: a worker failed; all workers were stopped.\n{exc}", file=sys.stderr)
-        return 1
+        return EXIT_STOPPED
     return 0
 
 
-def _worker_main(args: list[str]) -> None:
+def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str | None = None) -> None:
     """Entry point of a spawned worker: compose the same config (imports included) and run.
-    A pre-empted worker exits with :data:`PREEMPTED_EXIT_CODE` (rank 0 has logged why)."""
+
+    A pre-empted worker exits with :data:`PREEMPTED_EXIT_CODE` (rank 0 has logged why); a user
+    error is printed by rank 0 and ends the worker with its exit code, without a traceback.
+    """
     try:
-        run(compose_config(args))
+        run(compose_config(args), plan if get_rank() == 0 else None, summary)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+    except (UserError, TrainingHalted) as exc:
+        if get_rank() == 0:
+            print(f"sslkit: {'stopped' if isinstance(exc, TrainingHalted) else 'error'}: {exc}", file=sys.stderr)
+        sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
+
+
+def console(argv: list[str] | None = None) -> int:
+    """The ``sslkit`` command: ``sslkit list`` (what can be named in a config), ``sslkit train ARGS``
+    (the same as ``python tools/run.py ARGS``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "list":
+        from sslkit.catalog import catalog_text
+
+        print(catalog_text())
+        return 0
+    if args and args[0] == "train":
+        return main(args[1:])
+    print("usage: sslkit list | sslkit train [config=NAME] [data=NAME] [key=value ...]\n\n" + _usage())
+    return 0 if args and args[0] in ("-h", "--help") else EXIT_BAD_INPUT

@@ -177,9 +177,10 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
 logger = logging.getLogger("sslkit")
 
 
-#: Signals the spawning parent passes on to its workers (the pre-emption signals; SIGINT reaches
-#: the whole process group from a terminal anyway).
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: Signals the spawning parent passes on to its workers instead of dying of them (the pre-emption
+#: signals). A signal sent to the whole process group reaches each worker twice (directly and passed
+#: on); the workers take the second copy of a SIGINT that close for the same press.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def launched_by_torchrun() -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
+import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -140,38 +142,54 @@ def drop_update(task: SSLTask, snapshot: list[tuple[torch.Tensor, torch.Tensor]]
 # --------------------------------------------------------------------------------- pre-emption
 @register_hook("preemption")
 class PreemptionHook(SSLHook):
-    """On one of ``signals`` (SIGTERM, SIGUSR1: what SLURM and cloud schedulers send before they
-    stop a job) the run finishes the current step, writes a checkpoint and raises
-    :class:`Preempted`; ``tools/run.py`` then exits with status 75 and says how to resume.
+    """On one of ``signals`` (Ctrl-C's SIGINT; SIGTERM and SIGUSR1, what SLURM and cloud schedulers
+    send before they stop a job) the run finishes the current step, writes a checkpoint and raises
+    :class:`Preempted`; ``tools/run.py`` then exits with status 75 and says how to resume. A second
+    SIGINT stops at once (``KeyboardInterrupt``, exit 130, no new checkpoint). A signal that comes
+    between train phases (during an evaluation) stops the run at the end of that phase, after its
+    checkpoint.
 
-    Ranks agree on the stop through a small CPU all-reduce every ``every_n_steps`` train steps
-    (one process: a flag read, free), so a signal that reaches only some ranks stops all of them
-    at the same step. Runs after the checkpoint hook (priority 95).
+    The signal may reach the main process alone or the whole process group (a terminal's Ctrl-C, a
+    scheduler): the loader workers ignore these signals (:func:`sslkit.data.loader.ignore_signals_in_worker`) and let
+    the main process decide. Ranks agree on the stop through a small CPU all-reduce every
+    ``every_n_steps`` train steps (one process: a flag read, free), so a signal that reaches only
+    some ranks stops all of them at the same step. Runs after the checkpoint hook (priority 95).
     """
 
     priority = 95
+    #: A SIGINT this soon after the first is the same press (a group signal passed on by a launcher too).
+    REPEAT_S = 0.5
 
-    def __init__(self, signals: tuple[str, ...] | list[str] = ("SIGTERM", "SIGUSR1"), every_n_steps: int = 1) -> None:
+    def __init__(self, signals: tuple[str, ...] | list[str] = ("SIGINT", "SIGTERM", "SIGUSR1"),
+                 every_n_steps: int = 1) -> None:
         self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s) for s in signals]
         self.every_n_steps = max(1, every_n_steps)
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._primary = True
+        self._first_at = 0.0
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        now = time.monotonic()
+        if sig == signal.SIGINT and self.received == signal.SIGINT and now - self._first_at > self.REPEAT_S:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
         if self.received is None:
-            self.received = signal.Signals(signum)
+            self.received, self._first_at = sig, now
+            if self._primary:
+                again = " (Ctrl-C again to stop at once, without it)" if sig == signal.SIGINT else ""
+                print(f"\nsslkit: {sig.name}: finishing this step, then writing a checkpoint and stopping{again}",
+                      file=sys.stderr, flush=True)
 
     def on_start(self, task: SSLTask) -> None:
         """Install the signal handlers (main thread only; elsewhere warn that signals are not caught)."""
+        self._primary = is_primary()
         try:
             self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
         except ValueError:  # not the main thread of the main interpreter
             logger.warning("pre-emption signals are not handled: the run is not in the main thread")
 
-    def on_step(self, task: SSLTask) -> None:
-        """After a train step: if any rank got a signal, checkpoint and raise :class:`Preempted`."""
-        if not task.train or task.iteration % self.every_n_steps:
-            return
+    def _stop_if_signalled(self, task: SSLTask) -> None:
         (stop,) = agree_any(self.received is not None)
         if not stop:
             return
@@ -180,8 +198,17 @@ class PreemptionHook(SSLHook):
         from sslkit.hooks.checkpoint import CheckpointHook
 
         saver = next((h for h in task.hooks if isinstance(h, CheckpointHook)), None)
-        path = saver.save(task, f"pre-emption by {name}") if saver is not None else None
+        path = saver.save_once(task, f"pre-emption by {name}") if saver is not None else None
         raise Preempted(name, task.iteration, path)
+
+    def on_step(self, task: SSLTask) -> None:
+        """After a train step: if any rank got a signal, checkpoint and raise :class:`Preempted`."""
+        if task.train and task.iteration % self.every_n_steps == 0:
+            self._stop_if_signalled(task)
+
+    def on_phase_end(self, task: SSLTask) -> None:
+        """After a phase (and its evaluations and checkpoint): stop if a signal came meanwhile."""
+        self._stop_if_signalled(task)
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():
@@ -189,8 +216,11 @@ class PreemptionHook(SSLHook):
         self._previous = {}
 
     def on_end(self, task: SSLTask) -> None:
-        """Put the previous signal handlers back."""
+        """Put the previous signal handlers back (a signal during the final evaluation: the run is complete)."""
         self._restore()
+        if self.received is not None:
+            logger.warning("received %s during the final evaluation; the run had finished training and is complete",
+                           self.received.name)
 
     def on_exception(self, task: SSLTask) -> None:
         """Put the previous signal handlers back."""

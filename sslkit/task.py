@@ -303,13 +303,28 @@ class SSLTask:
         self.phase_done = False
         self.data_iterator = iter(loader)
 
-    def end_phase(self) -> None:
-        """Mark the phase finished; the next :meth:`start_phase` opens the following one."""
-        self.phase_done = True
+    def end_phase(self, exhausted: bool = True) -> None:
+        """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut
+        short by ``max_iterations`` is not: a checkpoint keeps its position inside it, so a run lengthened
+        later (a larger ``optim.max_steps``) goes on from that very step."""
+        per_phase = len(self.loader) // self.batches_per_step if hasattr(self.loader, "__len__") else None
+        self.phase_done = exhausted or (per_phase is not None and self.steps_in_phase >= per_phase)
 
-    def advance_phase(self) -> None:
-        """Move to the next phase (after ``on_phase_end``)."""
-        self.phase_idx += 1
+    def close(self) -> None:
+        """Stop the loaders' worker processes now (persistent workers otherwise live until garbage
+        collection, which an exception's reference cycle can put off past interpreter exit) and drop
+        the exception being handled."""
+        self.data_iterator = iter(())
+        for loader in self.loaders.values():
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+                loader._iterator = None
+        self.exception = None
+
+    def advance_phase(self, to: int | None = None) -> None:
+        """Move to the next phase (after ``on_phase_end``), or to phase ``to``."""
+        self.phase_idx = self.phase_idx + 1 if to is None else to
         self.steps_in_phase = 0
         self.phase_done = False
         self.data_iterator = iter(())

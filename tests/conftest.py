@@ -18,3 +18,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_sslkit_logger():
+    """A test that runs ``sslkit.cli.main`` in-process sets up the "sslkit" logger as a run does (its own
+    handlers, no propagation); put it back afterwards so later tests' ``caplog`` sees its records."""
+    import logging
+
+    logger = logging.getLogger("sslkit")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in list(logger.handlers):
+        if handler not in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+    logger.propagate, logger.level = propagate, level

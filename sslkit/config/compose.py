@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,20 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sslkit import registry as R
+from sslkit.errors import UserError
 
-__all__ = ["CONFIG_DIRS", "ConfigError", "compose_config", "schema", "validate"]
+__all__ = [
+    "ABSENT",
+    "CONFIG_DIRS",
+    "ConfigError",
+    "compose_config",
+    "format_recipe_diff",
+    "group_choices",
+    "import_modules",
+    "recipe_diff",
+    "schema",
+    "validate",
+]
 
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent
 #: Folders searched for the ``config`` and ``data`` groups, the repository's ``configs/`` first.
@@ -35,7 +48,7 @@ GROUPS = ("config", "data")
 _VALUE_RULES_ONLY = {"log.progress_bar", "data.num_workers", "data.pin_memory"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot run: what is wrong, with the key, and what to do."""
 
 
@@ -47,8 +60,33 @@ def schema() -> DictConfig:
 
 
 def _nearest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f" Did you mean '{match[0]}'?" if match else ""
+    """`` Did you mean 'X'?`` for the option closest to ``name``, or "" when none is close.
+
+    Dotted keys are compared by their last part when the sections match (``optim.moment`` ->
+    ``optim.momentum``; the shared ``optim.`` must not make ``optim.xyz`` look like ``optim.eta``),
+    and as whole strings otherwise; a name inside an option of its section (``decay`` in
+    ``weight_decay``), or a key whose last part is exactly one option's last part (``optim.batch_size`` ->
+    ``data.batch_size``), also counts as close.
+    """
+    close = 0.75  # difflib ratio; "log" for "confg" (0.5) is not close, "optim.lr" for "optim.lrr" (0.8) is
+    parent, _, leaf = name.rpartition(".")
+    leaf_owners: dict[str, list[str]] = {}
+    for option in options:
+        leaf_owners.setdefault(option.rpartition(".")[2], []).append(option)
+    best, best_score = "", 0.0
+    for option in dict.fromkeys(options):
+        o_parent, _, o_leaf = option.rpartition(".")
+        if option == name or name.startswith(option + "."):  # not the key itself, nor its own section
+            continue
+        a, b = (leaf, o_leaf) if o_parent == parent else (name, option)
+        score = difflib.SequenceMatcher(None, a, b).ratio()
+        if o_parent == parent and len(a) >= 4 and a in b:
+            score = max(score, close)
+        if o_parent != parent and leaf == o_leaf and len(leaf_owners[o_leaf]) == 1:
+            score = max(score, 0.9)  # above a name inside an option: epochs -> optim.epochs, not warmup_epochs
+        if score > best_score:
+            best, best_score = option, score
+    return f" Did you mean '{best}'?" if best_score >= close else ""
 
 
 def _group_options(group: str) -> list[str]:
@@ -78,9 +116,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
     or written here.
     """
     for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. optim.lr=0.1)")
-        key, value = ov.split("=", 1)
+        if "=" not in ov and not ov.startswith("~"):
+            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. optim.lr=0.1), +key=value "
+                              "(add a key) or ~key (delete one)")
+        key, value = ov.split("=", 1) if "=" in ov else (ov, "")
         if key in GROUPS and value not in _group_options(key):
             options = _group_options(key)
             raise ConfigError(
@@ -96,21 +135,42 @@ def compose_config(overrides: list[str]) -> DictConfig:
     _apply_overrides(cfg, [ov for ov in overrides if ov not in groups])
     choices = {g: "" for g in GROUPS}
     for ov in overrides:
-        key, value = ov.split("=", 1)
+        key, value = ov.split("=", 1) if "=" in ov else (ov, "")
         if key in GROUPS:
             choices[key] = value
     if not cfg.name:
         cfg.name = f"{choices['config'] or 'simclr'}-{choices['data'] or 'fashion_mnist'}"
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", cfg.name)
-    for module in cfg.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"imports: cannot import '{module}' ({exc}). Is it on PYTHONPATH?") from None
+    import_modules(cfg)
     validate(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def import_modules(cfg: DictConfig) -> None:
+    """Import the modules of ``imports`` (user registrations), from the working directory too.
+
+    ``imports=my_ssl.hooks`` (one name, no brackets) is taken as ``[my_ssl.hooks]``. The working
+    directory is put on ``sys.path`` (as ``python -m`` would), so a module next to where the
+    command runs imports without setting PYTHONPATH.
+    """
+    if isinstance(cfg.imports, str):
+        cfg.imports = [cfg.imports] if cfg.imports else []
+    if not isinstance(cfg.imports, ListConfig):
+        raise ConfigError(f"'imports' must be a list of module names like [my_ssl.hooks], got {cfg.imports!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    for module in cfg.imports:
+        if not isinstance(module, str) or not module:
+            raise ConfigError(f"imports: {module!r} is not a module name (like my_ssl.hooks)")
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"imports: cannot import '{module}' ({exc}). The working directory ({cwd}) and "
+                              "PYTHONPATH are searched: run from the folder that holds it, or add that folder "
+                              "to PYTHONPATH.") from None
 
 
 def _in_free_form(key: str) -> bool:
@@ -142,7 +202,7 @@ def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             node.pop(leaf)
             continue
         if not exists and not ov.is_add() and not _in_free_form(key):
-            known = list(_flat_keys(cfg))
+            known = [*GROUPS, *_flat_keys(cfg)] if "." not in key else list(_flat_keys(cfg))
             raise ConfigError(f"unknown config key '{key}'.{_nearest(key, known)} "
                               "Every key is listed in sslkit/config/defaults.yaml.")
         OmegaConf.update(cfg, key, ov.value(), merge=False, force_add=True)
@@ -175,6 +235,7 @@ def _check_tree(cfg: DictConfig, ref: DictConfig, prefix: str, errors: list[str]
         path = f"{prefix}{key}"
         if key not in ref:
             known = [f"{prefix}{k}" for k in ref.keys()] + list(_flat_keys(schema()))
+            known += [] if prefix else list(GROUPS)  # a misspelt config=/data= group lands here as a key
             errors.append(f"unknown config key '{path}'.{_nearest(path, known)}")
             continue
         value, expected = cfg._get_node(key), ref._get_node(key)
@@ -398,7 +459,15 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
     """The ``folder`` source reads ``data.<split>.path``: the train path must be set, and a path that is set must be
     an existing folder (so a typo stops here, before the output folder is made)."""
     for split in ("train", "test"):
-        if (cfg.data[split].source or cfg.data.train.source) != "folder":
+        source = cfg.data[split].source or cfg.data.train.source
+        if source == "fashion_mnist" and cfg.data[split].path is not None:
+            folder = Path(str(cfg.data[split].path)).expanduser()
+            if not folder.is_dir():
+                what = "is a file, not a folder" if folder.exists() else "does not exist"
+                errors.append(f"'data.{split}.path' = {cfg.data[split].path}: {what}; give the folder of the "
+                              "Fashion-MNIST idx files, or leave it unset (null) for the system copy")
+            continue
+        if source != "folder":
             continue
         path = cfg.data[split].path
         if path is None:
@@ -580,3 +649,97 @@ def validate(cfg: DictConfig) -> None:
             _check_kwargs(where, hook, {k: v for k, v in spec.items() if k != "name"}, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+class _Absent:
+    """The value :func:`recipe_diff` gives a key that one side does not have."""
+
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+#: A key that the recipe or the run does not have, in :func:`recipe_diff`'s tuples.
+ABSENT: Any = _Absent()
+#: Keys that every run sets for itself: not a change from the recipe.
+_OWN_KEYS = ("name", "output_dir")
+
+
+def group_choices(overrides: list[str]) -> dict[str, str]:
+    """The recipe and data preset a run uses: ``config=``/``data=`` of ``overrides``, else the defaults."""
+    choices: dict[str, str] = {}
+    for item in OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml").defaults:
+        if isinstance(item, DictConfig):
+            choices.update({str(k): str(v) for k, v in item.items()})
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key in GROUPS:
+            choices[key] = value
+    return choices
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": [1, 2]}`` -> ``{"a.b": 1, "c": [1, 2]}`` (lists are values; empty dicts vanish)."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def recipe_diff(overrides: list[str], cfg: DictConfig) -> list[tuple[str, Any, Any]]:
+    """What a run changed from its recipe and data preset: ``(key, recipe value, run value)`` for every
+    dotted key (lists compared whole) whose resolved value differs between the config composed from
+    the ``config=``/``data=`` overrides alone and ``cfg``; a key only one side has gets :data:`ABSENT`
+    on the other. ``name`` and ``output_dir`` are not changes. Nothing is imported or validated."""
+    groups = [ov for ov in overrides if ov.partition("=")[0] in GROUPS]
+    recipe = _flatten(OmegaConf.to_container(_hydra_compose(groups), resolve=True))
+    run = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    diffs = []
+    for key in dict.fromkeys([*run, *recipe]):
+        if key in _OWN_KEYS:
+            continue
+        before, after = recipe.get(key, ABSENT), run.get(key, ABSENT)
+        if not _same(before, after):
+            diffs.append((key, before, after))
+    return diffs
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values (1 and 1.0 are; true and 1 are not; a key that is absent equals nothing)."""
+    if a is ABSENT or b is ABSENT:
+        return False
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _show(value: Any) -> str:
+    """A value as it would be typed on the command line (yaml flow style: true, null, [0.9, 0.99])."""
+    if value is ABSENT:
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value) if value != "" else "''"
+
+
+def format_recipe_diff(overrides: list[str], cfg: DictConfig) -> str:
+    """A short account of a run's config for its log: recipe, data preset, and each key changed from them
+    (one per line, ``key recipe_value -> value``), or ``as the recipe``; the full config is in
+    ``<output_dir>/config.yaml``."""
+    choices = group_choices(overrides)
+    head = f"config: recipe {choices.get('config', '?')}, data {choices.get('data', '?')}"
+    where = os.path.join(str(cfg.output_dir), "config.yaml")
+    diffs = recipe_diff(overrides, cfg)
+    if not diffs:
+        return f"{head}, as the recipe (the full config is in {where})"
+    lines = [f"  {key} {_show(before)} -> {_show(after)}" for key, before, after in diffs]
+    return "\n".join([f"{head}; changed from them:", *lines, f"(the full config is in {where})"])

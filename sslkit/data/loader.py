@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import signal
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ from torch.utils.data import DataLoader
 from sslkit.data.dataset import SSLDataset
 from sslkit.data.sampler import StatefulDistributedSampler
 
-__all__ = ["build_loader", "collate_views"]
+__all__ = ["build_loader", "collate_views", "ignore_signals_in_worker"]
 
 
 def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
@@ -34,6 +36,15 @@ def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def ignore_signals_in_worker(signals: tuple[int, ...], _worker_id: int) -> None:
+    """``worker_init_fn``: a data worker ignores ``signals`` (the pre-emption signals), so that one sent to the
+    whole process group (a terminal's Ctrl-C, a scheduler) does not kill it under the main process, which
+    finishes its step, checkpoints and then stops the workers itself. Workers still end when the loader
+    shuts down, and on their own shortly after the main process is gone."""
+    for s in signals:
+        signal.signal(s, signal.SIG_IGN)
+
+
 def build_loader(
     dataset: SSLDataset,
     batch_size: int,
@@ -43,11 +54,13 @@ def build_loader(
     drop_last: bool = True,
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
+    worker_ignores: tuple[int, ...] = (),
 ) -> DataLoader:
     """A DataLoader over ``dataset`` drawing ``(epoch, index)`` keys from ``sampler``.
 
     ``persistent_workers`` and ``prefetch_factor`` apply only with ``num_workers > 0``. Note that
-    persistent workers keep the dataset object of their first epoch.
+    persistent workers keep the dataset object of their first epoch. The workers ignore the
+    signals in ``worker_ignores`` (:func:`ignore_signals_in_worker`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -56,6 +69,9 @@ def build_loader(
         kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
+        if worker_ignores:
+            ignored = tuple(int(s) for s in worker_ignores)
+            kwargs["worker_init_fn"] = functools.partial(ignore_signals_in_worker, ignored)
     return DataLoader(
         dataset,
         batch_size=batch_size,

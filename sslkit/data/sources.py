@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from sslkit.data.seeding import mix_seed
+from sslkit.errors import UserError
 from sslkit.registry import DATASETS, get, register_dataset
 
 __all__ = [
@@ -48,7 +49,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "test")
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(UserError, RuntimeError):
     """A data source cannot be built: data missing, unreadable, or empty."""
 
 
@@ -158,21 +159,28 @@ def _torchvision_fashion_mnist(root: str, train: bool) -> tuple[torch.Tensor, to
 def build_fashion_mnist(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
     """Fashion-MNIST (10 classes, 1 channel, 28x28).
 
-    Looks, in order, in ``path`` (or ``path/FashionMNIST/raw``), in the Debian package folder
-    :data:`DEBIAN_FASHION_MNIST`, then asks torchvision to download into ``path`` (or
-    ``cache_dir()/fashion_mnist``) unless ``download`` is False. Raises :class:`DataSourceError`
-    naming every place tried if all fail.
+    With ``path`` set, only there: the idx files in ``path`` (or ``path/FashionMNIST/raw``), else
+    a torchvision download into ``path`` unless ``download`` is False; a ``path`` that does not
+    exist is an error (a typo must not silently read another copy). Without ``path``: the Debian
+    package folder :data:`DEBIAN_FASHION_MNIST`, then a download into ``cache_dir()/fashion_mnist``.
+    Raises :class:`DataSourceError` naming every place tried if all fail.
     """
     _check_split(split)
     tried: list[str] = []
     candidates: list[tuple[str, Path]] = []
     if path:
-        candidates.append(("data path", Path(path).expanduser()))
-        if (Path(path).expanduser() / "FashionMNIST" / "raw").is_dir():  # a torchvision root
-            candidates.append(("data path", Path(path).expanduser() / "FashionMNIST" / "raw"))
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise DataSourceError(f"data.{split}.path = {path} {what}: give the folder that holds the Fashion-MNIST "
+                                  "idx files, or leave data.train.path unset to use the system copy "
+                                  f"({DEBIAN_FASHION_MNIST}).")
+        candidates.append(("data path", folder))
+        if (folder / "FashionMNIST" / "raw").is_dir():  # a torchvision root
+            candidates.append(("data path", folder / "FashionMNIST" / "raw"))
     else:
         tried.append("data path: not set")
-    candidates.append(("Debian package folder", Path(DEBIAN_FASHION_MNIST)))
+        candidates.append(("Debian package folder", Path(DEBIAN_FASHION_MNIST)))
     for what, folder in candidates:
         if not folder.is_dir():
             tried.append(f"{what} {folder}: does not exist")

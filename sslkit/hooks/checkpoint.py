@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sslkit.checkpoint import checkpoint_dir, save_checkpoint
+from sslkit.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from sslkit.distributed import barrier, is_primary
 from sslkit.hooks.base import SSLHook
 from sslkit.registry import register_hook
@@ -40,6 +40,7 @@ class CheckpointHook(SSLHook):
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self._saved: tuple[int, dict[str, Any]] | None = None  # iteration and hook states of the last save
+        self._saved_path: str | None = None
 
     def save(self, task: SSLTask, why: str) -> str | None:
         """Write a checkpoint now; returns its path on rank 0 (None elsewhere).
@@ -56,14 +57,29 @@ class CheckpointHook(SSLHook):
             path = save_checkpoint(state, self.dir, task.iteration, self.keep_last)
             logger.info("saved checkpoint %s (%s)", path, why)
         self._saved = (task.iteration, state["hooks"])
+        self._saved_path = path
         barrier()
         return path
+
+    def save_once(self, task: SSLTask, why: str) -> str | None:
+        """:meth:`save`, unless the checkpoint of this step with these hook states is written already
+        (e.g. at the end of an epoch): then its path (rank 0) is returned and nothing is written."""
+        if self._saved is not None and self._saved[0] == task.iteration and not self._changed(task):
+            return self._saved_path
+        return self.save(task, why)
+
+    def _changed(self, task: SSLTask) -> list[str]:
+        """Names of the hooks whose state differs from that in the last save."""
+        assert self._saved is not None
+        before, now = self._saved[1], task.hook_states()
+        return [name for name, state in now.items() if not _same(before.get(name), state)]
 
     def on_start(self, task: SSLTask) -> None:
         """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
         state changes (a finished run started again writes nothing)."""
         if task.iteration > 0:
             self._saved = (task.iteration, task.hook_states())
+            self._saved_path = latest_checkpoint(self.dir) if is_primary() else None
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases)."""
@@ -83,8 +99,7 @@ class CheckpointHook(SSLHook):
         """Save the final state, with the results of the hooks that ran at the end (kNN), unless the
         checkpoint of this step already holds it."""
         if self._saved is not None and self._saved[0] == task.iteration:
-            before, now = self._saved[1], task.hook_states()
-            changed = [name for name, state in now.items() if not _same(before.get(name), state)]
+            changed = self._changed(task)
             if not changed:
                 return
             self.save(task, f"updated at the end of the run with the state of {', '.join(changed)}")

@@ -59,18 +59,35 @@ class KNNHook(SSLHook):
         self.raw_pixel_loaders = raw_pixel_loaders
         self.results: dict[str, float] = {}
         self.done = False
+        #: The step and the settings of the final evaluation in ``results`` (-1 and {} before it).
+        self.step = -1
+        self.done_with: dict[str, Any] = {}
+        self._warned = False
 
     def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None) -> dict[str, float]:
         """kNN accuracies of ``encoder`` (the trunk by default; None with ``pixels``)."""
         encoder = encoder if encoder is not None else task.base_model.trunk
         train_f, train_y = extract_features(encoder, self.train_loader, task.device, task.amp_dtype)
         test_f, test_y = extract_features(encoder, self.test_loader, task.device, task.amp_dtype)
-        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
+        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self._k(len(train_f)),
+                            self.temperature)
+
+    def _k(self, memory: int) -> int:
+        """k, or the memory size when k is larger, which is said once in the log (every memory sample would
+        be a neighbour: the result then measures the class balance more than the features)."""
+        if self.k <= memory:
+            return self.k
+        if not self._warned:
+            logger.warning("kNN: eval.knn.k=%d but the memory (the train split) has %d samples: using k=%d, every "
+                           "sample a neighbour, so the accuracy says little about the features. Lower eval.knn.k "
+                           "or use more data.", self.k, memory, memory)
+            self._warned = True
+        return memory
 
     def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "") -> None:
         record: dict[str, Any] = {"step": task.iteration, "epoch": task.epoch, "phase": "eval"}
         record.update({prefix + k: v for k, v in results.items()})
-        logger.info("kNN (k=%d, T=%g) %s", self.k, self.temperature,
+        logger.info("kNN at step %d (k=%d, T=%g) %s", task.iteration, self.k, self.temperature,
                     ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith(prefix + "knn")))
         for sink in self.sinks:
             sink.write(record)
@@ -89,7 +106,8 @@ class KNNHook(SSLHook):
                 ) -> dict[str, float]:
         train_f, train_y = pixel_features(train_loader)
         test_f, test_y = pixel_features(test_loader)
-        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self.k, self.temperature)
+        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self._k(len(train_f)),
+                            self.temperature)
 
     def _baseline(self, task: SSLTask, prefix: str, results: dict[str, float]) -> None:
         self.results.update({prefix + k: v for k, v in results.items()})
@@ -100,22 +118,31 @@ class KNNHook(SSLHook):
         if task.train and self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0:
             self._report(task, self.evaluate(task))
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What a result depends on besides the weights: k and the temperature."""
+        return {"k": self.k, "temperature": self.temperature}
+
     def on_end(self, task: SSLTask) -> None:
-        """The final evaluation, once per run."""
-        if self.done:
-            logger.info("kNN already evaluated for this run: %s",
-                        ", ".join(f"{k} {v:.4f}" for k, v in self.results.items()))
+        """The final evaluation, once per trained state: a finished run started again reports the stored
+        result only if it was computed at this very step with the same settings; a lengthened run (or
+        new eval.knn settings) evaluates again."""
+        if self.done and self.step == task.iteration and self.done_with == self.settings:
+            logger.info("kNN already evaluated for this run at step %d: %s", self.step,
+                        ", ".join(f"{k} {v:.4f}" for k, v in self.results.items() if k.startswith("knn")))
             return
         final = self.evaluate(task)
         self.results.update(final)
-        self.done = True
+        self.done, self.step, self.done_with = True, task.iteration, self.settings
         self._report(task, final)
 
     def state_dict(self) -> dict[str, Any]:
-        """Whether the final evaluation ran, and the results so far."""
-        return {"done": self.done, "results": dict(self.results)}
+        """Whether the final evaluation ran, at which step and with which settings, and the results."""
+        return {"done": self.done, "step": self.step, "settings": dict(self.done_with), "results": dict(self.results)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (an older checkpoint without the step is evaluated again)."""
         self.done = bool(state.get("done", False))
+        self.step = int(state.get("step", -1))
+        self.done_with = dict(state.get("settings", {}))
         self.results = dict(state.get("results", {}))

@@ -206,7 +206,10 @@ def test_folder_paths_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'data.test.path' = .*notes.txt: is a file, not a folder"):
         compose_config(["data=folder", f"data.train.path={tmp_path}", f"data.test.path={tmp_path}/notes.txt"])
     assert compose_config(["data=folder", f"data.train.path={tmp_path}"]).data.test.path is None
-    assert compose_config([f"data.train.path={tmp_path}/nope"]).data.train.path  # fashion_mnist falls back
+    # an explicit Fashion-MNIST path that does not exist is an error, not a silent fall back to the system copy
+    with pytest.raises(ConfigError, match=rf"'data.train.path' = {tmp_path}/nope: does not exist; give the folder"):
+        compose_config([f"data.train.path={tmp_path}/nope"])
+    assert compose_config([f"data.train.path={tmp_path}"]).data.train.path == str(tmp_path)
 
 
 def test_no_step_per_epoch_is_refused() -> None:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sslkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from sslkit.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def test_save_load_roundtrip_and_pointer(tmp_path) -> None:
@@ -45,5 +45,5 @@ def test_no_checkpoint_returns_none_and_all_corrupt_raises(tmp_path) -> None:
     path = save_checkpoint({"i": 1}, d, 1)
     with open(path, "wb") as f:
         f.write(b"garbage")
-    with pytest.raises(RuntimeError, match="no readable checkpoint"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be read \(1 tried.*auto_resume=false"):
         load_checkpoint(d)

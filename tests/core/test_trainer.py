@@ -59,7 +59,12 @@ def test_max_iterations_stops_mid_epoch_and_skips_remaining_epochs() -> None:
     task.max_iterations = 3
     train(task, standard_train_step)
     assert task.iteration == 3
-    assert task.done_training
+    # 2 steps per epoch: epoch 1 was cut after its first step and stays the current phase, so that a run
+    # lengthened later goes on from there; epoch 2 never started
+    assert (task.phase_idx, task.steps_in_phase, task.phase_done) == (1, 1, False)
+    state = task.state_dict()["position"]
+    assert (state["phase_idx"], state["steps_in_phase"]) == (1, 1)
+    assert not task.done_training
 
 
 class Boom(SSLHook):

@@ -73,3 +73,45 @@ class OOMFault(_Fault):
                 raise torch.OutOfMemoryError("CUDA out of memory in backward (simulated)")
 
             task.last_batch.loss.register_hook(boom)
+
+
+@register_hook("fault_crash")
+class CrashFault(_Fault):
+    """Raises after step ``step`` (a crash: the process loses everything since the last checkpoint)."""
+
+    priority = 94
+
+    def on_step(self, task) -> None:
+        if task.train and task.iteration == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
+            raise RuntimeError(f"injected crash after step {self.step}")
+
+
+@register_hook("fault_sleep")
+class SleepFault(_Fault):
+    """Sleeps ``seconds`` in every train step from step ``step`` on (a slow step, to signal it mid-way)."""
+
+    def __init__(self, step: int = 1, seconds: float = 1.0) -> None:
+        super().__init__(step, -1, False)
+        self.seconds = seconds
+
+    def on_forward(self, task) -> None:
+        import time
+
+        if task.train and task.iteration + 1 >= self.step:
+            time.sleep(self.seconds)
+
+
+@register_hook("fault_full_disk")
+class FullDiskFault(_Fault):
+    """Makes the checkpoint of step ``step`` hit a full disk: its temporary file is made a link to /dev/full,
+    where every write fails with ENOSPC (before the checkpoint hook writes it)."""
+
+    priority = 10
+
+    def on_step(self, task) -> None:
+        if task.train and task.iteration == self.step and task.rank == 0:
+            from sslkit.checkpoint import checkpoint_dir
+
+            folder = checkpoint_dir(task.output_dir)
+            os.makedirs(folder, exist_ok=True)
+            os.symlink("/dev/full", os.path.join(folder, f"checkpoint_{self.step:09d}.pt.tmp.{os.getpid()}"))

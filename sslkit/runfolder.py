@@ -1,0 +1,200 @@
+"""A run folder belongs to one config: checked before a resume; an older run is moved aside before a fresh start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
+from sslkit.errors import UserError
+
+__all__ = [
+    "CONFIG_FILE",
+    "IGNORED_KEYS",
+    "LENGTHENING_KEYS",
+    "FolderPlan",
+    "RunFolderError",
+    "config_changes",
+    "prepare_output_dir",
+    "write_config",
+]
+
+logger = logging.getLogger("sslkit")
+
+#: The resolved config of the run that owns the folder (written at every start, after the check).
+CONFIG_FILE = "config.yaml"
+#: Where an older run's files go when a fresh run starts in its folder.
+PREVIOUS = "previous"
+#: What a run writes into its folder; a fresh start moves these aside.
+RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard")
+
+#: Keys that do not change what is computed, only where, how fast or how it is reported: a run
+#: resumes with new values of these without a word. (Prefixes end with a dot.)
+IGNORED_KEYS = (
+    "name", "output_dir", "imports", "machine.device", "machine.num_threads", "data.num_workers",
+    "data.pin_memory", "log.", "checkpoint.", "reliability.", "eval.", "distributed.backend",
+    "distributed.timeout_s", "distributed.master_addr", "distributed.master_port", "distributed.node_rank",
+    "distributed.consistency_check_every_n_steps",
+)
+#: Keys whose larger value only lengthens the run: it resumes and trains on (``max_steps`` 0 means
+#: "the epochs decide", which lengthens a run that was cut by steps).
+LENGTHENING_KEYS = ("optim.epochs", "optim.max_steps")
+
+
+class RunFolderError(UserError):
+    """The folder holds a run of a different config; the message names the keys and the ways out."""
+
+
+@dataclass
+class FolderPlan:
+    """What :func:`prepare_output_dir` found: a resume (with lengthened or accepted keys) or a fresh start."""
+
+    resume: bool
+    #: (key, saved value, new value) of keys that lengthen the run.
+    lengthened: list[tuple[str, Any, Any]] = field(default_factory=list)
+    #: (key, saved value, new value) of other changed keys, resumed with checkpoint.resume_changed_config=true.
+    accepted: list[tuple[str, Any, Any]] = field(default_factory=list)
+    #: Where an older run's files were moved (fresh start in a used folder), else None.
+    moved_to: str | None = None
+
+    def log(self) -> None:
+        """Say what was decided, once the log is set up."""
+        if self.moved_to:
+            logger.warning("the folder held an earlier run: its files were moved to %s, and this run starts afresh",
+                           self.moved_to)
+        for key, old, new in self.lengthened:
+            logger.info("the run is lengthened: %s %s -> %s; it resumes and trains on. The schedules now span the "
+                        "longer run, so from here the lr follows a stretched schedule (a run that is this long "
+                        "from the start would differ)", key, old, new)
+        for key, old, new in self.accepted:
+            logger.warning("resuming with a changed config (checkpoint.resume_changed_config=true): %s %s -> %s",
+                           key, old, new)
+
+
+def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(container, dict):
+        out: dict[str, Any] = {}
+        for k, v in container.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: container}
+
+
+def _ignored(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
+
+
+def _lengthens(key: str, old: Any, new: Any) -> bool:
+    if key not in LENGTHENING_KEYS or not isinstance(old, int) or not isinstance(new, int):
+        return False
+    return new > old or (key == "optim.max_steps" and new == 0 and old > 0)
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]
+                   ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """Compare two resolved configs: ``(lengthened, changed)`` as lists of (key, saved, now), keys
+    of :data:`IGNORED_KEYS` left out. A missing key shows as ``<absent>``."""
+    a, b = _flatten(saved), _flatten(now)
+    lengthened, changed = [], []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if old == new or _ignored(key):
+            continue
+        (lengthened if _lengthens(key, old, new) else changed).append((key, old, new))
+    return lengthened, changed
+
+
+def _usable_folder(out: str) -> None:
+    """Make ``out`` and check that files can be written in it; a :class:`UserError` saying why not."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"output_dir={out} is a file, not a folder: set output_dir to a folder (it is made if missing)")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".sslkit-write-test.{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except NotADirectoryError:
+        raise UserError(f"output_dir={out}: a part of that path is a file, not a folder. Set output_dir to a "
+                        "path under a folder") from None
+    except OSError as exc:
+        raise UserError(f"output_dir={out} cannot be written ({exc.strerror or exc}): set output_dir to a folder "
+                        "you may write to") from None
+
+
+def _move_aside(out: str) -> str | None:
+    """Move the run files in ``out`` to ``out/previous/<time>``; returns that folder (None if nothing was there)."""
+    present = [n for n in RUN_FILES if os.path.lexists(os.path.join(out, n))]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = os.path.join(out, PREVIOUS, stamp)
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(out, PREVIOUS, f"{stamp}-{n}")
+    os.makedirs(dest)
+    for name in present:
+        os.replace(os.path.join(out, name), os.path.join(dest, name))
+    return dest
+
+
+def _describe(value: Any) -> str:
+    return "<absent>" if value == "<absent>" else OmegaConf.to_yaml({"v": value}).strip()[3:]
+
+
+def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
+    """Decide how ``cfg`` uses its ``output_dir``, before anything is built or written.
+
+    * The folder must be (or become) a writable folder, else a :class:`UserError` says why.
+    * With ``checkpoint.auto_resume`` and a checkpoint there, the config saved in the folder must
+      match ``cfg`` apart from :data:`IGNORED_KEYS` and lengthening keys, else a
+      :class:`RunFolderError` names each differing key and the ways out
+      (``checkpoint.resume_changed_config=true`` continues anyway).
+    * Otherwise the run starts afresh, and files of an earlier run in the folder are moved to
+      ``previous/<time>/`` (never deleted, never mixed with the new run's).
+
+    Only the ``primary`` process makes folders or moves files; the others only check.
+    """
+    out = str(cfg.output_dir)
+    if primary:
+        _usable_folder(out)
+    ckpt = latest_checkpoint(checkpoint_dir(out)) if cfg.checkpoint.auto_resume else None
+    if ckpt is None:
+        return FolderPlan(resume=False, moved_to=_move_aside(out) if primary else None)
+    saved_path = os.path.join(out, CONFIG_FILE)
+    if not os.path.exists(saved_path):
+        logger.warning("%s has a checkpoint but no %s: cannot check that it belongs to this config", out, CONFIG_FILE)
+        return FolderPlan(resume=True)
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True)
+    except Exception as exc:  # a hand-edited or torn file
+        raise RunFolderError(f"{saved_path} cannot be read ({exc}); it says which config the checkpoints in "
+                             f"{out} belong to. Restore it, or set a new output_dir.") from None
+    now = OmegaConf.to_container(cfg, resolve=True)
+    lengthened, changed = config_changes(saved, now)  # type: ignore[arg-type]
+    if changed and not cfg.checkpoint.resume_changed_config:
+        lines = "\n".join(f"  {k}: {_describe(old)} (saved) -> {_describe(new)} (now)" for k, old, new in changed)
+        raise RunFolderError(
+            f"output_dir={out} holds a run of another config (checkpoint {os.path.basename(ckpt)}); these keys "
+            f"differ from its {CONFIG_FILE}:\n{lines}\n"
+            "Resuming would mix two configs in one run, and its results would belong to neither. Either:\n"
+            "  - start a new run elsewhere: output_dir=<a new folder> (or name=<a new name>), or\n"
+            "  - start afresh in this folder: checkpoint.auto_resume=false (the old run's files are moved to "
+            f"{os.path.join(out, PREVIOUS)}/, not deleted), or\n"
+            "  - continue this run with the new values: checkpoint.resume_changed_config=true.\n"
+            "(optim.epochs and optim.max_steps may grow: the run then resumes and trains on.)")
+    return FolderPlan(resume=True, lengthened=lengthened, accepted=changed)
+
+
+def write_config(cfg: DictConfig) -> str:
+    """Write the resolved config as ``<output_dir>/config.yaml`` atomically; returns its text."""
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    path = os.path.join(str(cfg.output_dir), CONFIG_FILE)
+    atomic_write(path, lambda f: f.write(text.encode()))
+    return text
