@@ -116,8 +116,9 @@ def _hooks(recipe: str, extra: dict) -> str:
 def test_every_recipe_resumes_bit_identically(tmp_path: Path, recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
     """8 steps over 2 epochs, a checkpoint every 3; a crash after step 5 loses steps 4-5, which the resumed run
     (from the mid-epoch checkpoint of step 3) redoes: the end state equals an uninterrupted run's, bit for bit."""
-    args = [f"config={recipe}", *SMALL, *RECIPES[recipe], "optim.epochs=2", "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0",
-            "checkpoint.keep_last=0", "eval.knn.enabled=false", "log.tensorboard=false", "imports=[sslkit_faults]"]
+    args = [f"config={recipe}", *SMALL, *RECIPES[recipe], "optim.epochs=2", "checkpoint.every_n_steps=3",
+            "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0", "eval.knn.enabled=false", "log.tensorboard=false",
+            "imports=[sslkit_faults]"]
     ref = tmp_path / "ref"
     assert _run(capsys, *args, _hooks(recipe, {"name": "fault_crash", "step": 10**6}), f"output_dir={ref}")[0] == 0
     out = tmp_path / "crashed"

@@ -47,27 +47,67 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
         assert_identical(latest_state(out), _reference(tmp_path))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
-def test_external_sigterm_at_an_arbitrary_moment(tmp_path: Path, nproc: int) -> None:
-    """The signal comes from outside, whenever the run has made some progress; with 2 processes it
-    goes to the launching parent, which passes it on to its workers."""
-    out = tmp_path / "run"
+def _start(out: Path, nproc: int, *extra: str) -> subprocess.Popen[str]:
+    """A long run in its own process group (as a terminal or a scheduler starts a job)."""
     args = ["config=simclr", *BASE, "optim.epochs=40", "log.every_n_steps=1", f"output_dir={out}",
-            f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}"]
+            f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", *extra]
     env = {**os.environ, **FAULT_ENV}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    return subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_steps(out: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
     log = out / "metrics.jsonl"
-    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 8):
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= steps):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "to", "nproc", "workers"), [
+    ("SIGTERM", "main", 1, 0),
+    pytest.param("SIGTERM", "main", 2, 0, marks=pytest.mark.multiprocess),
+    ("SIGTERM", "group", 1, 2),  # a scheduler: the loader workers get it too, and must not die of it
+    ("SIGINT", "group", 1, 2),  # a terminal's Ctrl-C
+    pytest.param("SIGINT", "group", 2, 1, marks=pytest.mark.multiprocess),
+])
+def test_external_signal_at_an_arbitrary_moment(tmp_path: Path, sig: str, to: str, nproc: int, workers: int) -> None:
+    """The signal comes from outside, whenever the run has made some progress: to the main process alone
+    (with 2 processes, the launching parent passes it on) or to the whole process group, loader workers
+    and ranks included. Each time the step finishes, a checkpoint is written, and the exit status is 75."""
+    out = tmp_path / "run"
+    proc = _start(out, nproc, f"data.num_workers={workers}")
+    _wait_for_steps(out, 8)
+    if to == "group":
+        os.killpg(proc.pid, getattr(signal, sig))
+    else:
+        proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err
     stopped = latest_state(out)["position"]["iteration"]
     assert 8 <= stopped < 240
-    assert f"after step {stopped}" in err if nproc == 1 else "pre-empted" in err
+    assert f"stopped by {sig} after step {stopped}" in err if nproc == 1 else "pre-empted" in err
+    if sig == "SIGINT" and nproc == 1:
+        assert "Ctrl-C again to stop at once" in err
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    """Steps of 1.5 s: the first Ctrl-C asks for a checkpoint after the step, a second one 0.8 s later stops
+    at once (exit 130, no checkpoint of that step) with a message, not a traceback; the last checkpoint stays."""
+    out = tmp_path / "run"
+    proc = _start(out, 1, "checkpoint.every_n_steps=2", "imports=[sslkit_faults]",
+                  "hooks=[{name: fault_sleep, step: 3, seconds: 1.5}]")
+    _wait_for_steps(out, 2)
+    time.sleep(0.3)  # inside step 3's sleep
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.8)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted at once" in err and "Traceback" not in err
+    assert latest_state(out)["position"]["iteration"] == 2
 
 
 @pytest.mark.slow
