@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if debug or exc.errno not in STORAGE_ERRNOS:
             raise
-        print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'))}", file=sys.stderr)
+        print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'), known=False)}", file=sys.stderr)
         return EXIT_STOPPED
 
 
@@ -211,6 +211,11 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
         if get_rank() == 0:
             print(f"sslkit: {'stopped' if isinstance(exc, TrainingHalted) else 'error'}: {exc}", file=sys.stderr)
         sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
+    except OSError as exc:
+        if exc.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'), known=False)}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
 
 
 def console(argv: list[str] | None = None) -> int:

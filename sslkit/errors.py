@@ -34,10 +34,12 @@ class StorageError(UserError):
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
 
 
-def storage_error(exc: OSError, what: str, path: str, latest: str | None = None) -> StorageError:
+def storage_error(exc: OSError, what: str, path: str, latest: str | None = None,
+                  known: bool = True) -> StorageError:
     """A :class:`StorageError` for ``exc`` raised while writing ``what`` at ``path``, saying what to do.
 
-    ``latest`` is the checkpoint a rerun resumes from (None: no checkpoint yet).
+    ``latest`` is the checkpoint a rerun resumes from (None: no checkpoint yet); ``known=False``
+    when the caller cannot tell.
     """
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
     advice = {
@@ -48,6 +50,10 @@ def storage_error(exc: OSError, what: str, path: str, latest: str | None = None)
         errno.EACCES: "You may not write there: fix its permissions or set output_dir to a writable folder",
         errno.EPERM: "You may not write there: fix its permissions or set output_dir to a writable folder",
     }.get(exc.errno or 0, "Check the disk and the folder")
-    resume = (f"The last complete checkpoint, {latest}, is intact: running the same command resumes from it."
-              if latest else "No checkpoint was written yet: a rerun starts from the beginning.")
+    if not known:
+        resume = "Checkpoints are written atomically: running the same command resumes from the last complete one."
+    elif latest:
+        resume = f"The last complete checkpoint, {latest}, is intact: running the same command resumes from it."
+    else:
+        resume = "No checkpoint was written yet: a rerun starts from the beginning."
     return StorageError(f"cannot write {what} {path}: {reason}. {advice}. {resume}")

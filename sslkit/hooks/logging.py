@@ -44,8 +44,13 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line."""
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # e.g. a full disk, reported at the flush: name the file
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, self.path) from exc
+            raise
 
     def close(self) -> None:
         """Nothing to release: every write opens and closes the file."""

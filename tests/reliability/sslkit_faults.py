@@ -108,10 +108,19 @@ class FullDiskFault(_Fault):
 
     priority = 10
 
+    def __init__(self, step: int, file: str = "checkpoint") -> None:
+        super().__init__(step)
+        self.file = file  # "checkpoint" or "metrics" (metrics.jsonl becomes a link to /dev/full)
+
     def on_step(self, task) -> None:
         if task.train and task.iteration == self.step and task.rank == 0:
             from sslkit.checkpoint import checkpoint_dir
 
+            if self.file == "metrics":
+                path = os.path.join(task.output_dir, "metrics.jsonl")
+                os.replace(path, path + ".before")
+                os.symlink("/dev/full", path)
+                return
             folder = checkpoint_dir(task.output_dir)
             os.makedirs(folder, exist_ok=True)
             os.symlink("/dev/full", os.path.join(folder, f"checkpoint_{self.step:09d}.pt.tmp.{os.getpid()}"))

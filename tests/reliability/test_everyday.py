@@ -179,6 +179,15 @@ def test_full_disk_at_a_checkpoint_keeps_the_last_one_and_leaves_no_temporary_fi
     assert code == 0 and "checkpoint_000000002.pt" in stdout and latest_state(out)["position"]["iteration"] == 4
 
 
+def test_full_disk_for_the_metrics_is_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    code, _, err = _run(capsys, "config=simclr", *QUICK, "log.every_n_steps=1", "imports=[sslkit_faults]",
+                        "hooks=[{name: fault_full_disk, step: 2, file: metrics}]", f"output_dir={out}")
+    assert code == 1 and "Traceback" not in err
+    assert f"cannot write to {out / 'metrics.jsonl'}: No space left on device" in err
+    assert "resumes from the last complete one" in err
+
+
 def test_no_readable_checkpoint_is_a_message_and_auto_resume_false_starts_afresh(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
