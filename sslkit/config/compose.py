@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sslkit import registry as R
+from sslkit.distributed import launched_by_torchrun
 from sslkit.errors import UserError
 
 __all__ = [
@@ -597,6 +599,12 @@ def validate(cfg: DictConfig) -> None:
     d = cfg.distributed
     if not errors:
         _check_device(cfg, errors)
+    if d.num_nodes > 1 and not launched_by_torchrun():
+        try:
+            socket.getaddrinfo(str(d.master_addr), None)
+        except (OSError, UnicodeError):
+            errors.append(f"'distributed.master_addr' = {d.master_addr}: no such host (it does not resolve here), so "
+                          "the processes could never meet. Set it to the address of node 0.")
     if not 0 <= d.node_rank < d.num_nodes:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,7 +15,7 @@ from torch.utils.data import DataLoader
 from sslkit.data.dataset import SSLDataset
 from sslkit.data.sampler import StatefulDistributedSampler
 
-__all__ = ["build_loader", "collate_views", "ignore_signals_in_worker"]
+__all__ = ["SignalSafeLoader", "build_loader", "collate_views", "ignore_signals_in_worker", "signals_blocked"]
 
 
 def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
@@ -40,9 +43,39 @@ def ignore_signals_in_worker(signals: tuple[int, ...], _worker_id: int) -> None:
     """``worker_init_fn``: a data worker ignores ``signals`` (the pre-emption signals), so that one sent to the
     whole process group (a terminal's Ctrl-C, a scheduler) does not kill it under the main process, which
     finishes its step, checkpoints and then stops the workers itself. Workers still end when the loader
-    shuts down, and on their own shortly after the main process is gone."""
+    shuts down, and on their own shortly after the main process is gone.
+
+    The workers start with these signals blocked (:class:`SignalSafeLoader`), so one that arrives while a
+    worker is still starting (a spawned worker imports torch first) waits, and is dropped here."""
     for s in signals:
         signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+@contextlib.contextmanager
+def signals_blocked(signals: tuple[int, ...]) -> Iterator[None]:
+    """Block ``signals`` in this thread for the ``with`` block (main thread only; elsewhere nothing is done).
+    A signal that arrives meanwhile is delivered when the block ends."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class SignalSafeLoader(DataLoader):
+    """A DataLoader whose worker processes start with the pre-emption signals blocked (they inherit the
+    mask), so no worker dies of a group signal before :func:`ignore_signals_in_worker` has run."""
+
+    worker_ignores: tuple[int, ...] = ()
+
+    def __iter__(self) -> Any:
+        """Start (or reuse) the workers with :attr:`worker_ignores` blocked in this process meanwhile."""
+        with signals_blocked(self.worker_ignores if self.num_workers > 0 else ()):
+            return super().__iter__()
 
 
 def build_loader(
@@ -72,7 +105,7 @@ def build_loader(
         if worker_ignores:
             ignored = tuple(int(s) for s in worker_ignores)
             kwargs["worker_init_fn"] = functools.partial(ignore_signals_in_worker, ignored)
-    return DataLoader(
+    loader = SignalSafeLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -82,3 +115,5 @@ def build_loader(
         drop_last=drop_last,
         **kwargs,
     )
+    loader.worker_ignores = tuple(int(s) for s in worker_ignores)
+    return loader

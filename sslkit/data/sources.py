@@ -173,8 +173,8 @@ def build_fashion_mnist(split: str, path: str | None = None, download: bool = Tr
         if not folder.is_dir():
             what = "is a file, not a folder" if folder.exists() else "does not exist"
             raise DataSourceError(f"data.{split}.path = {path} {what}: give the folder that holds the Fashion-MNIST "
-                                  "idx files, or leave data.train.path unset to use the system copy "
-                                  f"({DEBIAN_FASHION_MNIST}).")
+                                  "idx files (or an empty folder to download into), or leave data.train.path unset "
+                                  f"to use the system copy ({DEBIAN_FASHION_MNIST}).")
         candidates.append(("data path", folder))
         if (folder / "FashionMNIST" / "raw").is_dir():  # a torchvision root
             candidates.append(("data path", folder / "FashionMNIST" / "raw"))

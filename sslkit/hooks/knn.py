@@ -28,7 +28,7 @@ class KNNHook(SSLHook):
     The train split (with the eval transform) is the memory bank, the test split the queries.
     Runs on ``on_end`` once (a finished run that is started again reports the stored result
     instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0, and, with
-    ``baselines``, once on a fresh run's ``on_start`` for the random-init trunk and the pixels
+    ``baselines``, once at the start of a fresh run's first phase for the random-init trunk and the pixels
     (raw in [0, 1] through ``raw_pixel_loaders``, and as the eval transform normalises them).
     Results go to the log and the sinks (metrics.jsonl).
     """
@@ -92,10 +92,14 @@ class KNNHook(SSLHook):
         for sink in self.sinks:
             sink.write(record)
 
-    def on_start(self, task: SSLTask) -> None:
-        """Baselines on a fresh run: the random-init trunk, the raw pixels in [0, 1] (the protocol's
-        pixel baseline) and the pixels as the eval transform normalises them (centred)."""
-        if not self.baselines or task.iteration > 0 or task.phase_idx > 0 or "random_init_knn_top1" in self.results:
+    def on_phase_start(self, task: SSLTask) -> None:
+        """Baselines at the start of a fresh run's first phase: the random-init trunk, the raw pixels in
+        [0, 1] (the protocol's pixel baseline) and the pixels as the eval transform normalises them
+        (centred). At the first phase start, not ``on_start``, so every hook is set up by then (the
+        pre-emption handlers too: a Ctrl-C during the baselines stops after the first step, with a
+        checkpoint)."""
+        if (not self.baselines or task.iteration > 0 or task.phase_idx > 0 or task.steps_in_phase > 0
+                or "random_init_knn_top1" in self.results):
             return
         self._baseline(task, "random_init_", self.evaluate(task))
         if self.raw_pixel_loaders is not None:

@@ -103,16 +103,22 @@ def test_fashion_mnist_accepts_torchvision_root(tmp_path: Path, no_fallbacks: li
     assert len(build_source("fashion_mnist", "train", str(tmp_path))) == 4
 
 
-def test_fashion_mnist_bad_path_falls_back_to_debian(
+def test_fashion_mnist_explicit_path_is_the_only_place_looked_at(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_fallbacks: list
 ) -> None:
+    """A path the user set is never silently replaced by the system copy: a bad file there or a missing folder
+    is an error naming it, even with a good copy in the Debian folder."""
     user = tmp_path / "user"
     write_fashion(user, "train", 4, gz=False)
     (user / "train-images-idx3-ubyte").write_bytes(b"garbage")
     debian = tmp_path / "debian"
     write_fashion(debian, "train", 6, gz=True)
     monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST", str(debian))
-    assert len(build_source("fashion_mnist", "train", str(user))) == 6
+    with pytest.raises(DataSourceError, match=rf"data path {user}: .*not an idx file"):
+        build_source("fashion_mnist", "train", str(user))
+    with pytest.raises(DataSourceError, match=r"data.train.path = .*fashon does not exist"):
+        build_source("fashion_mnist", "train", str(tmp_path / "fashon"))
+    assert len(build_source("fashion_mnist", "train", None)) == 6  # unset: the system copy
 
 
 def test_fashion_mnist_falls_back_to_torchvision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +130,7 @@ def test_fashion_mnist_falls_back_to_torchvision(tmp_path: Path, monkeypatch: py
         return torch.full((5, 1, 28, 28), 7, dtype=torch.uint8), torch.arange(5)
 
     monkeypatch.setattr(sources, "_torchvision_fashion_mnist", fake)
+    (tmp_path / "dl").mkdir()  # a folder to download into must exist: a missing one is taken for a typo
     ds = build_source("fashion_mnist", "test", str(tmp_path / "dl"))
     assert len(ds) == 5 and ds[3][1] == 3 and int(ds[3][0].max()) == 7
     assert seen == {"root": str(tmp_path / "dl"), "train": False}
