@@ -14,7 +14,6 @@ setup(
     install_requires=[
         "torch>=2.2",
         "torchvision>=0.17",
-        "classy-vision>=0.7",
         "fvcore>=0.1.5",
         "iopath>=0.1.9",
         "hydra-core>=1.3",
@@ -25,4 +24,5 @@ setup(
         "pillow>=9.0",
     ],
     extras_require={"test": ["pytest>=7.0", "ruff>=0.4"]},
+    entry_points={"console_scripts": ["sslkit = sslkit.cli:console"]},
 )

@@ -98,22 +98,27 @@ def all_gather_object(obj: Any) -> list[Any]:
 def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of ``tensor`` over all processes (a new tensor; the input is not modified).
 
-    Uses classy-vision's collective helper, which handles the device of the backend.
+    One all-reduce on the default group, on the tensor's own device (nccl for CUDA tensors, gloo
+    for CPU ones). Without a process group it returns ``tensor`` itself.
     """
     if not is_distributed():
         return tensor
-    from classy_vision.generic.distributed_util import all_reduce_mean as _cv_all_reduce_mean
-
-    return _cv_all_reduce_mean(tensor.clone())
+    out = all_reduce_sum(tensor)
+    world = get_world_size()
+    return out.div_(world) if out.is_floating_point() or out.is_complex() else out / world  # ints: a float mean
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of ``tensor`` over all processes (a new tensor)."""
+    """Sum of ``tensor`` over all processes (a new tensor; the input is not modified).
+
+    One all-reduce on the default group, on the tensor's own device. Without a process group it
+    returns ``tensor`` itself.
+    """
     if not is_distributed():
         return tensor
-    from classy_vision.generic.distributed_util import all_reduce_sum as _cv_all_reduce_sum
-
-    return _cv_all_reduce_sum(tensor.clone())
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
 
 
 def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
