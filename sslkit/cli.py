@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, R.UnknownNameError) as exc:
         if debug:
             raise
+        if launched_by_torchrun() and os.environ.get("RANK", "0") != "0":
+            return getattr(exc, "exit_code", EXIT_BAD_INPUT)  # rank 0 says it once, not every rank
         kind = "config error" if isinstance(exc, ConfigError | R.UnknownNameError) else (
             "data error" if isinstance(exc, DataSourceError) else "error")
         print(f"sslkit: {kind}: {exc}", file=sys.stderr)

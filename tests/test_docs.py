@@ -1,8 +1,18 @@
-"""The code in docs/ runs: the worked hook and train-step examples go through tools/run.py."""
+"""The code in docs/ runs: the worked examples go through tools/run.py, and every shell command shown runs verbatim."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,6 +20,7 @@ from helpers import REPO, SMALL, run_cli
 
 
 def python_block(doc: str) -> str:
+    """The one ```python block of ``docs/<doc>``."""
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / doc).read_text(), flags=re.S)
     assert len(blocks) == 1, f"{doc} should hold exactly one python example"
     return blocks[0]
@@ -41,3 +52,381 @@ def test_train_step_example_runs(tmp_path: Path) -> None:
     proc = run_cli("config=simclr", *SMALL, "optim.max_steps=4", "eval.knn.enabled=false",
                    "imports=[doc_steps]", "train_step=clipped", f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert "step 4/4" in proc.stdout
+
+
+# ------------------------------------------------------------------------- the commands the docs show
+#: The markdown files whose commands must run.
+DOC_FILES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+#: A 4-space-indented line starting with one of these is a shell command.
+PROGRAMS = ("python", "torchrun", "sslkit", "pip", "apt-get")
+#: Documentation patterns: a placeholder that stands for one real value, and the value the test runs.
+EXPANSIONS = {"config=NAME": "config=simclr"}
+#: Commands the test does not run, with the reason (a regular expression on the command).
+SKIPPED = {
+    r"--index-url https://download\.pytorch\.org/": "installs the CPU-only torch from download.pytorch.org, which "
+    "CI cannot reach (it installs the default torch from PyPI), so it is not in .ci/run either",
+    r"^torchrun --standalone .*data\.train\.path=/data/": "starts 8 interpreters (about 40 CPU-seconds here, too "
+    "much for the suite's budget) to show a known limitation: each rank refuses the missing /data/train with exit "
+    "2 (rank 0 prints the message, the others exit quietly), and then torchrun exits 1 with its own "
+    "ChildFailedError report, which sslkit cannot shorten",
+    r"eval\.knn\.baselines=true": "the random-init and pixel kNN baselines over all 70,000 Fashion-MNIST images "
+    "take about a minute here before the first step, too long for the suite's budget; a Ctrl-C during them is acted "
+    "on after them and the first step (exit 75 with a checkpoint), as docs/reliability.md says",
+    r"^torchrun .*--nnodes=N\b": "the pattern for node i of N: torchrun itself rejects --nnodes=N / --node_rank=i "
+    "(its own usage error) before sslkit starts, so there is no sslkit outcome to check",
+}
+#: Commands that misbehave today (a regular expression on the command -> what is wrong): strict xfail,
+#: so the test fails once they are fixed and the mark must go.
+KNOWN_BAD: dict[str, str] = {}
+#: Commands that need what CI has not (a regular expression on the command -> what the refusal must name).
+NEEDS_WHAT_CI_LACKS = {
+    r"machine\.device=cuda": "machine.device",  # a GPU
+    r"=(/data/\S+)": r"\1",  # a folder of the user's
+    r"data=(cifar10|cifar100)\b": r"\1",  # a download (no network)
+    r"\b(my_pkg)\.": r"\1",  # a placeholder package
+    r"=(HOST0)\b": r"\1",  # a placeholder host
+}
+#: The line LogHook logs when training starts: "training N phases, N optimizer steps, ...; output in DIR".
+TRAINING_LINE = re.compile(r"training \d+ phases, \d+ optimizer steps, .*; output in (\S+)")
+#: Seconds between the training line and the SIGINT: the hooks after LogHook finish on_start (PreemptionHook
+#: installs its handlers there, a few ms later), so a quick poll cannot land in between.
+SETTLE_S = 0.5
+#: Seconds a run may take to stop after the Ctrl-C (finish the step, write the checkpoint), per process of the
+#: run: a step of one process takes 1-5 s here; N processes share the 2 cores (and start their loader workers).
+STOP_WITHIN_S = 15.0
+#: The exit status of a run stopped by a signal after its checkpoint (sslkit.reliability.PREEMPTED_EXIT_CODE).
+PREEMPTED = 75
+#: Written into my_ssl/ of the run folder for commands with imports=[my_ssl.<module>]: the docs' own example.
+MY_SSL = {"my_ssl.hooks": ("hooks.py", "hooks.md"), "my_ssl.steps": ("steps.py", "train_steps.md")}
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without a trailing ``# comment`` (a ``#`` after two or more spaces)."""
+    return re.sub(r"\s{2,}#.*$", "", line).rstrip()
+
+
+def commands_in(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, command) of every shell command of a markdown text: a 4-space-indented line (outside
+    fenced blocks) starting with one of :data:`PROGRAMS`, trailing comment stripped, backslash continuations
+    joined."""
+    lines = text.splitlines()
+    fenced, i = False, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = re.match(r"    (\S.*)$", line)
+        if not fenced and m and m.group(1).split()[0] in PROGRAMS:
+            start, parts, current = i, [], _strip_comment(m.group(1))
+            while current.endswith("\\") and i + 1 < len(lines):
+                parts.append(current[:-1].strip())
+                i += 1
+                current = _strip_comment(lines[i].strip())
+            parts.append(current.strip())
+            yield start + 1, " ".join(p for p in parts if p)
+        i += 1
+
+
+def doc_commands() -> dict[str, list[str]]:
+    """Every distinct command of :data:`DOC_FILES`, placeholders of :data:`EXPANSIONS` expanded ->
+    where it is shown (``file:line``), in the order of first appearance. Commands that differ only in
+    spacing are one."""
+    found: dict[tuple[str, ...], tuple[str, list[str]]] = {}
+    for doc in DOC_FILES:
+        for lineno, command in commands_in((REPO / doc).read_text(encoding="utf-8")):
+            for pattern, value in EXPANSIONS.items():
+                command = re.sub(rf"(?<!\S){re.escape(pattern)}(?!\S)", value, command)
+            key = tuple(shlex.split(command))
+            found.setdefault(key, (command, []))[1].append(f"{doc}:{lineno}")
+    return dict(found.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the test runs one command, and what it expects."""
+
+    #: ``ci``: not run, must be in .ci/run; ``refusal``: exit 2 with a message naming ``names``; ``quick``:
+    #: exit 0; ``train``: SIGINT once training started, exit 75 with a checkpoint; ``start``: gets through
+    #: its start, then killed; ``skip``: not run (``reason``).
+    kind: str
+    names: str = ""
+    reason: str = ""
+    timeout: float = 120.0
+    #: ``train``: seconds from the SIGINT to the exit.
+    stop_within: float = STOP_WITHIN_S
+
+
+def plan(command: str) -> Plan:
+    """Decide how :func:`test_doc_command` runs ``command`` (see :class:`Plan`)."""
+    argv = shlex.split(command)
+    for pattern, reason in SKIPPED.items():
+        if re.search(pattern, command):
+            return Plan("skip", reason=reason)
+    if argv[0] in ("pip", "apt-get") or argv[:3] == ["python", "-m", "pytest"]:
+        return Plan("ci")
+    for pattern, names in NEEDS_WHAT_CI_LACKS.items():
+        if m := re.search(pattern, command):
+            # torchrun starts its processes (8 on 2 cores) before any of them can refuse
+            return Plan("refusal", names=m.expand(names), timeout=90.0 if argv[0] == "torchrun" else 30.0)
+    if argv[:2] == ["sslkit", "list"] or "--help" in argv or argv[:2] == ["python", "tools/audit.py"]:
+        return Plan("quick")
+    if argv[:2] == ["python", "benchmarks/overhead.py"]:
+        # Both loops run in one process with no signal handling of their own (Ctrl-C is a KeyboardInterrupt
+        # traceback), for minutes: check that it gets through its start (config, build_task, the refusals,
+        # the header line "machine: ...") and kill it there.
+        return Plan("start")
+    if argv[:2] in (["python", "tools/run.py"], ["sslkit", "train"]) or argv[0] == "torchrun":
+        return Plan("train", stop_within=STOP_WITHIN_S * _processes(command))
+    raise AssertionError(f"no rule in tests/test_docs.py says how to run the doc command {command!r}")
+
+
+def _processes(command: str) -> int:
+    """The number of processes ``command`` trains with (``distributed.nproc_per_node``, torchrun's
+    ``--nproc_per_node``)."""
+    m = re.search(r"nproc_per_node=(\d+)", command)
+    return int(m.group(1)) if m else 1
+
+
+def _ci_steps() -> set[str]:
+    """The commands of .ci/run, one per ``&&``-separated part, normalised by :func:`_normalise`."""
+    steps = set()
+    for line in (REPO / ".ci" / "run").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            steps.update(_normalise(part) for part in line.split("&&") if part.strip())
+    return steps
+
+
+def _normalise(command: str) -> str:
+    """A command without what only changes how much it prints: quiet flags, ``python -m`` before pip, and
+    output redirections; whitespace collapsed."""
+    words = [w for w in shlex.split(command) if w not in ("-q", "-qq", "--quiet") and not re.match(r"\d?>", w)]
+    if words[:3] == ["python", "-m", "pip"]:
+        words = words[2:]
+    return " ".join(words)
+
+
+def _run_env(cwd: Path) -> dict[str, str]:
+    """The environment of a doc command run in ``cwd``: this one without PYTHONPATH (``imports=`` must find
+    modules of the working directory by itself), and TMPDIR in ``cwd`` (what a killed command leaves in its
+    temporary folder, such as benchmarks/overhead.py's run folder, goes with the test's)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TMPDIR": str(cwd)}
+
+
+def _argv(command: str) -> list[str]:
+    """``command`` as an argv, its program resolved next to this interpreter (``python`` is this interpreter;
+    ``sslkit`` and ``torchrun`` are console scripts installed with it)."""
+    argv = shlex.split(command)
+    assert not set(argv) & {"&&", "||", "|", ";", ">", "<"}, f"a shell is needed for {command!r}"
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    script = Path(sys.executable).parent / argv[0]
+    found = str(script) if script.exists() else shutil.which(argv[0])
+    assert found, f"{argv[0]} is not installed (pip install -e .)"
+    return [found, *argv[1:]]
+
+
+def _workdir(tmp_path: Path, command: str) -> Path:
+    """A folder to run ``command`` in: links to the repo's tools/, benchmarks/ and configs/ (so runs/ lands
+    here), and my_ssl/ with the docs' example when the command imports it."""
+    for name in ("tools", "benchmarks", "configs"):
+        (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+    for module, (file, doc) in MY_SSL.items():
+        if f"imports=[{module}]" in command:
+            (tmp_path / "my_ssl").mkdir(exist_ok=True)
+            (tmp_path / "my_ssl" / "__init__.py").write_text("")
+            (tmp_path / "my_ssl" / file).write_text(python_block(doc))
+    return tmp_path
+
+
+@dataclass
+class Outcome:
+    """What a command did: exit status, output, the run folder its training line named, and whether that
+    folder held a checkpoint (``checkpoints/latest.txt``) when the command had ended."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: str | None = None
+    checkpoint: bool = False
+
+
+#: Process groups of the commands still running: killed at the end of the module, whatever happened.
+_RUNNING: set[int] = set()
+
+
+def _kill(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to a command's whole process group (loader workers, spawned ranks, torchrun's children)."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _run(command: str, cwd: Path, p: Plan) -> Outcome:
+    """Run ``command`` verbatim in ``cwd`` (its own session and process group, as a terminal starts it) and
+    return what it did. ``train``: SIGINT to the group once training has started; ``start``: SIGKILL once
+    its header is out. A command still running after ``p.timeout`` s is killed and fails the test."""
+    out_file, err_file = cwd / "stdout.txt", cwd / "stderr.txt"
+    with out_file.open("wb") as out, err_file.open("wb") as err:
+        proc = subprocess.Popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, start_new_session=True)
+    _RUNNING.add(proc.pid)
+    deadline = time.monotonic() + p.timeout
+    run_dir = None
+    try:
+        while p.kind in ("train", "start") and proc.poll() is None and time.monotonic() < deadline:
+            text = out_file.read_text(errors="replace")
+            if p.kind == "start" and re.search(r"^machine: ", text, flags=re.M):
+                _kill(proc.pid)
+                break
+            if m := TRAINING_LINE.search(text):
+                run_dir = m.group(1)
+                time.sleep(SETTLE_S)
+                _kill(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+                deadline = min(deadline, time.monotonic() + p.stop_within)
+                break
+            time.sleep(0.1)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill(proc.pid)
+        proc.wait()
+        text = f"{out_file.read_text(errors='replace')[-2000:]}\n{err_file.read_text(errors='replace')[-2000:]}"
+        when = f"{p.stop_within:.0f} s after the SIGINT" if run_dir else f"after {p.timeout:.0f} s"
+        pytest.fail(f"{command!r} still ran {when} (killed); its output ends with:\n{text}")
+    finally:
+        _kill(proc.pid)  # nothing of it outlives its test
+        _RUNNING.discard(proc.pid)
+    checkpoint = run_dir is not None and (cwd / run_dir / "checkpoints" / "latest.txt").exists()
+    return Outcome(proc.returncode, out_file.read_text(errors="replace"), err_file.read_text(errors="replace"),
+                   run_dir, checkpoint)
+
+
+#: Output folders under /tmp that doc commands name (output_dir=/tmp/...): removed before and after the run, so
+#: that the command starts fresh each time (only under /tmp: the test removes nothing else outside its folder).
+ABSOLUTE_OUTPUTS = re.compile(r"(?<!\S)output_dir=(/tmp/[^\s/]\S*)")
+
+
+def _execute(command: str, cwd: Path, p: Plan) -> Outcome:
+    """:func:`_run`, with the command's absolute output folders removed before and after it."""
+    absolute = [Path(m) for m in ABSOLUTE_OUTPUTS.findall(command)]
+    for folder in absolute:
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        return _run(command, cwd, p)
+    finally:
+        for folder in absolute:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _skip_reason(p: Plan) -> str | None:
+    """Why a command with plan ``p`` is not run here, or None."""
+    if p.kind == "skip":
+        return p.reason
+    if p.kind == "refusal" and p.names == "machine.device":
+        import torch
+
+        if torch.cuda.is_available():
+            return "a CUDA device is here: the command is a GPU run, not the refusal this test checks"
+    return None
+
+
+def _runs(command: str) -> bool:
+    """True for the commands :func:`test_doc_command` runs (not CI's, not skipped)."""
+    p = plan(command)
+    return p.kind != "ci" and _skip_reason(p) is None
+
+
+#: Commands run at a time (the machine has 2 cores; much of a command is its ~4 s of imports, and the SIGINT
+#: and hang checks wait): the first test starts every selected command, longest first, and each test waits
+#: for its own.
+CONCURRENT = 2
+_POOL = ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="doc-command")
+_STARTED: dict[str, Future[Outcome]] = {}
+
+
+def _expected_seconds(command: str) -> float:
+    """A rough run time, to start the longest commands first (they would otherwise end the module alone)."""
+    if "eval.knn.baselines=true" in command:
+        return 5.0 + STOP_WITHIN_S
+    return 5.0 + 3.0 * _processes(command)
+
+
+def _start_all(request: pytest.FixtureRequest, factory: pytest.TempPathFactory) -> None:
+    """Start the commands of every selected :func:`test_doc_command` (once), longest first."""
+    if _STARTED:
+        return
+    selected = [item.callspec.params["command"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_doc_command" and hasattr(item, "callspec")]
+    for command in sorted((c for c in selected if _runs(c)), key=_expected_seconds, reverse=True):
+        cwd = _workdir(factory.mktemp("doc_command"), command)
+        _STARTED[command] = _POOL.submit(_execute, command, cwd, plan(command))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_commands() -> Iterator[None]:
+    """After the module: no command is left running (an interrupted session included)."""
+    yield
+    _POOL.shutdown(wait=False, cancel_futures=True)
+    for pgid in list(_RUNNING):
+        _kill(pgid)
+
+
+def _params() -> list[pytest.param]:
+    params = []
+    for command, shown in COMMANDS.items():
+        marks = [pytest.mark.slow]
+        for pattern, why in KNOWN_BAD.items():
+            if re.search(pattern, command):
+                marks.append(pytest.mark.xfail(strict=True, reason=why))
+        params.append(pytest.param(command, shown, marks=marks, id=command[:80]))
+    return params
+
+
+COMMANDS = doc_commands()
+
+
+def test_doc_command_collector() -> None:
+    """Indented commands are found, comments after two spaces stripped, continuations joined, fences skipped."""
+    text = ("Run:\n\n    python tools/run.py config=simclr   # a comment\n    pip install x#y\n"
+            "    torchrun --nnodes=2 \\\n        tools/run.py config=dino  # node 0\n    srun torchrun \\\n"
+            "        tools/run.py\n\n```python\n    python inside_a_fence.py\n```\n      python not_four.py\n")
+    assert list(commands_in(text)) == [(3, "python tools/run.py config=simclr"), (4, "pip install x#y"),
+                                       (5, "torchrun --nnodes=2 tools/run.py config=dino")]
+    assert "python tools/run.py config=simclr" in COMMANDS and "python -m pytest -q" in COMMANDS
+
+
+@pytest.mark.parametrize(("command", "shown"), _params())
+def test_doc_command(command: str, shown: list[str], request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each command the docs show (at ``shown``) does what the docs promise, run verbatim: see :func:`plan`."""
+    p = plan(command)
+    if reason := _skip_reason(p):
+        pytest.skip(reason)
+    if p.kind == "ci":
+        steps = _ci_steps()
+        assert all(_normalise(part) in steps for part in command.split("&&")), (
+            f"{command!r} (shown at {', '.join(shown)}) is not what .ci/run runs: {sorted(steps)}")
+        return
+    _start_all(request, tmp_path_factory)
+    _check(command, shown, p, _STARTED[command].result())
+
+
+def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
+    """Assert what ``p`` expects of ``command``'s outcome ``got``."""
+    both = got.stdout + got.stderr
+    context = f"{command!r} (shown at {', '.join(shown)}): exit {got.returncode}\n{both[-3000:]}"
+    assert "Traceback" not in both, context
+    if p.kind == "quick":
+        assert got.returncode == 0 and got.stdout.strip(), context
+    elif p.kind == "start":
+        assert got.returncode == -signal.SIGKILL, context  # killed after its header, not failed before
+    elif p.kind == "refusal":
+        message = got.stderr.strip()
+        assert got.returncode == 2, context
+        assert message.startswith("sslkit:") and "\n\n" not in message and p.names in message, context
+    else:  # train
+        assert got.run_dir is not None, f"training never started: {context}"
+        assert got.returncode == PREEMPTED, context
+        assert re.search(r"sslkit: (stopped by SIGINT after step \d+; the checkpoint was written|pre-empted; the "
+                         r"checkpoint was written)", got.stderr), context
+        assert got.checkpoint, f"no checkpoints/latest.txt in {got.run_dir}: {context}"
