@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
@@ -145,7 +146,10 @@ def _move_aside(out: str) -> str | None:
 
 
 def _describe(value: Any) -> str:
-    return "<absent>" if value == "<absent>" else OmegaConf.to_yaml({"v": value}).strip()[3:]
+    """One line: ``0.3``, ``[{name: a, step: 5}]``, ``<absent>``."""
+    if value == "<absent>":
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
