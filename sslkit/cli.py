@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args, debug = _debug(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
-        print(_usage())
+        _print(_usage())
         return 0
     logging.raiseExceptions = False  # a log file on a full disk must not print tracebacks
     try:
@@ -141,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'), known=False)}", file=sys.stderr)
         return EXIT_STOPPED
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that stops early (``sslkit list | head``) is not an error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
 
 
 def _usage() -> str:
@@ -227,9 +236,9 @@ def console(argv: list[str] | None = None) -> int:
     if args and args[0] == "list":
         from sslkit.catalog import catalog_text
 
-        print(catalog_text())
+        _print(catalog_text())
         return 0
     if args and args[0] == "train":
         return main(args[1:])
-    print("usage: sslkit list | sslkit train [config=NAME] [data=NAME] [key=value ...]\n\n" + _usage())
+    _print("usage: sslkit list | sslkit train [config=NAME] [data=NAME] [key=value ...]\n\n" + _usage())
     return 0 if args and args[0] in ("-h", "--help") else EXIT_BAD_INPUT

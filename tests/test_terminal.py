@@ -241,3 +241,15 @@ def test_recipe_diff_reports_only_what_the_run_changed() -> None:
     assert recipe_diff(same, compose_config(same)) == []
     assert format_recipe_diff(same, compose_config(same)).startswith(
         "config: recipe simclr, data synthetic, as the recipe")
+
+
+def test_list_into_a_reader_that_stops_early_is_not_an_error() -> None:
+    """``sslkit list | head -1``: a closed pipe ends the listing quietly (exit 0, no BrokenPipeError traceback).
+    The child's stdout is a pipe whose reader is already closed, so its very first write fails with EPIPE."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)\n"
+              "from sslkit.cli import console\nsys.exit(console(['list']))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
