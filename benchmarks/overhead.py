@@ -44,6 +44,7 @@ import gc
 import logging
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -403,7 +404,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"not an option nor a key=value override: {' '.join(bad)}")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    cfg = bench_config(args.steps, overrides, tempfile.mkdtemp(prefix="sslkit_overhead_"))
+    out = tempfile.mkdtemp(prefix="sslkit_overhead_")
+    try:
+        return _compare(args, bench_config(args.steps, overrides, out))
+    except KeyboardInterrupt:
+        print("overhead.py: interrupted; nothing was measured to the end", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # the runs' checkpoints and logs: scratch, never kept
+
+
+def _compare(args: argparse.Namespace, cfg: DictConfig) -> int:
+    """The rounds of :func:`main` with the composed ``cfg``; returns main's exit status."""
     setup_logging(None)
     logging.getLogger("sslkit").setLevel(logging.WARNING)
 
