@@ -65,7 +65,7 @@ def _wait_for_steps(out: Path, steps: int, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "to", "nproc", "workers"), [
-    ("SIGTERM", "main", 1, 0),
+    # SIGTERM to the main process of 1: test_signal_checkpoints_after_the_step_and_the_same_command_resumes
     pytest.param("SIGTERM", "main", 2, 0, marks=pytest.mark.multiprocess),
     ("SIGTERM", "group", 1, 2),  # a scheduler: the loader workers get it too, and must not die of it
     ("SIGINT", "group", 1, 2),  # a terminal's Ctrl-C
