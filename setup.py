@@ -18,7 +18,6 @@ setup(
         "iopath>=0.1.9",
         "hydra-core>=1.3",
         "omegaconf>=2.3",
-        "pyyaml>=5.1",
         "tensorboard>=2.12",
         "tqdm>=4.60",
         "numpy>=1.23",

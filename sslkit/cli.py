@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
-from sslkit.config.compose import ConfigError, compose_config
+from sslkit.config.compose import ConfigError, compose_config, format_recipe_diff
 from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun, shutdown
 from sslkit.errors import (
@@ -89,14 +89,6 @@ def _debug(args: list[str]) -> tuple[list[str], bool]:
     return [a for a in args if a != "--debug"], flag or os.environ.get("SSLKIT_DEBUG", "") not in ("", "0")
 
 
-def _summary(args: list[str], cfg: DictConfig) -> str | None:
-    try:
-        from sslkit.config.compose import format_recipe_diff
-    except ImportError:
-        return None
-    return format_recipe_diff(args, cfg)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python tools/run.py config=simclr a.b=c ...``; returns the exit code.
 
@@ -153,11 +145,8 @@ def _print(text: str) -> None:
 
 
 def _usage() -> str:
-    try:
-        from sslkit.catalog import usage_text
-    except ImportError:
-        return (__doc__ + "\n\nusage: python tools/run.py [config=NAME] [data=NAME] [key=value ...]\n"
-                "Every key is documented in sslkit/config/defaults.yaml and docs/configs.md.")
+    from sslkit.catalog import usage_text
+
     return usage_text()
 
 
@@ -166,7 +155,7 @@ def _main(args: list[str]) -> int:
     d = cfg.distributed
     torchrun = launched_by_torchrun()
     plan = prepare_output_dir(cfg, primary=not torchrun or int(os.environ["RANK"]) == 0)
-    summary = _summary(args, cfg)
+    summary = format_recipe_diff(args, cfg)
     if torchrun:
         init_process_group(d.backend, d.timeout_s, cfg.machine.device)
         try:

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
+from sslkit.config.compose import flatten_config, show_value
 from sslkit.errors import UserError
 
 __all__ = [
@@ -77,15 +77,6 @@ class FolderPlan:
                            key, old, new)
 
 
-def _flatten(container: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(container, dict):
-        out: dict[str, Any] = {}
-        for k, v in container.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: container}
-
-
 def _ignored(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
 
@@ -100,7 +91,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]
                    ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """Compare two resolved configs: ``(lengthened, changed)`` as lists of (key, saved, now), keys
     of :data:`IGNORED_KEYS` left out. A missing key shows as ``<absent>``."""
-    a, b = _flatten(saved), _flatten(now)
+    a, b = flatten_config(saved), flatten_config(now)
     lengthened, changed = [], []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, "<absent>"), b.get(key, "<absent>")
@@ -145,13 +136,6 @@ def _move_aside(out: str) -> str | None:
     return dest
 
 
-def _describe(value: Any) -> str:
-    """One line: ``0.3``, ``[{name: a, step: 5}]``, ``<absent>``."""
-    if value == "<absent>":
-        return value
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-
-
 def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
     """Decide how ``cfg`` uses its ``output_dir``, before anything is built or written.
 
@@ -183,7 +167,7 @@ def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
     now = OmegaConf.to_container(cfg, resolve=True)
     lengthened, changed = config_changes(saved, now)  # type: ignore[arg-type]
     if changed and not cfg.checkpoint.resume_changed_config:
-        lines = "\n".join(f"  {k}: {_describe(old)} (saved) -> {_describe(new)} (now)" for k, old, new in changed)
+        lines = "\n".join(f"  {k}: {show_value(old)} (saved) -> {show_value(new)} (now)" for k, old, new in changed)
         raise RunFolderError(
             f"output_dir={out} holds a run of another config (checkpoint {os.path.basename(ckpt)}); these keys "
             f"differ from its {CONFIG_FILE}:\n{lines}\n"

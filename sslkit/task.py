@@ -275,6 +275,14 @@ class SSLTask:
         return getattr(self.model, "module", self.model)
 
     @property
+    def steps_per_phase(self) -> int | None:
+        """Steps the current phase's loader gives (None for a loader without a length)."""
+        try:
+            return len(self.loader) // self.batches_per_step
+        except TypeError:
+            return None
+
+    @property
     def loader(self) -> torch.utils.data.DataLoader:
         """The loader of the current phase's split."""
         return self.loaders[self.phase.split]
@@ -307,7 +315,7 @@ class SSLTask:
         """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut
         short by ``max_iterations`` is not: a checkpoint keeps its position inside it, so a run lengthened
         later (a larger ``optim.max_steps``) goes on from that very step."""
-        per_phase = len(self.loader) // self.batches_per_step if hasattr(self.loader, "__len__") else None
+        per_phase = self.steps_per_phase
         self.phase_done = exhausted or (per_phase is not None and self.steps_in_phase >= per_phase)
 
     def close(self) -> None:

@@ -28,11 +28,13 @@ __all__ = [
     "CONFIG_DIRS",
     "ConfigError",
     "compose_config",
+    "flatten_config",
     "format_recipe_diff",
     "group_choices",
     "import_modules",
     "recipe_diff",
     "schema",
+    "show_value",
     "validate",
 ]
 
@@ -457,31 +459,31 @@ def _check_transform_fits(cfg: DictConfig, where: str, splits: tuple[str, ...], 
                 break
 
 
+#: Sources that read ``data.<split>.path`` as a folder, and what to give there.
+_PATH_SOURCES = {
+    "folder": "the folder source needs the folder holding the images",
+    "fashion_mnist": "give the folder of the Fashion-MNIST idx files, or leave it unset (null) for the system copy",
+}
+
+
 def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
-    """The ``folder`` source reads ``data.<split>.path``: the train path must be set, and a path that is set must be
-    an existing folder (so a typo stops here, before the output folder is made)."""
+    """Sources that read a folder (``folder``, ``fashion_mnist``): a ``data.<split>.path`` that is set must be an
+    existing folder (so a typo stops here, before the output folder is made, and never falls back to another
+    copy); the ``folder`` source needs the train path."""
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
-        if source == "fashion_mnist" and cfg.data[split].path is not None:
-            folder = Path(str(cfg.data[split].path)).expanduser()
-            if not folder.is_dir():
-                what = "is a file, not a folder" if folder.exists() else "does not exist"
-                errors.append(f"'data.{split}.path' = {cfg.data[split].path}: {what}; give the folder of the "
-                              "Fashion-MNIST idx files, or leave it unset (null) for the system copy")
-            continue
-        if source != "folder":
+        if source not in _PATH_SOURCES:
             continue
         path = cfg.data[split].path
         if path is None:
-            if split == "train":
+            if source == "folder" and split == "train":
                 errors.append("'data.train.path' must be set for the folder source: the folder of images "
                               "(an ImageFolder tree or a flat folder), e.g. data.train.path=/data/train")
             continue
         folder = Path(str(path)).expanduser()
         if not folder.is_dir():
             what = "is a file, not a folder" if folder.exists() else "does not exist"
-            errors.append(f"'data.{split}.path' = {path}: {what}; the folder source needs the folder holding the "
-                          "images")
+            errors.append(f"'data.{split}.path' = {path}: {what}; {_PATH_SOURCES[source]}")
 
 
 def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
@@ -685,13 +687,13 @@ def group_choices(overrides: list[str]) -> dict[str, str]:
     return choices
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}, "c": [1, 2]}`` -> ``{"a.b": 1, "c": [1, 2]}`` (lists are values; empty dicts vanish)."""
     if not isinstance(node, dict):
         return {prefix[:-1]: node}
     flat: dict[str, Any] = {}
     for key, value in node.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
+        flat.update(flatten_config(value, f"{prefix}{key}."))
     return flat
 
 
@@ -701,8 +703,8 @@ def recipe_diff(overrides: list[str], cfg: DictConfig) -> list[tuple[str, Any, A
     the ``config=``/``data=`` overrides alone and ``cfg``; a key only one side has gets :data:`ABSENT`
     on the other. ``name`` and ``output_dir`` are not changes. Nothing is imported or validated."""
     groups = [ov for ov in overrides if ov.partition("=")[0] in GROUPS]
-    recipe = _flatten(OmegaConf.to_container(_hydra_compose(groups), resolve=True))
-    run = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    recipe = flatten_config(OmegaConf.to_container(_hydra_compose(groups), resolve=True))
+    run = flatten_config(OmegaConf.to_container(cfg, resolve=True))
     diffs = []
     for key in dict.fromkeys([*run, *recipe]):
         if key in _OWN_KEYS:
@@ -724,14 +726,14 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value as it would be typed on the command line (yaml flow style: true, null, [0.9, 0.99])."""
     if value is ABSENT:
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k}: {show_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -749,5 +751,5 @@ def format_recipe_diff(overrides: list[str], cfg: DictConfig) -> str:
     diffs = recipe_diff(overrides, cfg)
     if not diffs:
         return f"{head}, as the recipe (the full config is in {where})"
-    lines = [f"  {key} {_show(before)} -> {_show(after)}" for key, before, after in diffs]
+    lines = [f"  {key} {show_value(before)} -> {show_value(after)}" for key, before, after in diffs]
     return "\n".join([f"{head}; changed from them:", *lines, f"(the full config is in {where})"])

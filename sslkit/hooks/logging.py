@@ -248,11 +248,8 @@ class LogHook(SSLHook):
         loss = (self._epoch_loss_sum / self._epoch_loss_steps if self._epoch_loss_steps else self._last_loss)
         shown = f" loss {loss:.4f}" if loss is not None else ""
         total = self._train_epochs
-        try:
-            per_epoch = len(task.loader) // task.batches_per_step
-        except TypeError:  # a loader without a length
-            per_epoch = 0
-        if per_epoch > 0:  # max_steps may end the run before the last train phase
+        per_epoch = task.steps_per_phase
+        if per_epoch:  # max_steps may end the run before the last train phase
             total = min(total, -(-task.max_iterations // per_epoch))
         total = max(total, task.epoch + 1)
         return (f"epoch {task.epoch + 1}/{total} done:{shown} lr {task.optimizer.param_groups[0]['lr']:.4g} "
