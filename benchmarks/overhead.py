@@ -62,12 +62,13 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.cli import setup_logging  # noqa: E402
+from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import compose_config  # noqa: E402
 from sslkit.data.seeding import mix_seed  # noqa: E402
 from sslkit.hooks import CheckpointHook, ConsistencyCheckHook, KNNHook, LogHook  # noqa: E402
 from sslkit.hooks.base import Event, SSLHook  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
-from sslkit.reliability import NonFiniteLossHook, PreemptionHook  # noqa: E402
+from sslkit.reliability import PreemptionHook  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.sample import to_sample  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
@@ -75,7 +76,7 @@ from sslkit.trainer import train  # noqa: E402
 
 #: sslkit's own machinery: what the plain loop leaves out (the overhead being measured).
 INFRASTRUCTURE_HOOKS: tuple[type[SSLHook], ...] = (
-    LogHook, CheckpointHook, NonFiniteLossHook, PreemptionHook, KNNHook, ConsistencyCheckHook,
+    LogHook, CheckpointHook, PreemptionHook, KNNHook, ConsistencyCheckHook,
 )
 
 
@@ -150,10 +151,8 @@ class Clock:
 
 
 class StepClock(SSLHook):
-    """Feeds a :class:`Clock` from sslkit's events; runs after every other hook (priority 100),
-    so an interval is a whole step, hooks included."""
-
-    priority = 100
+    """Feeds a :class:`Clock` from sslkit's events; appended after the hooks are ordered, it runs after
+    every other hook, so an interval is a whole step, hooks included."""
 
     def __init__(self, clock: Clock) -> None:
         """Drive ``clock``."""
@@ -206,7 +205,7 @@ def _result(clock: Clock, task: SSLTask) -> RunResult:
 
 # ------------------------------------------------------------------------------------------ loops
 def method_hooks(task: SSLTask) -> list[SSLHook]:
-    """The recipe's own hooks in ``task.hooks`` (priority order): everything but sslkit's infrastructure."""
+    """The recipe's own hooks in ``task.hooks`` (slot order): everything but sslkit's infrastructure."""
     return [h for h in task.hooks if not isinstance(h, (*INFRASTRUCTURE_HOOKS, StepClock))]
 
 
@@ -227,13 +226,13 @@ def sslkit_loop(cfg: DictConfig, warmup: int) -> RunResult:
     task = build_task(cfg)
     check_supported(task)
     clock = Clock(task.device, warmup, task.max_iterations)
-    task.hooks.append(StepClock(clock))  # priority 100: stays last
+    task.hooks.append(StepClock(clock))  # appended after the ordering: stays last
     train(task, standard_train_step)
     return _result(clock, task)
 
 
 def _dispatcher(hooks: Sequence[SSLHook], task: SSLTask) -> Callable[[Event], None]:
-    """``fire(event)`` calls ``event`` on the hooks that override it, in priority order."""
+    """``fire(event)`` calls ``event`` on the hooks that override it, in their order."""
     by_event = {
         event: [getattr(h, event.value) for h in hooks
                 if getattr(type(h), event.value) is not getattr(SSLHook, event.value)]
@@ -280,14 +279,16 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
         while step < max_steps:
             task.iteration = step
             try:
+                task.clock.micro_batches = accumulate
                 for micro in range(accumulate):
+                    task.clock.micro_batch = micro
                     sample = to_sample(next(batches), device, task.channels_last)
                     task.last_batch = LastBatch(sample=sample)
                     with precision():
                         output = model(sample["input"])
                         task.last_batch.model_output = output
                         fire(Event.ON_FORWARD)
-                        loss = loss_fn(output, sample)
+                        loss = call_loss(loss_fn, output, sample, task.context())  # the clock, for schedules
                     if isinstance(loss, dict):
                         loss = loss["loss"]
                     task.last_batch.loss = loss

@@ -20,6 +20,7 @@ from sslkit import registry as R
 from sslkit.config.compose import ConfigError
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
+from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
     CheckpointHook,
     ConsistencyCheckHook,
@@ -30,7 +31,7 @@ from sslkit.hooks import (
     TensorboardSink,
 )
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
-from sslkit.reliability import NonFiniteLossHook, PreemptionHook
+from sslkit.reliability import PreemptionHook
 from sslkit.task import Phase, SSLTask
 
 __all__ = ["build_task", "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism"]
@@ -199,8 +200,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
                                 exclude_bias_and_norm=o.exclude_bias_and_norm)
     warmup = min(o.warmup_epochs * steps_per_epoch / max_iterations, 0.999)
     lr_schedule = build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup)
-    wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay)
-                   if o.final_weight_decay is not None else None)
+    # a constant weight decay is a schedule too: it is set and logged at every update like the others
+    wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay) if o.final_weight_decay is not None
+                   else build_schedule("constant", o.weight_decay))
 
     if world > 1:  # after the optimizer saw the plain parameters; teachers (requires_grad False) get no reduction
         model = torch.nn.parallel.DistributedDataParallel(
@@ -232,7 +234,6 @@ def build_task(cfg: DictConfig) -> SSLTask:
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last))
     rel = cfg.reliability
-    hooks.append(NonFiniteLossHook(rel.nonfinite_loss, every_n_steps=cfg.log.every_n_steps))
     if rel.preemption_signals:
         hooks.append(PreemptionHook(list(rel.preemption_signals), rel.preemption_check_every_n_steps))
     manual_reduction = cfg.distributed.manual_gradient_reduction
@@ -258,10 +259,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
         seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last,
         accumulate_steps=accumulate, manual_gradient_reduction=manual_reduction,
         bucket_cap_mb=cfg.distributed.bucket_cap_mb, config=cfg,
+        guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )
-    task.oom_policy = rel.oom
-    task.max_consecutive_skips = rel.max_consecutive_skips
-    task.snapshot_buffers = rel.oom == "skip" or rel.nonfinite_loss == "skip"
     return task
 
 

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from sslkit.clock import StepContext, TrainClock
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
-from sslkit.hooks.base import Event, SSLHook
+from sslkit.guard import UpdateGuard
+from sslkit.hooks.base import Event, SSLHook, in_order
 
 __all__ = ["LastBatch", "PerfStats", "Phase", "SSLTask"]
 
@@ -152,6 +154,7 @@ class SSLTask:
         manual_gradient_reduction: bool = False,
         bucket_cap_mb: float = 25.0,
         config: Any = None,
+        guard: UpdateGuard | None = None,
     ) -> None:
         #: The model that is trained (wrapped in DDP in distributed runs).
         self.model = model
@@ -163,8 +166,8 @@ class SSLTask:
         self.loaders = loaders
         #: The phases of the run, in order.
         self.phases = phases
-        #: Hooks, sorted by priority (stable, so config order breaks ties).
-        self.hooks = sorted(hooks, key=lambda h: h.priority)
+        #: Hooks in the order they run: by slot (:class:`~sslkit.hooks.base.Slot`), then as given.
+        self.hooks = in_order(hooks)
         #: Learning rate as a function of ``where`` in [0, 1).
         self.lr_schedule = lr_schedule
         #: Weight decay as a function of ``where`` (None keeps the optimizer's).
@@ -177,8 +180,12 @@ class SSLTask:
         self.scaler = scaler
         #: Samples per optimizer step over all ranks.
         self.global_batch_size = global_batch_size
-        #: Optimizer steps the run makes in total (``where`` = iteration / max_iterations).
-        self.max_iterations = max(1, max_iterations)
+        #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
+        self.clock = TrainClock(max_updates=max(1, max_iterations),
+                                micro_batches=max(1, accumulate_steps))
+        #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
+        #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
+        self.scheduled: dict[str, float] = {}
         #: Where logs, metrics and checkpoints go.
         self.output_dir = output_dir
         #: The run's seed.
@@ -199,14 +206,8 @@ class SSLTask:
 
         #: Index into ``phases`` of the current phase.
         self.phase_idx = 0
-        #: Steps done in the current phase (the resume position inside it).
-        self.steps_in_phase = 0
         #: True once the current phase has run out of data (set before ``on_phase_end``).
         self.phase_done = False
-        #: Optimizer steps done in total.
-        self.iteration = 0
-        #: Samples trained on in total (all ranks).
-        self.num_updates = 0
         #: The iterator over the current phase's loader.
         self.data_iterator: Iterator[dict[str, Any]] = iter(())
         #: The current step's sample, output and loss.
@@ -219,19 +220,54 @@ class SSLTask:
         #: The exception being handled during ``on_exception``.
         self.exception: BaseException | None = None
 
-        #: What to do on an out-of-memory error in a train step: ``halt`` or ``skip``.
-        self.oom_policy = "halt"
-        #: Skip policies stop the run after this many skipped steps in a row.
-        self.max_consecutive_skips = 10
-        #: Set (to a reason) during a step, e.g. by a hook in ``on_backward``, to drop its update:
-        #: gradients are discarded, the buffers restored, and no optimizer step is taken.
-        self.skip_update: str | None = None
-        #: Copy the model's and the loss's buffers before each train step, so that a dropped
-        #: update also undoes what the forward changed (BatchNorm statistics, queues).
-        self.snapshot_buffers = False
-        #: Dropped updates by reason, and how many of the latest steps in a row were dropped.
-        self.skipped_steps: dict[str, int] = {}
-        self.consecutive_skips = 0
+        #: Set (to the signal's name) by the pre-emption hook when the run must stop after this step; the
+        #: checkpoint hook then writes a checkpoint (its path in ``stop_checkpoint``) and the trainer stops.
+        self.stop_requested: str | None = None
+        self.stop_checkpoint: str | None = None
+        #: Decides the fate of an update that ran out of memory or is not finite (docs/reliability.md).
+        self.guard = guard or UpdateGuard()
+
+    # -------------------------------------------------------------------------------- clock
+    @property
+    def iteration(self) -> int:
+        """Optimizer updates done in total: ``clock.update``."""
+        return self.clock.update
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.clock.update = value
+
+    @property
+    def steps_in_phase(self) -> int:
+        """Steps done in the current phase (the resume position inside it): ``clock.step_in_epoch``."""
+        return self.clock.step_in_epoch
+
+    @steps_in_phase.setter
+    def steps_in_phase(self, value: int) -> None:
+        self.clock.step_in_epoch = value
+
+    @property
+    def num_updates(self) -> int:
+        """Samples trained on in total, all ranks: ``clock.samples``."""
+        return self.clock.samples
+
+    @num_updates.setter
+    def num_updates(self, value: int) -> None:
+        self.clock.samples = value
+
+    @property
+    def max_iterations(self) -> int:
+        """Optimizer updates the run makes in total: ``clock.max_updates``."""
+        return self.clock.max_updates
+
+    @max_iterations.setter
+    def max_iterations(self, value: int) -> None:
+        self.clock.max_updates = max(1, value)
+
+    def context(self) -> StepContext:
+        """The step context handed to the loss: the clock, the phase, the device, the precision."""
+        return StepContext(clock=self.clock, train=self.train, device=self.device, amp_dtype=self.amp_dtype,
+                           world_size=self.world_size, scheduled=self.scheduled)
 
     # ----------------------------------------------------------------------------- position
     @property
@@ -251,8 +287,8 @@ class SSLTask:
 
     @property
     def where(self) -> float:
-        """Progress of training in [0, 1): the argument of every schedule."""
-        return min(self.iteration / self.max_iterations, 1.0 - 1e-9)
+        """Progress of training in [0, 1): ``clock.where``, the argument of the lr, wd and momentum schedules."""
+        return self.clock.where
 
     @property
     def done_training(self) -> bool:
@@ -276,11 +312,16 @@ class SSLTask:
 
     @property
     def steps_per_phase(self) -> int | None:
-        """Steps the current phase's loader gives (None for a loader without a length)."""
+        """Steps the current phase's loader gives over the whole phase (None for a loader without a length),
+        counting those before a resume position (a sampler's length is what is left from its start)."""
+        loader = self.loader
         try:
-            return len(self.loader) // self.batches_per_step
+            batches = len(loader)
         except TypeError:
             return None
+        if loader.batch_size:
+            batches += getattr(loader.sampler, "start", 0) // loader.batch_size
+        return batches // self.batches_per_step
 
     @property
     def loader(self) -> torch.utils.data.DataLoader:
@@ -289,7 +330,7 @@ class SSLTask:
 
     # ------------------------------------------------------------------------------- hooks
     def run_hooks(self, event: Event) -> None:
-        """Call ``event`` on every hook, in priority order."""
+        """Call ``event`` on every hook, in slot order."""
         name = event.value
         for hook in self.hooks:
             getattr(hook, name)(self)
@@ -309,6 +350,9 @@ class SSLTask:
         if hasattr(sampler, "set_start"):
             sampler.set_start(self.steps_in_phase * self.batches_per_step * loader.batch_size)
         self.phase_done = False
+        self.clock.epoch = self.epoch
+        self.clock.micro_batch = 0
+        self.clock.micro_batches = self.batches_per_step
         self.data_iterator = iter(loader)
 
     def end_phase(self, exhausted: bool = True) -> None:
@@ -360,8 +404,7 @@ class SSLTask:
                 "steps_in_phase": steps,
                 "iteration": self.iteration,
                 "num_updates": self.num_updates,
-                "skipped_steps": dict(self.skipped_steps),
-                "consecutive_skips": self.consecutive_skips,
+                **self.guard.state_dict(),
             },
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
             "rank_local": self._rank_local_state(gather_rng),
@@ -403,8 +446,7 @@ class SSLTask:
         self.steps_in_phase = pos["steps_in_phase"]
         self.iteration = pos["iteration"]
         self.num_updates = pos["num_updates"]
-        self.skipped_steps = dict(pos.get("skipped_steps", {}))
-        self.consecutive_skips = pos.get("consecutive_skips", 0)
+        self.guard.load_state_dict(pos)
         rng = state["rng"]
         if isinstance(rng, dict):  # written by a single process before per-rank states
             rng = [rng]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sslkit.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint, save_checkpoint
 from sslkit.distributed import barrier, is_primary
-from sslkit.hooks.base import SSLHook
+from sslkit.guard import TrainingHalted
+from sslkit.hooks.base import Event, Slot, SSLHook
 from sslkit.registry import register_hook
 
 if TYPE_CHECKING:
@@ -24,15 +26,18 @@ logger = logging.getLogger("sslkit")
 class CheckpointHook(SSLHook):
     """Save ``task.state_dict()`` every ``every_n_steps`` optimizer steps (0 = never), after every
     ``every_n_epochs`` train epochs (0 = never) and the last one, and once more at the end of
-    the run. Runs late (priority 90), so every other hook's state of this step is included.
-    Only rank 0 writes; every rank takes part (the RNG states of all ranks are saved).
+    the run, and when the run is asked to stop (``task.stop_requested``, a pre-emption). It runs in
+    the last slot, so every other hook's state of this step is included. Only rank 0 writes; every
+    rank takes part (the RNG states of all ranks are saved). When the update guard halts the run,
+    ``on_halt`` writes the state at the stop as ``crash_<step>.pt`` (for inspection, never resumed
+    from) and names the checkpoint a rerun resumes from.
 
     The end of the last epoch and the end of the run are the same step: the end-of-run save
     rewrites that file only if a hook's state changed in between (the final kNN results), and
     logs it as an update naming those hooks; otherwise nothing is written or logged twice.
     """
 
-    priority = 90
+    slot = Slot.CHECKPOINT
 
     def __init__(self, output_dir: str, every_n_epochs: int = 1, every_n_steps: int = 0, keep_last: int = 3) -> None:
         self.dir = checkpoint_dir(output_dir)
@@ -45,12 +50,13 @@ class CheckpointHook(SSLHook):
     def save(self, task: SSLTask, why: str) -> str | None:
         """Write a checkpoint now; returns its path on rank 0 (None elsewhere).
 
-        Every rank calls it at the same point: the hooks' :meth:`before_checkpoint` runs, the
-        state (with every rank's RNG) is gathered, rank 0 writes, and a barrier keeps any rank
+        Every rank calls it at the same point: the update guard checks that no step so far had a
+        non-finite loss (a state past one never becomes a checkpoint), ``before_checkpoint`` fires,
+        the state (with every rank's RNG) is gathered, rank 0 writes, and a barrier keeps any rank
         from moving on (or exiting) before the file is complete.
         """
-        for hook in task.hooks:
-            hook.before_checkpoint(task)
+        task.guard.check(task)
+        task.run_hooks(Event.BEFORE_CHECKPOINT)
         state = task.state_dict()
         path = None
         if is_primary():
@@ -82,9 +88,31 @@ class CheckpointHook(SSLHook):
             self._saved_path = latest_checkpoint(self.dir) if is_primary() else None
 
     def on_step(self, task: SSLTask) -> None:
-        """Save at the step interval (train phases)."""
+        """Save at the step interval (train phases), and when the run is asked to stop."""
         if task.train and self.every_n_steps > 0 and task.iteration % self.every_n_steps == 0:
             self.save(task, f"step {task.iteration}")
+        self._save_for_stop(task)
+
+    def _save_for_stop(self, task: SSLTask) -> None:
+        if task.stop_requested is not None:
+            task.stop_checkpoint = self.save_once(task, f"pre-emption by {task.stop_requested}")
+
+    def on_halt(self, task: SSLTask) -> None:
+        """The update guard halted the run: write the state at the stop as ``crash_<step>.pt`` (rank 0, no
+        collective: this is an error path, so only rank 0's RNG state is in it) and name, in the error, that
+        file and the checkpoint a rerun resumes from (``latest.txt`` keeps naming the last good one)."""
+        exc = task.exception
+        if not isinstance(exc, TrainingHalted):
+            return
+        if is_primary():
+            os.makedirs(self.dir, exist_ok=True)
+            path = os.path.join(self.dir, f"crash_{task.iteration:09d}.pt")
+            state = task.state_dict(gather_rng=False)
+            state["crash"] = exc.message
+            atomic_write(path, lambda f: torch.save(state, f))
+            exc.crash_path = path
+        exc.resume_from = latest_checkpoint(self.dir)
+        exc.checked_checkpoints = True
 
     def on_phase_end(self, task: SSLTask) -> None:
         """Save after every ``every_n_epochs`` train epochs and after the last train phase."""
@@ -94,6 +122,7 @@ class CheckpointHook(SSLHook):
         epoch_due = self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0
         if epoch_due or last_train:
             self.save(task, f"end of epoch {task.epoch}")
+        self._save_for_stop(task)
 
     def on_end(self, task: SSLTask) -> None:
         """Save the final state, with the results of the hooks that ran at the end (kNN), unless the

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sslkit.distributed import gather_no_grad, is_distributed
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.registry import register_hook
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class ConsistencyCheckHook(SSLHook):
     """
 
     name = "consistency_check"
-    priority = 60
+    slot = Slot.MONITOR
 
     def __init__(self, every_n_steps: int = 100) -> None:
         self.every_n_steps = every_n_steps

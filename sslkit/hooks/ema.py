@@ -30,11 +30,12 @@ def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "
 
 @register_hook("momentum_teacher")
 class MomentumTeacherHook(SSLHook):
-    """After every optimizer step, move each teacher of ``task.base_model.momentum_pairs()``
-    towards its student: ``t <- m t + (1 - m) s`` with ``m = momentum_at(task.where, ...)``.
+    """After every optimizer update, move each teacher of ``task.base_model.momentum_pairs()``
+    towards its student: ``t <- m t + (1 - m) s`` with ``m = momentum_at(task.clock.where, ...)``,
+    a schedule on the optimizer updates of the training clock.
 
     The model owns its teachers (submodules, no gradients); this hook only decides when and by
-    how much they move. The last momentum used is logged as ``teacher_momentum``.
+    how much they move. The momentum used is the scheduled value ``teacher_momentum`` (logged).
     """
 
     name = "momentum_teacher"
@@ -48,10 +49,11 @@ class MomentumTeacherHook(SSLHook):
 
     def on_update(self, task: SSLTask) -> None:
         """EMA step of every (student, teacher) pair the model declares."""
-        m = momentum_at(task.where, self.base_momentum, self.final_momentum, self.schedule)
+        m = momentum_at(task.clock.where, self.base_momentum, self.final_momentum, self.schedule)
         for student, teacher in task.base_model.momentum_pairs():
             update_momentum(student, teacher, m)
         self.last_momentum = m
+        task.scheduled["teacher_momentum"] = m
 
     def state_dict(self) -> dict[str, Any]:
         """The last momentum (the teachers themselves are in the model's state)."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sslkit.evaluation import extract_features, pixel_features, weighted_knn
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.hooks.logging import MetricsSink
 from sslkit.registry import register_hook
 
@@ -34,7 +34,7 @@ class KNNHook(SSLHook):
     """
 
     name = "knn"
-    priority = 80
+    slot = Slot.EVAL
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ import torch
 
 from sslkit.data.health import SkippedSamples
 from sslkit.distributed import is_primary
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.registry import register_hook
 
 if TYPE_CHECKING:
@@ -85,8 +85,10 @@ class LogHook(SSLHook):
     (the one host-device sync), log a line, write a record to each sink.
 
     A record holds ``step, epoch, phase, loss, lr, img_per_s, elapsed_s`` (seconds since this process
-    started the run), ``eta_s`` (seconds the rest of the run should take, once a step was timed) and the
-    loss terms. Log lines say the same, and each train epoch ends with a line such as
+    started the run), ``eta_s`` (seconds the rest of the run should take, once a step was timed), the
+    loss terms and, in train phases, the value of every schedule at the latest update
+    (``task.scheduled``: ``lr``, ``weight_decay`` and the method's own, e.g. ``teacher_momentum``,
+    ``teacher_temp``). Log lines say the same, and each train epoch ends with a line such as
     ``epoch 3/10 done: loss 4.1234 lr 0.1 1234 img/s, elapsed 1m23s, ETA 5m12s``.
 
     With ``progress_bar`` true, one tqdm bar counts the run's optimizer steps (its ETA covers the
@@ -96,7 +98,7 @@ class LogHook(SSLHook):
     """
 
     name = "log"
-    priority = 50
+    slot = Slot.LOG
 
     def __init__(
         self, every_n_steps: int = 50, progress_bar: bool = False, sinks: list[MetricsSink] | None = None,
@@ -271,13 +273,15 @@ class LogHook(SSLHook):
             "epoch": task.epoch,
             "phase": "train" if task.train else "eval",
             "loss": loss,
-            "lr": task.optimizer.param_groups[0]["lr"],
+            "lr": task.scheduled.get("lr", task.optimizer.param_groups[0]["lr"]),
             "img_per_s": self._samples_since / max(now - self._t_last, 1e-9),
             "elapsed_s": round(elapsed, 3),
         }
         if eta is not None:
             record["eta_s"] = round(eta, 3)
         record.update(zip(metrics, values[1:], strict=True))
+        if task.train:
+            record.update(task.scheduled)  # every schedule's value at this update: lr, weight_decay, teacher_*
         if task.train:
             self._epoch_loss_sum += loss * task.loss_count
             self._epoch_loss_steps += task.loss_count

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.registry import register_hook
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ class CollapseMonitorHook(SSLHook):
     """
 
     name = "collapse_monitor"
+    slot = Slot.MONITOR
 
     def __init__(self, key: str = "projections") -> None:
         self.key = key

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
 from sslkit.hooks.base import SSLHook
 from sslkit.models.ssl_model import SSLModel, forward_views
@@ -149,9 +150,9 @@ def build_dino(trunk: nn.Module, head: nn.Module | None = None, num_global: int 
 
 # ----------------------------------------------------------------------------------------- loss
 def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: float, warmup_iters: int) -> float:
-    """Teacher temperature after ``iteration`` train steps: linear from ``warmup_teacher_temp``
-    to ``teacher_temp`` over ``warmup_iters`` steps, then constant (DINO, appendix: 0.04 ->
-    0.07 over the first 30 epochs; the reference moves once per epoch, this once per step)."""
+    """Teacher temperature at optimizer update ``iteration`` (0-based): linear from ``warmup_teacher_temp``
+    to ``teacher_temp`` over ``warmup_iters`` updates, then constant (DINO, appendix: 0.04 ->
+    0.07 over the first 30 epochs; the reference moves once per epoch, this once per update)."""
     if warmup_iters <= 0 or iteration >= warmup_iters:
         return float(teacher_temp)
     return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
@@ -192,27 +193,28 @@ def dino_loss(
 
 @register_loss("dino")
 class DINOLoss(nn.Module):
-    """DINO loss with the centre and the teacher-temperature schedule as the loss's own state.
+    """DINO loss: the centre is the loss's state, the teacher temperature a schedule on the training clock.
 
     Config: ``loss: {name: dino, out_dim, student_temp, teacher_temp, warmup_teacher_temp,
     warmup_teacher_temp_iters, center_momentum}``. Reads ``output["projections"]`` (student,
     every crop) and ``output["teacher"]`` (teacher, global crops) of the ``dino`` model.
 
-    State (checkpointed with ``loss.state_dict()``):
+    Both pieces of state run on the training clock (``ctx.clock``, :class:`~sslkit.clock.TrainClock`):
 
-    * buffer ``center`` [1, out_dim]: after each train forward,
-      ``c <- m c + (1 - m) mean(teacher outputs)``, the mean over every global crop of the
-      global batch (sum and count all-reduced with ``all_reduce_sum``; no collective on one
-      process), ``m = center_momentum``;
-    * extra state ``iteration``: train forwards done. The teacher temperature is
-      :func:`teacher_temp_at` of it, so the schedule is data the loss owns and advances itself
-      (no hook writes into the loss, and a resumed run continues the schedule). It counts in
-      steps: set ``warmup_teacher_temp_iters`` to epochs x steps per epoch.
+    * the teacher temperature is :func:`teacher_temp_at` of ``ctx.clock.update``, the optimizer
+      updates done, so with gradient accumulation every micro-batch of an update uses the value a
+      run with the whole batch uses; it is published as the scheduled value ``teacher_temp``;
+    * buffer ``center`` [1, out_dim] moves once per optimizer update:
+      ``c <- m c + (1 - m) mean(teacher outputs)``, the mean over every global crop of every
+      micro-batch of the update on every rank (sums and counts gathered over the micro-batches
+      and all-reduced once, with ``all_reduce_sum``, on the last; no collective on one process),
+      ``m = center_momentum``. Called without a context (a bare call), the loss is at update 0 and
+      the centre moves at once.
 
     State advances only on train forwards: the module in training mode with gradients enabled
-    (the standard step's train phases). Returns ``loss`` and the logged terms ``teacher_temp``
-    and ``teacher_entropy`` (mean entropy of the teacher's distribution: ``ln K`` if uniform,
-    0 if one-hot -- the two collapses centring and sharpening balance).
+    (the stages' train phases). Returns ``loss`` and the logged term ``teacher_entropy`` (mean
+    entropy of the teacher's distribution: ``ln K`` if uniform, 0 if one-hot -- the two collapses
+    centring and sharpening balance).
     """
 
     def __init__(
@@ -236,48 +238,52 @@ class DINOLoss(nn.Module):
         self.warmup_teacher_temp_iters = int(warmup_teacher_temp_iters)
         self.center_momentum = float(center_momentum)
         self.register_buffer("center", torch.zeros(1, self.out_dim))
-        self.iteration = 0
+        # the teacher outputs' sum and count over this update's micro-batches so far (empty between updates)
+        self.register_buffer("_pending", torch.zeros(self.out_dim + 1), persistent=False)
 
-    def get_extra_state(self) -> dict[str, int]:
-        """``iteration``, saved with the module's state dict."""
-        return {"iteration": self.iteration}
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # checkpoints written before the training clock hold the loss's own step count: the clock has it now
+        state_dict.pop(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def set_extra_state(self, state: dict[str, int]) -> None:
-        """Restore :meth:`get_extra_state`."""
-        self.iteration = int(state["iteration"])
+    def teacher_temp_at_update(self, update: int) -> float:
+        """The teacher temperature at optimizer update ``update``."""
+        return teacher_temp_at(update, self.warmup_teacher_temp, self.teacher_temp, self.warmup_teacher_temp_iters)
 
-    @property
-    def current_teacher_temp(self) -> float:
-        """The teacher temperature this forward uses."""
-        return teacher_temp_at(self.iteration, self.warmup_teacher_temp, self.teacher_temp,
-                               self.warmup_teacher_temp_iters)
-
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The loss of this batch; on train forwards, update the centre and the step count."""
+    def forward(self, output: dict[str, Any], sample: dict[str, Any],
+                ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
+        """The loss of this batch at ``ctx.clock.update``; on train forwards, the centre moves once per update."""
         student, teacher = output["projections"], output["teacher"]
         if teacher[0].shape[-1] != self.out_dim:
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
                              "set loss.out_dim to model.head.out_dim")
-        tau_t = self.current_teacher_temp
+        tau_t = self.teacher_temp_at_update(ctx.clock.update if ctx is not None else 0)
         loss = dino_loss(student, teacher, self.center, self.student_temp, tau_t)
         with torch.no_grad():
             p_t = F.softmax((teacher[0].detach().float() - self.center) / tau_t, dim=-1)
             entropy = -(p_t * torch.log(p_t.clamp_min(1e-30))).sum(dim=-1).mean()
         if self.training and torch.is_grad_enabled():
-            self.update_center(teacher)
-            self.iteration += 1
-        # a Python number as a device tensor without a host-to-device copy (torch.full launches a fill)
-        tau = torch.full((), tau_t, device=entropy.device)
-        return {"loss": loss, "teacher_temp": tau, "teacher_entropy": entropy}
+            self.accumulate_center(teacher)
+            if ctx is None or ctx.clock.last_micro_batch:
+                self.update_center()
+        if ctx is not None:
+            ctx.record("teacher_temp", tau_t)
+        return {"loss": loss, "teacher_entropy": entropy}
 
     @torch.no_grad()
-    def update_center(self, teacher: Sequence[torch.Tensor]) -> None:
-        """``c <- m c + (1 - m) * batch mean`` of the teacher outputs over all ranks' global crops."""
+    def accumulate_center(self, teacher: Sequence[torch.Tensor]) -> None:
+        """Add this micro-batch's teacher outputs (every global crop) to the update's sum and count."""
         t = torch.cat(list(teacher)).detach().float()
-        stats = torch.cat([t.sum(dim=0), t.new_full((1,), t.shape[0])])
-        stats = all_reduce_sum(stats)
+        self._pending[:-1] += t.sum(dim=0)
+        self._pending[-1] += t.shape[0]
+
+    @torch.no_grad()
+    def update_center(self) -> None:
+        """``c <- m c + (1 - m) * mean`` of the teacher outputs gathered since the last update, over all ranks."""
+        stats = all_reduce_sum(self._pending.clone())
         batch_center = (stats[:-1] / stats[-1]).unsqueeze(0)
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1.0 - self.center_momentum)
+        self._pending.zero_()
 
 
 # ----------------------------------------------------------------------------------------- hook

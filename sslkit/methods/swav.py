@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum, gather_no_grad, get_world_size
 from sslkit.hooks.base import SSLHook
 from sslkit.models.ssl_model import SSLModel, forward_views
@@ -179,18 +180,22 @@ class SwAVLoss(nn.Module):
     * buffer ``queue`` [len(crops_for_assign), queue_length, embedding_dim] of past normalised
       embeddings of the assignment crops, newest first (``queue_length`` is per process, as in
       the reference code's ``queue_length // world_size``);
-    * extra state ``iteration`` (train forwards done) and ``queue_filled`` (valid queue rows).
+    * extra state ``queue_filled`` (valid queue rows) and the collapse check's open window.
 
-    The queue starts filling at train forward ``queue_start_iter`` and is used once full (the
-    reference starts it at epoch 15 of 800 with batch 256). State advances only on train
-    forwards: the loss module in training mode with gradients enabled (the standard step's
-    train phases); eval phases run under ``no_grad`` and leave it untouched.
+    The queue starts filling at optimizer update ``queue_start_iter`` of the training clock
+    (``ctx.clock.update``: with gradient accumulation, the same update as a run with the whole
+    batch) and is used once full (the reference starts it at epoch 15 of 800 with batch 256).
+    Every train micro-batch then pushes its embeddings. State advances only on train forwards:
+    the loss module in training mode with gradients enabled (the stages' train phases); eval
+    phases run under ``no_grad`` and leave it untouched. Called without a context, the loss is
+    at update 0.
 
     Collapse check: every ``collapse_check_every`` train forwards (one host-device sync then,
     none in between), the mean loss over that window is compared with ``ln K``. With identical
     embeddings the codes are uniform and the loss is ``>= ln K``; at initialisation it is near
-    ``ln K`` too, so the first window is not judged. From the second window on, a mean within
-    ``collapse_tolerance * ln K`` of ``ln K`` (or above) logs a warning: at most one per window.
+    ``ln K`` too, so windows ending in the first ``collapse_check_every`` updates are not judged.
+    Later, a mean within ``collapse_tolerance * ln K`` of ``ln K`` (or above) logs a warning: at
+    most one per window.
     """
 
     #: The queue holds this process's own past embeddings: checkpoints keep every rank's copy.
@@ -229,21 +234,19 @@ class SwAVLoss(nn.Module):
         self.collapse_tolerance = float(collapse_tolerance)
         self.register_buffer("queue", torch.zeros(len(self.crops_for_assign), self.queue_length, self.embedding_dim))
         self.register_buffer("_window_sum", torch.zeros(()), persistent=False)
-        self.iteration = 0
         self.queue_filled = 0
         self._window_count = 0
 
     # the python counters travel in state_dict() under "_extra_state" (checkpointed, no sync)
     def get_extra_state(self) -> dict[str, int | float]:
-        """``iteration``, ``queue_filled`` and the collapse check's open window (its loss sum: one host
-        sync, at checkpoint time only), saved with the module's state dict, so a resumed run judges the
-        same windows as an uninterrupted one."""
-        return {"iteration": self.iteration, "queue_filled": self.queue_filled,
-                "window_count": self._window_count, "window_sum": float(self._window_sum.item())}
+        """``queue_filled`` and the collapse check's open window (its loss sum: one host sync, at checkpoint
+        time only), saved with the module's state dict, so a resumed run judges the same windows as an
+        uninterrupted one."""
+        return {"queue_filled": self.queue_filled, "window_count": self._window_count,
+                "window_sum": float(self._window_sum.item())}
 
     def set_extra_state(self, state: dict[str, int | float]) -> None:
         """Restore :meth:`get_extra_state` (checkpoints older than the window fields start a new window)."""
-        self.iteration = int(state["iteration"])
         self.queue_filled = int(state["queue_filled"])
         self._window_count = int(state.get("window_count", 0))
         self._window_sum.fill_(float(state.get("window_sum", 0.0)))
@@ -267,7 +270,7 @@ class SwAVLoss(nn.Module):
                 codes.append(sinkhorn(s, self.epsilon, self.sinkhorn_iterations)[-b:])
         return codes
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any], ctx: StepContext | None = None) -> torch.Tensor:
         """The swapped prediction loss of this batch; on train forwards, advance the queue."""
         scores = output["scores"]
         if max(self.crops_for_assign) >= len(scores):
@@ -275,13 +278,12 @@ class SwAVLoss(nn.Module):
                              f"{len(scores)} crops")
         loss = swapped_prediction_loss(scores, self.codes(output), self.crops_for_assign, self.temperature)
         if self.training and torch.is_grad_enabled():
-            self._advance(output, loss, scores[0].shape[1])
+            self._advance(output, loss, scores[0].shape[1], ctx.clock.update if ctx is not None else 0)
         return loss
 
     @torch.no_grad()
-    def _advance(self, output: dict[str, Any], loss: torch.Tensor, num_prototypes: int) -> None:
-        index = self.iteration  # 0-based index of this train forward
-        self.iteration += 1
+    def _advance(self, output: dict[str, Any], loss: torch.Tensor, num_prototypes: int, update: int) -> None:
+        index = update  # 0-based optimizer update this forward belongs to
         length = self.queue_length
         if length > 0 and index >= self.queue_start_iter:
             proj = output["projections"]
@@ -298,21 +300,21 @@ class SwAVLoss(nn.Module):
             self._window_sum += loss.detach().float()
             self._window_count += 1
             if self._window_count >= self.collapse_check_every:
-                self._check_collapse(num_prototypes)
+                self._check_collapse(num_prototypes, update)
 
-    def _check_collapse(self, num_prototypes: int) -> None:
+    def _check_collapse(self, num_prototypes: int, update: int) -> None:
         mean = float(self._window_sum.item()) / self._window_count  # the one sync, once per window
         self._window_sum.zero_()
         self._window_count = 0
-        if self.iteration <= self.collapse_check_every:
-            return  # the first window is the start of training, where the loss is near ln(K) anyway
+        if update < self.collapse_check_every:
+            return  # the start of training, where the loss is near ln(K) anyway
         ln_k = math.log(num_prototypes)
         if num_prototypes > 1 and mean >= (1.0 - self.collapse_tolerance) * ln_k:
             logger.warning(
                 "swav: the loss has stayed at %.4f, near ln(K)=%.4f (K=%d prototypes), for %d steps up to "
                 "train step %d: the codes are uniform, the embeddings may have collapsed. Try a smaller "
                 "epsilon, more prototypes, freeze_prototypes_iters, or a lower learning rate.",
-                mean, ln_k, num_prototypes, self.collapse_check_every, self.iteration,
+                mean, ln_k, num_prototypes, self.collapse_check_every, update + 1,
             )
 
 
@@ -323,8 +325,8 @@ class SwAVPrototypesHook(SSLHook):
 
     * ``on_start`` and ``on_update``: L2-normalise the rows of the prototype weight (the
       reference normalises before every forward; after every update is the same thing).
-    * ``on_backward``: while ``task.iteration < freeze_prototypes_iters``, drop the prototypes'
-      gradient (``grad = None``, as the reference code does), so the optimizer skips them:
+    * ``on_backward``: while ``task.clock.update < freeze_prototypes_iters`` (optimizer updates),
+      drop the prototypes' gradient (``grad = None``, as the reference code does), so the optimizer skips them:
       no step, no momentum, no weight decay (paper: 313 iterations, the first ImageNet epoch at
       batch 4096).
 
@@ -360,7 +362,7 @@ class SwAVPrototypesHook(SSLHook):
 
     def on_backward(self, task: SSLTask) -> None:
         """Drop the prototypes' gradient during the first ``freeze_prototypes_iters`` steps."""
-        if task.iteration < self.freeze_prototypes_iters:
+        if task.clock.update < self.freeze_prototypes_iters:
             for p in self._layer(task).parameters():
                 p.grad = None
 

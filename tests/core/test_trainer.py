@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import make_task
 
-from sslkit.hooks.base import Event, SSLHook
+from sslkit.hooks.base import Event, Slot, SSLHook
 from sslkit.task import Phase, SSLTask
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
@@ -83,24 +83,34 @@ def test_exception_fires_on_exception_then_reraises() -> None:
     assert isinstance(task.exception, RuntimeError)
 
 
-def test_hook_priority_orders_hooks() -> None:
+def test_hook_slots_order_hooks_and_keep_the_given_order_within_a_slot() -> None:
     calls: list[str] = []
 
     class A(SSLHook):
-        priority = 10
+        slot = Slot.LOG
 
         def on_start(self, task: SSLTask) -> None:
             calls.append("A")
 
     class B(SSLHook):
-        priority = 1
+        slot = Slot.MONITOR
 
         def on_start(self, task: SSLTask) -> None:
             calls.append("B")
 
-    task = make_task([Phase(train=True, epoch=0)], [A(), B()])
+    class C(SSLHook):  # Slot.METHOD, the default
+        def on_start(self, task: SSLTask) -> None:
+            calls.append("C")
+
+    class D(SSLHook):
+        slot = Slot.MONITOR
+
+        def on_start(self, task: SSLTask) -> None:
+            calls.append("D")
+
+    task = make_task([Phase(train=True, epoch=0)], [A(), D(), B(), C()])
     task.run_hooks(Event.ON_START)
-    assert calls == ["B", "A"]
+    assert calls == ["C", "D", "B", "A"]
 
 
 def test_sgd_step_matches_hand_update() -> None:

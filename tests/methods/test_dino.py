@@ -12,7 +12,8 @@ from helpers import SMALL, run_cli
 from torch import nn
 from torch.utils.data import DataLoader
 
-from sslkit.hooks.base import SSLHook
+from sslkit.clock import StepContext, TrainClock
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.methods.dino import (
     DINOLoss,
     FreezeLastLayerHook,
@@ -70,9 +71,12 @@ def test_loss_matches_reference_loops(tau_t: float) -> None:
 def test_loss_module_matches_reference_and_logs_terms() -> None:
     student, teacher = logits(3, 4, 6, seed=3), logits(2, 4, 6, seed=4)
     loss = DINOLoss(out_dim=6, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_iters=10)
-    out = loss({"projections": student, "teacher": teacher}, {})
-    assert out["loss"].item() == pytest.approx(reference_dino(student, teacher, torch.zeros(1, 6), 0.1, 0.04), rel=1e-5)
-    assert out["teacher_temp"].item() == pytest.approx(0.04)
+    ctx = StepContext(clock=TrainClock(update=5), train=True, device=torch.device("cpu"))
+    out = loss({"projections": student, "teacher": teacher}, {}, ctx)
+    # at update 5 of a 10-update warm-up the teacher temperature is halfway: 0.055
+    expected = reference_dino(student, teacher, torch.zeros(1, 6), 0.1, 0.055)
+    assert out["loss"].item() == pytest.approx(expected, rel=1e-5)
+    assert ctx.scheduled == {"teacher_temp": pytest.approx(0.055)}
     assert 0.0 <= out["teacher_entropy"].item() <= math.log(6) + 1e-6
 
 
@@ -110,15 +114,35 @@ def test_center_follows_its_ema_exactly_over_two_steps() -> None:
     assert out["loss"].item() == pytest.approx(reference_dino(s, t2, c1, 0.1, loss.teacher_temp), rel=1e-5)
     c2 = 0.9 * c1 + 0.1 * torch.cat(t2).mean(dim=0, keepdim=True)
     assert torch.allclose(loss.center, c2, atol=1e-7)
-    assert loss.iteration == 2
     # eval forwards (no grad) leave the state alone
     with torch.no_grad():
         loss({"projections": s, "teacher": t1}, {})
-    assert torch.allclose(loss.center, c2, atol=1e-7) and loss.iteration == 2
+    assert torch.allclose(loss.center, c2, atol=1e-7)
     # and the state round-trips through the state dict
     fresh = DINOLoss(out_dim=5)
     fresh.load_state_dict(loss.state_dict())
-    assert torch.equal(fresh.center, loss.center) and fresh.iteration == 2
+    assert torch.equal(fresh.center, loss.center)
+
+
+def test_center_moves_once_per_update_over_the_micro_batches() -> None:
+    """Accumulation: two micro-batches of 3 move the centre once, to the mean of all 6 samples' teacher
+    outputs, as one batch of 6 does; the loss of both micro-batches uses the centre before the update."""
+    t = logits(2, 6, 5, seed=20)
+    s = logits(3, 6, 5, seed=21)
+    whole = DINOLoss(out_dim=5, center_momentum=0.9)
+    whole({"projections": s, "teacher": t}, {}, StepContext(TrainClock(), True, torch.device("cpu")))
+    split = DINOLoss(out_dim=5, center_momentum=0.9)
+    clock = TrainClock(micro_batches=2)
+    for micro, rows in enumerate((slice(0, 3), slice(3, 6))):
+        clock.micro_batch = micro
+        out = split({"projections": [x[rows] for x in s], "teacher": [x[rows] for x in t]}, {},
+                    StepContext(clock, True, torch.device("cpu")))
+        assert out["loss"].item() == pytest.approx(
+            reference_dino([x[rows] for x in s], [x[rows] for x in t], torch.zeros(1, 5), 0.1, 0.07), rel=1e-5)
+        if micro == 0:
+            assert torch.equal(split.center, torch.zeros(1, 5))  # not moved in the middle of an update
+    expected = 0.1 * torch.cat(t).mean(dim=0, keepdim=True)
+    assert torch.allclose(split.center, expected, atol=1e-7) and torch.allclose(whole.center, expected, atol=1e-7)
 
 
 def test_teacher_temperature_schedule() -> None:
@@ -130,10 +154,15 @@ def test_teacher_temperature_schedule() -> None:
     assert teacher_temp_at(0, 0.04, 0.07, 0) == pytest.approx(0.07)  # no warmup
     loss = DINOLoss(out_dim=4, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_iters=4)
     temps = []
-    for seed in range(6):
-        out = loss({"projections": logits(2, 2, 4, seed), "teacher": logits(2, 2, 4, seed + 50)}, {})
-        temps.append(out["teacher_temp"].item())
-    assert temps == pytest.approx([0.04, 0.0475, 0.055, 0.0625, 0.07, 0.07])
+    clock = TrainClock(micro_batches=2)
+    for update in range(6):  # the temperature follows the clock's updates, not the calls (2 per update here)
+        clock.update = update
+        for micro in range(2):
+            clock.micro_batch = micro
+            ctx = StepContext(clock, True, torch.device("cpu"))
+            loss({"projections": logits(2, 2, 4, update), "teacher": logits(2, 2, 4, update + 50)}, {}, ctx)
+            temps.append(ctx.scheduled["teacher_temp"])
+    assert temps == pytest.approx([t for t in [0.04, 0.0475, 0.055, 0.0625, 0.07, 0.07] for _ in range(2)])
 
 
 def test_loss_checks_out_dim() -> None:
@@ -206,7 +235,7 @@ def test_model_teacher_sees_global_crops_and_starts_equal() -> None:
 
 class _LastLayerRecorder(SSLHook):
     name = "last_layer_recorder"
-    priority = 5  # after the freeze hook (0)
+    slot = Slot.MONITOR  # after the freeze hook (Slot.METHOD)
 
     def __init__(self) -> None:
         self.grads: list[tuple[int, torch.Tensor | None]] = []
@@ -256,7 +285,7 @@ def test_recipe_runs_and_checkpoints_teacher_and_center(tmp_path: Path) -> None:
     center = last["loss"]["center"]
     assert center.shape == (1, 16) and center.abs().sum() > 0  # moved from its zero initial value
     assert not torch.equal(center, first["loss"]["center"])
-    assert last["loss"]["_extra_state"] == {"iteration": 3}
+    assert "_extra_state" not in last["loss"]  # the schedule reads the task's clock: no count of its own
     model = last["model"]
     teacher_keys = [k for k in model if k.startswith("teacher_")]
     assert "teacher_head.last_layer.parametrizations.weight.original1" in teacher_keys

@@ -11,6 +11,7 @@ import torch
 from helpers import SMALL, TinyTrunk, run_cli
 from torch import nn
 
+from sslkit.clock import TrainClock
 from sslkit.hooks.ema import MomentumTeacherHook, momentum_at
 from sslkit.methods.moco import (
     MoCoLoss,
@@ -269,11 +270,13 @@ def test_ema_hook_moves_teacher_by_exactly_one_minus_m(where: float, schedule: s
     before = [(s.detach().clone(), t.clone()) for s, t in pairs]
     assert any(not torch.equal(s, t) for s, t in before)  # the step moved the student
     bn_before = model.teacher_trunk.bn.running_mean.clone()
-    hook.on_update(SimpleNamespace(where=where, base_model=model))
+    clock = TrainClock(update=round(where * 1000), max_updates=1000)
+    scheduled: dict[str, float] = {}
+    hook.on_update(SimpleNamespace(clock=clock, base_model=model, scheduled=scheduled))
     for (s, t), (_, t_new) in zip(before, pairs):
         assert torch.allclose(t_new, t + (1 - m) * (s - t), atol=1e-7)
     assert torch.equal(model.teacher_trunk.bn.running_mean, bn_before)  # buffers are not averaged
-    assert hook.last_momentum == pytest.approx(m)
+    assert hook.last_momentum == pytest.approx(m) and scheduled == {"teacher_momentum": pytest.approx(m)}
 
 
 # ---------------------------------------------------------------------------------- MoCo v3

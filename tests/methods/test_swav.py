@@ -14,7 +14,8 @@ from helpers import SMALL, metrics, run_cli
 from torch import nn
 from torch.utils.data import DataLoader
 
-from sslkit.hooks.base import SSLHook
+from sslkit.clock import StepContext, TrainClock
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.methods.swav import SwAVLoss, SwAVPrototypesHook, build_swav, sinkhorn, swapped_prediction_loss
 from sslkit.models.heads import MLPHead
 from sslkit.task import Phase, SSLTask
@@ -163,16 +164,21 @@ def _out(b: int = 4, d: int = 3, k: int = 5, seed: int = 0) -> dict:
     return {"projections": proj, "scores": [p @ protos.T for p in proj], "prototypes": protos}
 
 
+def _at(update: int, micro: int = 0, micro_batches: int = 1) -> StepContext:
+    return StepContext(TrainClock(update=update, micro_batch=micro, micro_batches=micro_batches), True,
+                       torch.device("cpu"))
+
+
 def test_queue_fills_newest_first_and_joins_sinkhorn_when_full() -> None:
     loss = SwAVLoss(queue_length=6, queue_start_iter=1, embedding_dim=3)
     outs = [_out(seed=s) for s in range(4)]
-    loss(outs[0], {})  # train forward 0: before queue_start_iter, nothing queued
+    loss(outs[0], {}, _at(0))  # update 0: before queue_start_iter, nothing queued
     assert loss.queue_filled == 0 and loss.queue.abs().sum() == 0
-    loss(outs[1], {})
+    loss(outs[1], {}, _at(1))
     assert loss.queue_filled == 4 and not loss.queue_active
     assert torch.equal(loss.queue[0, :4], outs[1]["projections"][0])
     assert torch.equal(loss.queue[1, :4], outs[1]["projections"][1])
-    loss(outs[2], {})
+    loss(outs[2], {}, _at(2))
     assert loss.queue_filled == 6 and loss.queue_active
     expected_q0 = torch.cat([outs[2]["projections"][0][:4], outs[1]["projections"][0][:2]])
     assert torch.equal(loss.queue[0], expected_q0)  # newest first, the oldest dropped
@@ -186,14 +192,27 @@ def test_queue_fills_newest_first_and_joins_sinkhorn_when_full() -> None:
     state = loss.state_dict()
     fresh = SwAVLoss(queue_length=6, queue_start_iter=1, embedding_dim=3)
     fresh.load_state_dict(state)
-    assert fresh.iteration == 3 and fresh.queue_filled == 6 and torch.equal(fresh.queue, loss.queue)
+    assert fresh.queue_filled == 6 and torch.equal(fresh.queue, loss.queue)
+
+
+def test_queue_starts_at_the_same_update_with_accumulation() -> None:
+    """queue_start_iter counts optimizer updates: with 2 micro-batches per update, nothing is queued during
+    updates 0-1 (4 forwards), and both micro-batches of update 2 push theirs."""
+    loss = SwAVLoss(queue_length=8, queue_start_iter=2, embedding_dim=3)
+    for update in range(2):
+        for micro in range(2):
+            loss(_out(seed=update * 2 + micro), {}, _at(update, micro, 2))
+    assert loss.queue_filled == 0
+    loss(_out(seed=10), {}, _at(2, 0, 2))
+    loss(_out(seed=11), {}, _at(2, 1, 2))
+    assert loss.queue_filled == 8
 
 
 def test_eval_forward_leaves_state_unchanged() -> None:
     loss = SwAVLoss(queue_length=4, embedding_dim=3)
     with torch.no_grad():
         loss(_out(), {})
-    assert loss.iteration == 0 and loss.queue_filled == 0 and loss.queue.abs().sum() == 0
+    assert loss.queue_filled == 0 and loss.queue.abs().sum() == 0
 
 
 def test_queue_needs_matching_embedding_dim() -> None:
@@ -210,14 +229,14 @@ def test_collapse_warning_fires_for_constant_embeddings(caplog: pytest.LogCaptur
     out = {"projections": [z, z], "scores": [z @ protos.T, z @ protos.T], "prototypes": protos}
     loss = SwAVLoss(embedding_dim=6, collapse_check_every=3)
     with caplog.at_level(logging.WARNING, logger="sslkit"):
-        for _ in range(5):
-            value = loss(out, {})
+        for update in range(5):
+            value = loss(out, {}, _at(update))
         assert value.item() >= math.log(k) - 1e-5  # uniform codes: the loss is at least ln K
-        assert not caplog.records  # the first window (3 forwards) is not judged; the next ends at 6
-        loss(out, {})
+        assert not caplog.records  # the first window (updates 0-2) is not judged; the next ends at update 5
+        loss(out, {}, _at(5))
         assert len(caplog.records) == 1 and "ln(K)" in caplog.records[0].getMessage()
-        for _ in range(3):
-            loss(out, {})
+        for update in range(6, 9):
+            loss(out, {}, _at(update))
     assert len(caplog.records) == 2  # rate: one warning per window
 
 
@@ -228,8 +247,8 @@ def test_no_collapse_warning_for_informative_embeddings(caplog: pytest.LogCaptur
     out = {"projections": [z, z], "scores": [z @ protos.T, z @ protos.T], "prototypes": protos}
     loss = SwAVLoss(embedding_dim=k, collapse_check_every=2)
     with caplog.at_level(logging.WARNING, logger="sslkit"):
-        for _ in range(6):
-            value = loss(out, {})
+        for update in range(6):
+            value = loss(out, {}, _at(update))
     assert value.item() < 0.5 * math.log(k)
     assert not caplog.records
 
@@ -260,7 +279,7 @@ def test_model_outputs() -> None:
 
 class _GradRecorder(SSLHook):
     name = "grad_recorder"
-    priority = 5  # after the swav hook (0)
+    slot = Slot.MONITOR  # after the swav hook (Slot.METHOD)
 
     def __init__(self) -> None:
         self.grads: list[torch.Tensor | None] = []
@@ -323,7 +342,7 @@ def test_recipe_runs_and_checkpoints_the_queue(tmp_path: Path) -> None:
     assert state["position"]["iteration"] == 3
     loss_state = state["loss"]
     extra = loss_state["_extra_state"]
-    assert (extra["iteration"], extra["queue_filled"], extra["window_count"]) == (3, 24, 3)
+    assert (extra["queue_filled"], extra["window_count"]) == (24, 3)
     # the collapse check's open window (saved so a resumed run judges the same windows): the sum of the 3
     # train losses, which metrics.jsonl logs as the mean of steps 1-2 (at step 2) and of step 3 (epoch end)
     losses = {r["step"]: r["loss"] for r in metrics(out) if r.get("phase") == "train" and "loss" in r}

@@ -7,7 +7,7 @@ import signal
 
 import torch
 
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import Slot, SSLHook
 from sslkit.registry import register_hook
 
 
@@ -33,7 +33,7 @@ class _Fault(SSLHook):
 class SignalFault(_Fault):
     """Sends ``signal`` to this process after step ``step`` (before the pre-emption check)."""
 
-    priority = 94
+    slot = Slot.EVAL  # after the step's log line, before the pre-emption check and the checkpoint
 
     def __init__(self, step: int, signal: str = "SIGKILL", rank: int = -1, once: bool = True) -> None:
         super().__init__(step, rank, once)
@@ -79,7 +79,7 @@ class OOMFault(_Fault):
 class CrashFault(_Fault):
     """Raises after step ``step`` (a crash: the process loses everything since the last checkpoint)."""
 
-    priority = 94
+    slot = Slot.EVAL  # after the step's log line, before the pre-emption check and the checkpoint
 
     def on_step(self, task) -> None:
         if task.train and task.iteration == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
@@ -106,7 +106,7 @@ class FullDiskFault(_Fault):
     """Makes the checkpoint of step ``step`` hit a full disk: its temporary file is made a link to /dev/full,
     where every write fails with ENOSPC (before the checkpoint hook writes it)."""
 
-    priority = 10
+    slot = Slot.MONITOR  # before the checkpoint hook writes
 
     def __init__(self, step: int, file: str = "checkpoint") -> None:
         super().__init__(step)

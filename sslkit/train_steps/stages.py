@@ -1,0 +1,216 @@
+"""The named stages of a train step: sample, forward and loss, reduce, backward, update; a step composes them.
+
+The standard step is::
+
+    run_micro_batches(task, forward_backward)   # K x (sample -> forward+loss -> reduce -> backward), on_backward
+    update(task)                                # the guard's decision, lr / wd, optimizer step, on_update, clock
+
+and a custom step reuses any of them and replaces the others (docs/train_steps.md). Whatever it
+reuses keeps its part of the contract: :func:`run_micro_batches` gives gradient accumulation
+(``no_sync`` on all but the last micro-batch, ``loss / K``), the grad mode of the phase, the
+out-of-memory report to the update guard and the manual gradient reduction;
+:func:`forward_and_loss` the precision policy and the step context; :func:`reduce` the
+all-reduced, metered loss and its non-finite check; :func:`backward` the GradScaler;
+:func:`update` the guard's veto, every schedule, the scaler's step and the clock. Each stage
+runs under its timer (the table at phase end) and none syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from sslkit.clock import call_loss
+from sslkit.distributed import all_reduce_gradients, all_reduce_mean
+from sslkit.hooks.base import Event
+from sslkit.optim import set_lr, set_weight_decay
+from sslkit.task import LastBatch, SSLTask
+from sslkit.train_steps.sample import to_sample
+
+__all__ = [
+    "backward",
+    "forward_and_loss",
+    "forward_backward",
+    "precision",
+    "read_sample",
+    "reduce",
+    "run_micro_batches",
+    "split_loss",
+    "unscale_gradients",
+    "update",
+]
+
+
+def split_loss(out: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss returns a scalar, or a dict whose ``loss`` entry is optimised and the rest logged (detached)."""
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise KeyError(f"a loss that returns a dict must have a 'loss' key; it has {sorted(out)}")
+        return out["loss"], {k: v.detach() for k, v in out.items() if k != "loss"}
+    return out, {}
+
+
+def precision(task: SSLTask) -> contextlib.AbstractContextManager[None]:
+    """The precision policy: ``torch.autocast`` to ``task.amp_dtype`` on the task's device, or nothing."""
+    if task.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(task.device.type, dtype=task.amp_dtype)
+
+
+def read_sample(task: SSLTask) -> dict:
+    """Stage *sample*: the next batch as the model's sample dict on the device; starts ``task.last_batch``.
+
+    Raises ``StopIteration`` when the phase's data runs out (the trainer ends the phase)."""
+    with task.perf_stats.timer("read_sample"):
+        sample = to_sample(next(task.data_iterator), task.device, task.channels_last)
+    task.last_batch = LastBatch(sample=sample)
+    return sample
+
+
+def forward_and_loss(task: SSLTask, sample: dict) -> torch.Tensor:
+    """Stage *forward and loss*, under the precision policy: the model's output (``on_forward`` fires), then
+    the loss with the step context. Returns this rank's loss, attached to the graph; the logged terms of a
+    loss that returns a dict go to ``task.last_batch.metrics``."""
+    assert task.last_batch is not None, "read_sample starts the batch"
+    timer = task.perf_stats.timer
+    with precision(task):
+        with timer("forward"):
+            output = task.model(sample["input"])
+        task.last_batch.model_output = output
+        task.run_hooks(Event.ON_FORWARD)
+        with timer("loss"):
+            loss, terms = split_loss(call_loss(task.loss, output, sample, task.context()))
+    task.last_batch.loss = loss
+    task.last_batch.metrics.update(terms)
+    return loss
+
+
+def reduce(task: SSLTask) -> torch.Tensor:
+    """Stage *reduce*: the loss averaged over ranks (detached), added to the device-side meter and, in train
+    phases, reported to the update guard; ``on_loss_and_meter`` fires. Returns the reduced loss."""
+    lb = task.last_batch
+    assert lb is not None and lb.loss is not None, "forward_and_loss computes the loss"
+    with task.perf_stats.timer("loss_all_reduce"):
+        reduced = all_reduce_mean(lb.loss.detach().float())
+    lb.reduced_loss = reduced
+    with task.perf_stats.timer("meters"):
+        task.loss_sum += reduced
+        task.loss_count += 1
+    if task.train:
+        task.guard.report_loss(task, reduced, lb.metrics, lb.sample)
+    task.run_hooks(Event.ON_LOSS_AND_METER)
+    return reduced
+
+
+def backward(task: SSLTask) -> None:
+    """Stage *backward* (train phases): gradients of ``loss / K`` (K micro-batches per update) added to those of
+    the step's earlier micro-batches, through the GradScaler with float16."""
+    lb = task.last_batch
+    assert lb is not None and lb.loss is not None
+    clock = task.clock
+    with task.perf_stats.timer("backward"):
+        if clock.micro_batch == 0:
+            task.optimizer.zero_grad(set_to_none=True)
+        scaled = lb.loss / clock.micro_batches if clock.micro_batches > 1 else lb.loss
+        if task.scaler is not None:
+            task.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+
+
+def forward_backward(task: SSLTask) -> None:
+    """One micro-batch of the standard step: sample -> forward and loss -> reduce -> backward (train phases)."""
+    sample = read_sample(task)
+    forward_and_loss(task, sample)
+    reduce(task)
+    if task.train:
+        backward(task)
+
+
+def _sync_context(task: SSLTask, last_micro_batch: bool) -> contextlib.AbstractContextManager[None]:
+    """DDP's ``no_sync`` when its reduction must not run after this backward: under manual gradient
+    reduction, and on every micro-batch but the last when accumulating."""
+    no_sync = getattr(task.model, "no_sync", None)
+    if no_sync is not None and (task.manual_gradient_reduction or not last_micro_batch):
+        return no_sync()
+    return contextlib.nullcontext()
+
+
+def run_micro_batches(task: SSLTask, body: Callable[[SSLTask], None] = forward_backward) -> None:
+    """Run ``body`` once per micro-batch of this step (``optim.accumulate_steps`` in train phases, else once),
+    each under the phase's grad mode and, but for the last, DDP's ``no_sync``; ``task.clock.micro_batch`` says
+    which. An out-of-memory error is reported to the update guard (which halts, or lets :func:`update` drop the
+    step on every rank); the step's remaining micro-batches are then read and dropped, so the data position stays
+    what a resume computes. Train phases end with the manual gradient reduction (when configured) and
+    ``on_backward``, unless the step ran out of memory."""
+    clock = task.clock
+    train = task.train
+    if train:
+        task.guard.begin_step(task)
+    grad = torch.enable_grad if train else torch.no_grad
+    out_of_memory = False
+    for micro in range(clock.micro_batches):
+        clock.micro_batch = micro
+        try:
+            with grad(), _sync_context(task, micro == clock.micro_batches - 1):
+                body(task)
+        except torch.OutOfMemoryError as exc:
+            task.guard.report_oom(task, exc)
+            out_of_memory = True
+            for _ in range(micro + 1, clock.micro_batches):
+                next(task.data_iterator)
+            break
+    clock.micro_batch = 0
+    if not train:
+        return
+    if out_of_memory:  # free what the failed pass held before anything else allocates (and before agreeing)
+        task.last_batch = LastBatch(sample={})
+        task.optimizer.zero_grad(set_to_none=True)
+        if task.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if task.guard.out_of_memory(task):  # on every rank: any rank out of memory drops the step everywhere
+        return
+    if task.manual_gradient_reduction:
+        with task.perf_stats.timer("gradient_all_reduce"):
+            all_reduce_gradients(task.base_model.parameters(), task.bucket_cap_mb)
+    task.run_hooks(Event.ON_BACKWARD)
+
+
+def unscale_gradients(task: SSLTask) -> None:
+    """Divide the gradients by the GradScaler's scale now (float16), so that a custom step can clip or inspect
+    true gradients before :func:`update`; nothing to do without a scaler."""
+    if task.scaler is not None:
+        task.scaler.unscale_(task.optimizer)
+
+
+def update(task: SSLTask) -> None:
+    """Stage *update* (train phases; nothing in eval phases): ask the update guard, then either drop the update
+    or set every schedule at ``clock.where`` (lr, weight decay; recorded for the log), step the optimizer (through
+    the GradScaler), fire ``on_update``; the clock moves on either way."""
+    if not task.train:
+        return
+    clock = task.clock
+    reason = task.guard.decide(task)
+    if reason is not None:
+        task.guard.drop(task, reason)  # raises once too many in a row were dropped
+        clock.update += 1
+        return
+    task.guard.applied()
+    with task.perf_stats.timer("optimizer_step"):
+        lr = task.lr_schedule(clock.where)
+        set_lr(task.optimizer, lr)
+        task.scheduled["lr"] = lr
+        if task.wd_schedule is not None:
+            wd = task.wd_schedule(clock.where)
+            set_weight_decay(task.optimizer, wd)
+            task.scheduled["weight_decay"] = wd
+        if task.scaler is not None:
+            task.scaler.step(task.optimizer)
+            task.scaler.update()
+        else:
+            task.optimizer.step()
+    task.run_hooks(Event.ON_UPDATE)
+    clock.update += 1
+    clock.samples += task.global_batch_size
