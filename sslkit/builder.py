@@ -227,9 +227,13 @@ def build_task(cfg: DictConfig) -> SSLTask:
     progress = cfg.log.progress_bar
     if progress == "auto":
         progress = sys.stderr.isatty() and rank == 0
+    # the method's hooks (a null entry was dropped on purpose; compose checked none of them is required), then the
+    # added ones; their slots order them with the ones below
     hooks: list[SSLHook] = [
-        R.get(R.HOOKS, spec.name, f"hooks[{i}].name")(**_kwargs(spec)) for i, spec in enumerate(cfg.hooks)
+        R.get(R.HOOKS, name, f"method.hooks.{name}")(**_kwargs(kwargs, ()))
+        for name, kwargs in cfg.method.hooks.items() if kwargs is not None
     ]
+    hooks += [R.get(R.HOOKS, spec.name, f"hooks[{i}].name")(**_kwargs(spec)) for i, spec in enumerate(cfg.hooks)]
     hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last))

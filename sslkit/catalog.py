@@ -13,11 +13,12 @@ __all__ = ["catalog_text", "description", "presets", "registered", "usage_text",
 LINE_WIDTH = 120
 #: Registries in the order listed, with the config key that picks a name from each.
 _SECTIONS = (
+    ("method", "methods", "method.name=NAME"),
     ("trunk", "trunks", "model.trunk=NAME"),
     ("head", "heads", "model.head.name=NAME"),
     ("model", "models", "model.name=NAME"),
     ("loss", "losses", "loss.name=NAME"),
-    ("hook", "hooks", "hooks=[{name: NAME}]"),
+    ("hook", "hooks", "hooks=[{name: NAME}] adds one"),
     ("train_step", "train steps", "train_step=NAME"),
     ("transform", "transforms", "data.transform.name=NAME"),
     ("dataset", "datasets", "data.train.source=NAME"),
@@ -49,7 +50,14 @@ def _cut(text: str, width: int) -> str:
 
 
 def description(obj: Any) -> str:
-    """One line about a registered object: the first sentence of its own docstring ("" without one)."""
+    """One line about a registered object: the first sentence of its own docstring ("" without one); for a
+    method, what it is made of and the hooks it requires, then its summary."""
+    from sslkit.method import Method
+
+    if isinstance(obj, Method):
+        required = ", ".join(obj.required_hooks) or "none"
+        return (f"model {obj.model}, loss {obj.loss}, {obj.transform} views; requires hooks: {required}. "
+                f"{_first_sentence(obj.summary)}")
     doc = obj.__doc__ if inspect.isclass(obj) or inspect.isroutine(obj) else inspect.getdoc(obj)
     if not doc:
         return ""

@@ -13,6 +13,7 @@ __all__ = [
     "HEADS",
     "HOOKS",
     "LOSSES",
+    "METHODS",
     "MODELS",
     "REGISTRIES",
     "TRAIN_STEPS",
@@ -36,9 +37,11 @@ T = TypeVar("T")
 TRAIN_STEPS = Registry("train_step")
 TRAIN_STEPS.__doc__ = "Train steps: ``step(task) -> None``, picked by the config key ``train_step``."
 HOOKS = Registry("hook")
-HOOKS.__doc__ = "SSLHook subclasses, listed in the config as ``hooks: [{name: ..., <kwargs>}]``."
+HOOKS.__doc__ = ("SSLHook subclasses: a method's under ``method.hooks: {name: {<kwargs>}}``, more added with "
+                 "``hooks: [{name: ..., <kwargs>}]``.")
 LOSSES = Registry("loss")
-LOSSES.__doc__ = "Loss modules: ``loss(model_output, sample) -> Tensor`` (or a dict with a ``loss`` key)."
+LOSSES.__doc__ = ("Loss modules: ``loss(model_output, sample[, ctx]) -> Tensor`` (or a dict with a ``loss`` key); "
+                  "``ctx`` is the step context (:class:`sslkit.clock.StepContext`).")
 TRUNKS = Registry("trunk")
 TRUNKS.__doc__ = "Trunk builders: ``build(in_channels=..., **kwargs) -> nn.Module`` with ``out_dim``."
 HEADS = Registry("head")
@@ -52,9 +55,12 @@ DATASETS = Registry("dataset")
 DATASETS.__doc__ = "Data sources: ``build(split=..., path=..., **kwargs) -> Dataset`` of (image, label)."
 TRANSFORMS = Registry("transform")
 TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(uint8 image) -> list of views``."
+METHODS = Registry("method")
+METHODS.__doc__ = ("SSL methods (:class:`sslkit.method.Method`): model wiring, loss, required hooks, default "
+                   "augmentation; picked by ``method.name``.")
 
 REGISTRIES: dict[str, Registry] = {
-    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, MODELS, DATASETS, TRANSFORMS)
+    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, MODELS, DATASETS, TRANSFORMS, METHODS)
 }
 
 

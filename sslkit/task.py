@@ -50,6 +50,8 @@ class LastBatch:
     #: Named scalars logged at the log interval (detached, on device): the loss terms a loss
     #: returns next to ``loss``, and what monitor hooks add (e.g. ``embedding_std``).
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: True once the gradients were divided by the GradScaler's scale (``stages.unscale_gradients``).
+    unscaled: bool = False
 
 
 class PerfStats:

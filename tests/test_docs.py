@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import reliability_helpers  # noqa: F401  (puts the fault-injection hooks, sslkit_faults, on the import path)
 from helpers import REPO, SMALL, run_cli
 
 
@@ -46,12 +47,96 @@ def test_hook_example_typo_is_named(tmp_path: Path) -> None:
     assert expected in proc.stderr
 
 
-@pytest.mark.slow
-def test_train_step_example_runs(tmp_path: Path) -> None:
-    (tmp_path / "doc_steps.py").write_text(python_block("train_steps.md"))
-    proc = run_cli("config=simclr", *SMALL, "optim.max_steps=4", "eval.knn.enabled=false",
-                   "imports=[doc_steps]", "train_step=clipped", f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert "step 4/4" in proc.stdout
+@pytest.fixture(scope="module")
+def doc_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """docs/train_steps.md's example as the module ``doc_steps`` (imported once: it registers ``clipped``)."""
+    folder = tmp_path_factory.mktemp("doc_steps")
+    (folder / "doc_steps.py").write_text(python_block("train_steps.md"))
+    sys.path.insert(0, str(folder))
+    yield "imports=[doc_steps]"
+    sys.path.remove(str(folder))
+
+
+def _clipped(capsys: pytest.CaptureFixture[str], doc_steps: str, out: Path, *args: str) -> str:
+    from sslkit.cli import main
+
+    code = main([*SMALL, "eval.knn.enabled=false", "log.tensorboard=false", doc_steps, "train_step=clipped",
+                 "checkpoint.keep_last=0", *args, f"output_dir={out}"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out + captured.err
+
+
+def _state(out: Path) -> dict:
+    import torch
+
+    ckpts = out / "checkpoints"
+    return torch.load(ckpts / (ckpts / "latest.txt").read_text().strip(), weights_only=False)
+
+
+def test_method_example_trains_with_its_schedule_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/methods.md's method in one file: registered, it trains, and its temperature falls with the clock."""
+    from helpers import metrics
+
+    from sslkit.cli import main
+
+    (tmp_path / "doc_method.py").write_text(python_block("methods.md"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code = main(["config=simclr", *SMALL, "eval.knn.enabled=false", "log.tensorboard=false", "log.every_n_steps=1",
+                     "imports=[doc_method]", "method.name=annealed_simclr", "loss={}", "optim.max_steps=4",
+                     f"output_dir={tmp_path / 'run'}"])
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert code == 0, capsys.readouterr().err
+    temps = [r["temperature"] for r in metrics(tmp_path / "run") if "temperature" in r]
+    assert temps == pytest.approx([0.5 - 0.4 * u / 4 for u in range(4)])
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "mocov3", "byol", "simsiam", "swav", "dino", "barlow_twins",
+                                    "vicreg"])
+def test_train_step_example_runs_every_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str], doc_steps: str,
+                                              recipe: str) -> None:
+    """The custom step of the docs, with each recipe (6 of them return a dict from their loss): it trains, logs,
+    times its stages and keeps the method's hooks and schedules."""
+    from helpers import RECIPES, metrics
+
+    out = tmp_path / "run"
+    stdout = _clipped(capsys, doc_steps, out, f"config={recipe}", *RECIPES[recipe], "optim.max_steps=2",
+                      "log.every_n_steps=1")
+    assert "step 2/2" in stdout
+    assert "clip" in stdout and "optimizer_step" in stdout  # the timers: its own and the stages'
+    records = [r for r in metrics(out) if r.get("phase") == "train" and "lr" in r]
+    assert [r["step"] for r in records] == [1, 2] and all("weight_decay" in r for r in records)
+    if recipe in ("byol", "dino", "moco", "mocov3"):
+        assert all("teacher_momentum" in r for r in records)
+
+
+def test_train_step_example_keeps_accumulation(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               doc_steps: str) -> None:
+    """accumulate_steps=2 with batch 8: 4 updates of 16 images per epoch, both epochs run (the old example took
+    one batch per update, so epoch 1 never ran)."""
+    out = tmp_path / "run"
+    stdout = _clipped(capsys, doc_steps, out, "config=simclr", "data.batch_size=8", "optim.accumulate_steps=2",
+                      "optim.epochs=2")
+    state = _state(out)["position"]
+    assert (state["iteration"], state["num_updates"], state["phase_idx"]) == (8, 8 * 16, 2)
+    assert "epoch 2/2 done" in stdout
+
+
+def test_train_step_example_drops_a_non_finite_update(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      doc_steps: str) -> None:
+    """nonfinite_loss=skip: the NaN step's update is dropped before the optimizer sees it (the old example logged
+    "dropping the update" and applied it, leaving NaN in the weights)."""
+    import torch
+
+    out = tmp_path / "run"
+    stdout = _clipped(capsys, doc_steps, out, "config=simclr", "optim.max_steps=4", "reliability.nonfinite_loss=skip",
+                      "imports=[doc_steps, sslkit_faults]", "hooks=[{name: fault_nan, step: 2}]")
+    assert "update dropped (non-finite loss)" in stdout
+    state = _state(out)
+    assert state["position"]["iteration"] == 4 and state["position"]["skipped_steps"] == {"non-finite loss": 1}
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
 # ------------------------------------------------------------------------- the commands the docs show
@@ -97,7 +182,8 @@ STOP_WITHIN_S = 15.0
 #: The exit status of a run stopped by a signal after its checkpoint (sslkit.reliability.PREEMPTED_EXIT_CODE).
 PREEMPTED = 75
 #: Written into my_ssl/ of the run folder for commands with imports=[my_ssl.<module>]: the docs' own example.
-MY_SSL = {"my_ssl.hooks": ("hooks.py", "hooks.md"), "my_ssl.steps": ("steps.py", "train_steps.md")}
+MY_SSL = {"my_ssl.hooks": ("hooks.py", "hooks.md"), "my_ssl.steps": ("steps.py", "train_steps.md"),
+          "my_ssl.annealed": ("annealed.py", "methods.md")}
 
 
 def _strip_comment(line: str) -> str:

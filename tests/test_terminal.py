@@ -184,14 +184,17 @@ def test_catalog_lists_every_recipe_preset_and_hook_with_a_description(tmp_path,
     assert recipes["my_method"] == "My method (Doe et al. 2024), for tests."  # first sentence, @package skipped
     assert recipes["simclr"].startswith("SimCLR")
     assert set(sections["data presets (data=NAME):"]) >= {"cifar10", "fashion_mnist", "folder", "synthetic"}
-    hooks = sections["hooks (hooks=[{name: NAME}]):"]
+    hooks = sections["hooks (hooks=[{name: NAME}] adds one):"]
     assert set(hooks) == {name for name, _ in R.HOOKS}
     assert all(recipes.values()), recipes
     # sslkit's own registrations all say what they are (tests may register undocumented ones of their own)
-    for kind, registry in (("hooks (hooks=[{name: NAME}]):", R.HOOKS), ("losses (loss.name=NAME):", R.LOSSES)):
+    for kind, registry in (("hooks (hooks=[{name: NAME}] adds one):", R.HOOKS), ("losses (loss.name=NAME):", R.LOSSES)):
         own = {name for name, obj in registry if getattr(obj, "__module__", "").startswith("sslkit.")}
         assert own and all(sections[kind][name] for name in own), sections[kind]
     assert hooks["momentum_teacher"].startswith("After every optimizer update, move each teacher")
+    methods = sections["methods (method.name=NAME):"]
+    assert set(methods) == {name for name, _ in R.METHODS}
+    assert methods["byol"].startswith("model byol, loss byol, simclr views; requires hooks: momentum_teacher.")
 
 
 def test_usage_names_every_recipe_and_how_to_override() -> None:

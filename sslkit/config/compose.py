@@ -44,7 +44,7 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 
 #: Keys whose contents are builder arguments, checked against the builder's signature.
 FREE_FORM = {
-    "hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
+    "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
     "model.trunk_kwargs", "model.head", "model.kwargs", "loss",
 }
 GROUPS = ("config", "data")
@@ -147,9 +147,25 @@ def compose_config(overrides: list[str]) -> DictConfig:
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", cfg.name)
     import_modules(cfg)
+    resolve_method(cfg)
     validate(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def resolve_method(cfg: DictConfig) -> None:
+    """Fill what the method decides and the config left open (null): ``model.name``, ``loss.name`` and
+    ``data.transform.name`` become the method's model wiring, loss and default augmentation, so the saved
+    config says what ran. An unknown method is left for :func:`validate` to report."""
+    import sslkit.methods  # noqa: F401  (registrations)
+
+    name = cfg.get("method", {}).get("name") if isinstance(cfg.get("method"), DictConfig) else None
+    if not isinstance(name, str) or name not in dict(R.METHODS):
+        return
+    method = R.METHODS.get(name)
+    for section, value in ((cfg.model, method.model), (cfg.loss, method.loss), (cfg.data.transform, method.transform)):
+        if isinstance(section, DictConfig) and section.get("name") is None:
+            section.name = value
 
 
 def import_modules(cfg: DictConfig) -> None:
@@ -628,6 +644,9 @@ def validate(cfg: DictConfig) -> None:
         ("model.head", R.HEADS, cfg.model.head, ("name",)),
         ("loss", R.LOSSES, cfg.loss, ("name",)),
     ):
+        if not isinstance(section, DictConfig):
+            errors.append(f"'{where}' must be a section (dict; {{}} for none), got {section!r}")
+            continue
         if "name" not in section:
             errors.append(f"'{where}' needs a 'name'")
             continue
@@ -649,16 +668,50 @@ def validate(cfg: DictConfig) -> None:
         builder = _registered(errors, R.DATASETS, source, f"data.{split}.source")
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
+    _check_hooks(cfg, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+def _check_hooks(cfg: DictConfig, errors: list[str]) -> None:
+    """The method exists; its hooks (``method.hooks``) and the added ones (``hooks``) are registered with valid
+    arguments; no hook the method requires is dropped; an added hook does not repeat one of the method's."""
+    method = _registered(errors, R.METHODS, cfg.method.name, "method.name")
+    own = cfg.method.hooks
+    if not isinstance(own, DictConfig):
+        errors.append(f"'method.hooks' must be a dict of hook name -> its kwargs, got {own!r}")
+        own = OmegaConf.create({})
+    for name, kwargs in own.items():
+        where = f"method.hooks.{name}"
+        if kwargs is None:
+            continue  # dropped on purpose (a required one is reported below)
+        if not isinstance(kwargs, DictConfig):
+            errors.append(f"'{where}' must be a dict of the hook's kwargs ({{}} for none) or null to drop it, "
+                          f"got {kwargs!r}")
+            continue
+        hook = _registered(errors, R.HOOKS, name, where)
+        if hook is not None:
+            _check_kwargs(where, hook, dict(kwargs), errors)
+    if method is not None:
+        for name in method.required_hooks:
+            if own.get(name) is None:
+                how = "is set to null" if name in own else "is missing"
+                errors.append(f"'method.hooks.{name}' {how}, but method {method.name} cannot train without the "
+                              f"{name} hook (it would train silently wrong). Keep it and tune it "
+                              f"(method.hooks.{name}.<key>=...); to change what it does, write your own method "
+                              "(docs/methods.md).")
     for i, spec in enumerate(cfg.hooks):
         where = f"hooks[{i}]"
         if not isinstance(spec, DictConfig) or "name" not in spec:
             errors.append(f"'{where}' must be a dict with a 'name', got {spec!r}")
             continue
+        if own.get(spec.name) is not None:
+            errors.append(f"'{where}': {spec.name} is one of the method's hooks already (method.hooks.{spec.name}); "
+                          f"tune it there (method.hooks.{spec.name}.<key>=...) instead of adding it twice")
+            continue
         hook = _registered(errors, R.HOOKS, spec.name, where + ".name")
         if hook is not None:
             _check_kwargs(where, hook, {k: v for k, v in spec.items() if k != "name"}, errors)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
 
 
 class _Absent:
@@ -703,7 +756,10 @@ def recipe_diff(overrides: list[str], cfg: DictConfig) -> list[tuple[str, Any, A
     the ``config=``/``data=`` overrides alone and ``cfg``; a key only one side has gets :data:`ABSENT`
     on the other. ``name`` and ``output_dir`` are not changes. Nothing is imported or validated."""
     groups = [ov for ov in overrides if ov.partition("=")[0] in GROUPS]
-    recipe = flatten_config(OmegaConf.to_container(_hydra_compose(groups), resolve=True))
+    composed = _hydra_compose(groups)
+    OmegaConf.set_struct(composed, False)
+    resolve_method(composed)  # the names the method fills in are the recipe's, not the run's changes
+    recipe = flatten_config(OmegaConf.to_container(composed, resolve=True))
     run = flatten_config(OmegaConf.to_container(cfg, resolve=True))
     diffs = []
     for key in dict.fromkeys([*run, *recipe]):

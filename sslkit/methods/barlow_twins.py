@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from sslkit.distributed import gather_with_grad
+from sslkit.method import Method, register_method
 from sslkit.registry import register_loss
 
-__all__ = ["BarlowTwinsLoss", "barlow_twins_loss", "cross_correlation", "standardise"]
+__all__ = ["BARLOW_TWINS", "BarlowTwinsLoss", "barlow_twins_loss", "cross_correlation", "standardise"]
 
 # The model is the plain "ssl_model" (trunk + MLP projector, sslkit/models/ssl_model.py): the
 # paper's projector is three linear layers of 8192 units, BatchNorm + ReLU after the first two,
@@ -128,3 +129,10 @@ class BarlowTwinsLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"lambd={self.lambd}, scale_loss={self.scale_loss}, eps={self.eps}, gather={self.gather}"
+
+
+#: The method object: what ``method.name=barlow_twins`` trains.
+BARLOW_TWINS = register_method(Method(
+    name="barlow_twins", model="ssl_model", loss="barlow_twins", required_hooks=(), transform="simclr",
+    summary="Barlow Twins (Zbontar et al., 2021): the cross-correlation of two views pushed to the identity.",
+))

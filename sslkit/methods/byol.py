@@ -2,88 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.method import Method, register_method
 from sslkit.models.heads import MLPHead
-from sslkit.models.ssl_model import forward_views
-from sslkit.models.teacher import frozen_copy
+from sslkit.models.teacher import PredictorTeacherModel, projection_dim
 from sslkit.registry import register_loss, register_model
 
-__all__ = ["BYOLLoss", "PredictorTeacherModel", "build_byol", "byol_loss", "check_two_views", "projection_dim"]
-
-
-def check_two_views(views: Sequence[torch.Tensor] | torch.Tensor, method: str) -> list[torch.Tensor]:
-    """The first two views as a list; a clear error when fewer than two are given."""
-    if isinstance(views, torch.Tensor):
-        views = [views]
-    if len(views) < 2:
-        raise ValueError(f"{method} needs two views per sample (data.transform.num_views=2), got {len(views)}")
-    if views[0].shape != views[1].shape:
-        raise ValueError(f"{method} needs two views of the same size, got {tuple(views[0].shape)} "
-                         f"and {tuple(views[1].shape)}")
-    return [views[0], views[1]]
-
-
-def projection_dim(trunk: nn.Module, head: nn.Module | None) -> int:
-    """Output size of ``head`` (its ``out_dim``), or the trunk's when there is no head."""
-    if head is not None and hasattr(head, "out_dim"):
-        return int(head.out_dim)
-    return int(trunk.out_dim)
-
-
-class PredictorTeacherModel(nn.Module):
-    """Student ``predictor(head(trunk(x)))``, teacher ``frozen_copy(head)(frozen_copy(trunk)(x))``.
-
-    The architecture of BYOL (online network + predictor, target network) and MoCo v3 (query
-    encoder + predictor, momentum encoder); the two differ only in their loss. Given two views
-    ``v0, v1``, ``forward`` returns per-view student lists and the teacher outputs *paired* with
-    the predictions::
-
-        features    = [trunk(v0), trunk(v1)]                       # student trunk
-        projections = [z0, z1],  z = head(trunk(v))
-        predictions = [p0, p1],  p = predictor(z)
-        <teacher_key> = [t(v1), t(v0)],  t = teacher_head(teacher_trunk(.))   # no grad
-
-    so the loss compares ``predictions[i]`` with ``<teacher_key>[i]`` (the other view), whichever
-    view it came from. The student views go through one batched forward (``forward_views``), as
-    do the teacher's, so BatchNorm sees both views of the batch together. The teacher is a
-    frozen copy (no gradients, outside the optimizer) moved by the ``momentum_teacher`` hook
-    through :meth:`momentum_pairs`. ``model.trunk`` is the student trunk (kNN, feature export).
-    """
-
-    def __init__(self, trunk: nn.Module, head: nn.Module | None, predictor: nn.Module,
-                 teacher_key: str = "targets") -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.head = head if head is not None else nn.Identity()
-        self.predictor = predictor
-        self.teacher_trunk = frozen_copy(self.trunk)
-        self.teacher_head = frozen_copy(self.head)
-        self.teacher_key = teacher_key
-
-    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(student, teacher) pairs for the ``momentum_teacher`` hook: trunk and projector."""
-        return [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
-
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """Student features, projections and predictions of both views; teacher outputs, paired."""
-        v0, v1 = check_two_views(views, type(self).__name__)
-        feats = forward_views(self.trunk, [v0, v1])
-        z = self.head(torch.cat(feats))
-        p = self.predictor(z)
-        with torch.no_grad():
-            t = self.teacher_head(torch.cat(forward_views(self.teacher_trunk, [v1, v0])))
-        return {
-            "features": feats,
-            "projections": list(z.chunk(2)),
-            "predictions": list(p.chunk(2)),
-            self.teacher_key: list(t.chunk(2)),
-        }
+__all__ = ["BYOL", "BYOLLoss", "build_byol", "byol_loss"]
 
 
 @register_model("byol")
@@ -144,3 +74,10 @@ class BYOLLoss(nn.Module):
         terms = [byol_loss(p, z) for p, z in zip(preds, targets)]
         loss = torch.stack(terms).sum()
         return {"loss": loss, "cos": 1 - loss.detach() / (2 * len(terms))}
+
+
+#: The method object: what ``method.name=byol`` trains.
+BYOL = register_method(Method(
+    name="byol", model="byol", loss="byol", required_hooks=("momentum_teacher",), transform="simclr",
+    summary="BYOL (Grill et al., 2020): an online network with a predictor regresses a momentum target network.",
+))

@@ -13,6 +13,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
 from sslkit.hooks.base import SSLHook
+from sslkit.method import Method, register_method
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.models.teacher import frozen_copy
 from sslkit.registry import register_head, register_hook, register_loss, register_model
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
 __all__ = [
+    "DINO",
     "DINOHead",
     "DINOLoss",
     "DINOModel",
@@ -316,3 +318,10 @@ class FreezeLastLayerHook(SSLHook):
                                  "(use model.name=dino with model.head.name=dino, or set the hook's module)") from exc
         for p in layer.parameters():
             p.grad = None
+
+
+#: The method object: what ``method.name=dino`` trains.
+DINO = register_method(Method(
+    name="dino", model="dino", loss="dino", required_hooks=("momentum_teacher",), transform="multicrop",
+    summary="DINO (Caron et al., 2021): self-distillation from a momentum teacher with centring and sharpening.",
+))

@@ -44,14 +44,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_no_grad, get_rank, is_distributed
-from sslkit.methods.byol import PredictorTeacherModel, check_two_views, projection_dim
+from sslkit.method import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.models.heads import MLPHead
-from sslkit.models.ssl_model import forward_views
-from sslkit.models.teacher import frozen_copy
+from sslkit.models.ssl_model import check_two_views, forward_views
+from sslkit.models.teacher import PredictorTeacherModel, frozen_copy, projection_dim
 from sslkit.registry import register_loss, register_model
 
 __all__ = [
+    "MOCO",
+    "MOCOV3",
     "MoCoLoss",
     "MoCoModel",
     "MoCoV3Loss",
@@ -346,3 +348,18 @@ class MoCoV3Loss(nn.Module):
             losses.append(cross_entropy_at(logits, labels) * (2 * self.temperature))
             accs.append((logits.detach().argmax(dim=1) == labels).float().mean())
         return {"loss": torch.stack(losses).sum(), "acc": torch.stack(accs).mean()}
+
+
+#: The method object: what ``method.name=moco`` trains.
+MOCO = register_method(Method(
+    name="moco", model="moco", loss="moco", required_hooks=("momentum_teacher",), transform="simclr",
+    summary="MoCo v2 (Chen et al., 2020): InfoNCE against a queue of keys from a momentum encoder with shuffle-BN.",
+))
+
+
+#: The method object: what ``method.name=mocov3`` trains.
+MOCOV3 = register_method(Method(
+    name="mocov3", model="mocov3", loss="mocov3", required_hooks=("momentum_teacher",), transform="simclr",
+    summary=("MoCo v3 (Chen, Xie & He, 2021): a predictor on the query encoder, symmetric InfoNCE against"
+             " momentum keys."),
+))

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_with_grad, get_rank
+from sslkit.method import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.registry import register_loss
 
-__all__ = ["NTXentLoss", "nt_xent"]
+__all__ = ["SIMCLR", "NTXentLoss", "nt_xent"]
 
 
 def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.1, gather: bool = True) -> torch.Tensor:
@@ -69,3 +70,11 @@ class NTXentLoss(nn.Module):
         if len(proj) < 2:
             raise ValueError(f"nt_xent needs two views per sample, got {len(proj)}")
         return nt_xent(proj[0], proj[1], self.temperature, self.gather)
+
+
+#: The method object: what ``method.name=simclr`` trains.
+SIMCLR = register_method(Method(
+    name="simclr", model="ssl_model", loss="nt_xent", required_hooks=(), transform="simclr",
+    summary=("SimCLR (Chen et al., 2020): two views, an MLP projector, NT-Xent against the other samples of"
+             " the global batch."),
+))

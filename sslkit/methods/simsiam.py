@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sslkit.methods.byol import check_two_views, projection_dim
+from sslkit.method import Method, register_method
 from sslkit.models.heads import MLPHead
-from sslkit.models.ssl_model import forward_views
+from sslkit.models.ssl_model import check_two_views, forward_views
+from sslkit.models.teacher import projection_dim
 from sslkit.registry import register_loss, register_model
 
-__all__ = ["SimSiamLoss", "SimSiamModel", "build_simsiam", "negative_cosine"]
+__all__ = ["SIMSIAM", "SimSiamLoss", "SimSiamModel", "build_simsiam", "negative_cosine"]
 
 
 class SimSiamModel(nn.Module):
@@ -91,3 +92,10 @@ class SimSiamLoss(nn.Module):
         if len(preds) != len(targets) or not preds:
             raise ValueError(f"simsiam needs as many predictions as targets, got {len(preds)} and {len(targets)}")
         return torch.stack([negative_cosine(p, z) for p, z in zip(preds, targets)]).mean()
+
+
+#: The method object: what ``method.name=simsiam`` trains.
+SIMSIAM = register_method(Method(
+    name="simsiam", model="simsiam", loss="simsiam", required_hooks=(), transform="simclr",
+    summary="SimSiam (Chen & He, 2021): a predictor and a stop-gradient, no negatives and no teacher.",
+))

@@ -14,20 +14,14 @@ from torch import nn
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum, gather_no_grad, get_world_size
 from sslkit.hooks.base import SSLHook
+from sslkit.method import Method, register_method
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.registry import register_hook, register_loss, register_model
 
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
-__all__ = [
-    "SwAVLoss",
-    "SwAVModel",
-    "SwAVPrototypesHook",
-    "build_swav",
-    "sinkhorn",
-    "swapped_prediction_loss",
-]
+__all__ = ["SWAV", "SwAVLoss", "SwAVModel", "SwAVPrototypesHook", "build_swav", "sinkhorn", "swapped_prediction_loss"]
 
 logger = logging.getLogger("sslkit")
 
@@ -369,3 +363,10 @@ class SwAVPrototypesHook(SSLHook):
     def on_update(self, task: SSLTask) -> None:
         """Project the prototypes back onto the unit sphere after the optimizer step."""
         self._normalize(task)
+
+
+#: The method object: what ``method.name=swav`` trains.
+SWAV = register_method(Method(
+    name="swav", model="swav", loss="swav", required_hooks=("swav_prototypes",), transform="multicrop",
+    summary="SwAV (Caron et al., 2020): swapped prediction of Sinkhorn cluster codes over multi-crop views.",
+))

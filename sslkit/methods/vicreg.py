@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_with_grad
+from sslkit.method import Method, register_method
 from sslkit.registry import register_loss
 
-__all__ = ["VICRegLoss", "covariance_term", "variance_term", "vicreg_loss"]
+__all__ = ["VICREG", "VICRegLoss", "covariance_term", "variance_term", "vicreg_loss"]
 
 # The model is the plain "ssl_model" (trunk + MLP "expander", sslkit/models/ssl_model.py): the
 # paper's expander is three linear layers of 8192 units, BatchNorm + ReLU after the first two,
@@ -125,3 +126,10 @@ class VICRegLoss(nn.Module):
     def extra_repr(self) -> str:
         return (f"sim_coeff={self.sim_coeff}, std_coeff={self.std_coeff}, cov_coeff={self.cov_coeff}, "
                 f"eps={self.eps}, gather={self.gather}")
+
+
+#: The method object: what ``method.name=vicreg`` trains.
+VICREG = register_method(Method(
+    name="vicreg", model="ssl_model", loss="vicreg", required_hooks=(), transform="simclr",
+    summary="VICReg (Bardes et al., 2022): invariance, variance and covariance terms on two views.",
+))

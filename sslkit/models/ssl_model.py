@@ -9,7 +9,7 @@ from torch import nn
 
 from sslkit.registry import register_model
 
-__all__ = ["SSLModel", "build_ssl_model", "forward_views"]
+__all__ = ["SSLModel", "build_ssl_model", "check_two_views", "forward_views"]
 
 
 def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -29,6 +29,18 @@ def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torc
         outputs.extend(out.chunk(len(group)) if len(group) > 1 else [out])
         start = end
     return outputs
+
+
+def check_two_views(views: Sequence[torch.Tensor] | torch.Tensor, method: str) -> list[torch.Tensor]:
+    """The first two views as a list; a clear error when fewer than two are given."""
+    if isinstance(views, torch.Tensor):
+        views = [views]
+    if len(views) < 2:
+        raise ValueError(f"{method} needs two views per sample (data.transform.num_views=2), got {len(views)}")
+    if views[0].shape != views[1].shape:
+        raise ValueError(f"{method} needs two views of the same size, got {tuple(views[0].shape)} "
+                         f"and {tuple(views[1].shape)}")
+    return [views[0], views[1]]
 
 
 class SSLModel(nn.Module):

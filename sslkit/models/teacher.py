@@ -1,13 +1,16 @@
-"""Momentum teachers: a frozen copy of a student and the pure EMA update a hook applies to it."""
+"""Momentum teachers: a frozen copy of a student, its EMA update, the predictor-teacher wiring of BYOL and MoCo v3."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["frozen_copy", "update_momentum"]
+from sslkit.models.ssl_model import check_two_views, forward_views
+
+__all__ = ["PredictorTeacherModel", "frozen_copy", "projection_dim", "update_momentum"]
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:
@@ -39,3 +42,60 @@ def update_momentum(student: nn.Module, teacher: nn.Module, momentum: float) -> 
     if momentum == 1.0 or not t_params:
         return
     torch._foreach_lerp_(t_params, [p.detach() for p in s_params], 1.0 - momentum)
+
+
+def projection_dim(trunk: nn.Module, head: nn.Module | None) -> int:
+    """Output size of ``head`` (its ``out_dim``), or the trunk's when there is no head."""
+    if head is not None and hasattr(head, "out_dim"):
+        return int(head.out_dim)
+    return int(trunk.out_dim)
+
+
+class PredictorTeacherModel(nn.Module):
+    """Student ``predictor(head(trunk(x)))``, teacher ``frozen_copy(head)(frozen_copy(trunk)(x))``.
+
+    The architecture of BYOL (online network + predictor, target network) and MoCo v3 (query
+    encoder + predictor, momentum encoder); the two differ only in their loss. Given two views
+    ``v0, v1``, ``forward`` returns per-view student lists and the teacher outputs *paired* with
+    the predictions::
+
+        features    = [trunk(v0), trunk(v1)]                       # student trunk
+        projections = [z0, z1],  z = head(trunk(v))
+        predictions = [p0, p1],  p = predictor(z)
+        <teacher_key> = [t(v1), t(v0)],  t = teacher_head(teacher_trunk(.))   # no grad
+
+    so the loss compares ``predictions[i]`` with ``<teacher_key>[i]`` (the other view), whichever
+    view it came from. The student views go through one batched forward (``forward_views``), as
+    do the teacher's, so BatchNorm sees both views of the batch together. The teacher is a
+    frozen copy (no gradients, outside the optimizer) moved by the ``momentum_teacher`` hook
+    through :meth:`momentum_pairs`. ``model.trunk`` is the student trunk (kNN, feature export).
+    """
+
+    def __init__(self, trunk: nn.Module, head: nn.Module | None, predictor: nn.Module,
+                 teacher_key: str = "targets") -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.head = head if head is not None else nn.Identity()
+        self.predictor = predictor
+        self.teacher_trunk = frozen_copy(self.trunk)
+        self.teacher_head = frozen_copy(self.head)
+        self.teacher_key = teacher_key
+
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(student, teacher) pairs for the ``momentum_teacher`` hook: trunk and projector."""
+        return [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
+
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Student features, projections and predictions of both views; teacher outputs, paired."""
+        v0, v1 = check_two_views(views, type(self).__name__)
+        feats = forward_views(self.trunk, [v0, v1])
+        z = self.head(torch.cat(feats))
+        p = self.predictor(z)
+        with torch.no_grad():
+            t = self.teacher_head(torch.cat(forward_views(self.teacher_trunk, [v1, v0])))
+        return {
+            "features": feats,
+            "projections": list(z.chunk(2)),
+            "predictions": list(p.chunk(2)),
+            self.teacher_key: list(t.chunk(2)),
+        }

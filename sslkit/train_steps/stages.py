@@ -181,8 +181,11 @@ def run_micro_batches(task: SSLTask, body: Callable[[SSLTask], None] = forward_b
 def unscale_gradients(task: SSLTask) -> None:
     """Divide the gradients by the GradScaler's scale now (float16), so that a custom step can clip or inspect
     true gradients before :func:`update`; nothing to do without a scaler."""
-    if task.scaler is not None:
-        task.scaler.unscale_(task.optimizer)
+    if task.scaler is None or task.last_batch is None:
+        return
+    if any(p.grad is not None for group in task.optimizer.param_groups for p in group["params"]):
+        task.scaler.unscale_(task.optimizer)  # (a step that ran out of memory has no gradients to unscale)
+        task.last_batch.unscaled = True
 
 
 def update(task: SSLTask) -> None:
@@ -194,6 +197,8 @@ def update(task: SSLTask) -> None:
     clock = task.clock
     reason = task.guard.decide(task)
     if reason is not None:
+        if task.scaler is not None and task.last_batch is not None and task.last_batch.unscaled:
+            task.scaler.update()  # close the scaler's step that unscale_ opened (it backs off on an inf)
         task.guard.drop(task, reason)  # raises once too many in a row were dropped
         clock.update += 1
         return

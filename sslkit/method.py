@@ -1,0 +1,55 @@
+"""Method: one SSL method as one object, declared in its own file: wiring, loss, required hooks, augmentation."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sslkit import registry as R
+
+__all__ = ["Method", "register_method"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a method is made of, so that a recipe only picks it (``method.name``) and tunes it.
+
+    * ``model``: the registered model builder that wires trunk, head, predictor and teacher
+      (``model.name`` defaults to it);
+    * ``loss``: the registered loss (``loss.name`` defaults to it); the loss's keyword arguments are
+      the method's ``loss.*`` keys;
+    * ``required_hooks``: the hooks the method cannot train without (a momentum teacher that must
+      move, prototypes that must stay normalised). The recipe gives their settings under
+      ``method.hooks.<name>``; a config that drops one is an error naming it;
+    * ``transform``: the default augmentation (``data.transform.name`` defaults to it);
+    * ``summary``: one line for ``sslkit list``.
+
+    The keys the method accepts are those of its builders: ``model.kwargs`` for the model's,
+    ``loss`` for the loss's (checked against their signatures, with did-you-mean).
+    """
+
+    name: str
+    model: str
+    loss: str
+    required_hooks: tuple[str, ...] = ()
+    transform: str = "simclr"
+    summary: str = ""
+
+    def accepted_keys(self) -> dict[str, list[str]]:
+        """The config keys of this method, by section: ``model.kwargs`` and ``loss``."""
+        return {"model.kwargs": _arguments(R.get(R.MODELS, self.model), skip=("trunk", "head")),
+                "loss": _arguments(R.get(R.LOSSES, self.loss))}
+
+
+def _arguments(builder: Callable[..., Any], skip: tuple[str, ...] = ()) -> list[str]:
+    target = builder.__init__ if inspect.isclass(builder) else builder
+    params = inspect.signature(target).parameters.values()
+    return [p.name for p in params if p.name not in ("self", *skip) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def register_method(method: Method) -> Method:
+    """Register ``method`` under its name (``method.name`` in a recipe) and return it."""
+    R.METHODS._do_register(method.name, method)
+    return method

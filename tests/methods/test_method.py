@@ -1,0 +1,69 @@
+"""Methods as objects: what each declares, required hooks that cannot be dropped, hooks added on the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import RECIPES, SMALL
+from reliability_helpers import latest_state
+
+import sslkit.methods  # noqa: F401  (registrations)
+from sslkit import registry as R
+from sslkit.cli import main
+from sslkit.config.compose import compose_config
+
+QUICK = [*SMALL, "log.tensorboard=false", "eval.knn.enabled=false"]
+
+
+def test_every_method_names_registered_parts_and_its_recipe_keeps_its_required_hooks() -> None:
+    methods = dict(R.METHODS)
+    assert set(methods) == set(RECIPES)  # one recipe per method
+    for name, method in methods.items():
+        assert method.model in dict(R.MODELS) and method.loss in dict(R.LOSSES)
+        assert method.transform in dict(R.TRANSFORMS)
+        assert all(h in dict(R.HOOKS) for h in method.required_hooks)
+        cfg = compose_config([f"config={name}", "machine.device=cpu"])
+        assert (cfg.model.name, cfg.loss.name, cfg.data.transform.name) == (method.model, method.loss, method.transform)
+        assert set(method.required_hooks) <= set(cfg.method.hooks)
+    assert methods["byol"].required_hooks == ("momentum_teacher",)
+    assert methods["swav"].required_hooks == ("swav_prototypes",) and methods["swav"].transform == "multicrop"
+    assert methods["dino"].accepted_keys() == {
+        "model.kwargs": ["num_global"],
+        "loss": ["out_dim", "student_temp", "teacher_temp", "warmup_teacher_temp", "warmup_teacher_temp_iters",
+                 "center_momentum"]}
+
+
+@pytest.mark.parametrize("drop", ["method.hooks.momentum_teacher=null", "method.hooks={}"])
+def test_a_required_hook_cannot_be_dropped(tmp_path: Path, capsys: pytest.CaptureFixture[str], drop: str) -> None:
+    """BYOL without its momentum teacher trained with a target that never moved, exit 0: now a config error."""
+    code = main(["config=byol", *QUICK, drop, f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "method byol cannot train without the momentum_teacher hook" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_optional_hook_can_be_dropped_and_a_method_hook_is_not_added_twice(tmp_path: Path) -> None:
+    cfg = compose_config(["config=byol", *QUICK, "method.hooks.collapse_monitor=null", f"output_dir={tmp_path}"])
+    assert cfg.method.hooks.collapse_monitor is None
+    with pytest.raises(ValueError, match=r"momentum_teacher is one of the method's hooks already"):
+        compose_config(["config=byol", *QUICK, "hooks=[{name: momentum_teacher}]", f"output_dir={tmp_path}"])
+
+
+def test_a_hook_added_on_the_command_line_keeps_the_recipes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The documented way to add a hook (hooks=[{name: ...}]) used to replace the recipe's list: BYOL's teacher
+    then stayed identical from step 2 to 4. Now it is added, and the teacher moves."""
+    out = tmp_path / "run"
+    args = ["config=byol", *QUICK, *RECIPES["byol"], "optim.max_steps=4", "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=0", "imports=[sslkit_faults]", "hooks=[{name: fault_crash, step: 1000}]",
+            f"output_dir={out}"]
+    assert main(args) == 0
+    capsys.readouterr()
+    ckpts = out / "checkpoints"
+    at2 = torch.load(ckpts / "checkpoint_000000002.pt", weights_only=False)
+    at4 = latest_state(out)
+    assert at4["position"]["iteration"] == 4
+    assert {"momentum_teacher", "collapse_monitor"} <= set(at4["hooks"])
+    teacher = [k for k in at4["model"] if k.startswith("teacher_") and at4["model"][k].is_floating_point()]
+    assert any(not torch.equal(at2["model"][k], at4["model"][k]) for k in teacher)
