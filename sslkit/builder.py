@@ -32,7 +32,7 @@ from sslkit.hooks import (
 )
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.reliability import PreemptionHook
-from sslkit.task import Phase, SSLTask
+from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
 __all__ = ["build_task", "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism"]
 
@@ -256,13 +256,14 @@ def build_task(cfg: DictConfig) -> SSLTask:
             hooks.append(knn)
 
     task = SSLTask(
-        model=model, loss=loss, optimizer=optimizer, loaders=loaders,
-        phases=[Phase(train=True, epoch=e) for e in range(epochs)], hooks=hooks,
-        lr_schedule=lr_schedule, wd_schedule=wd_schedule, device=device, amp_dtype=amp_dtype,
-        scaler=scaler, global_batch_size=global_batch, max_iterations=max_iterations, output_dir=out,
-        seed=cfg.seed, rank=rank, world_size=world, channels_last=cfg.machine.channels_last,
-        accumulate_steps=accumulate, manual_gradient_reduction=manual_reduction,
-        bucket_cap_mb=cfg.distributed.bucket_cap_mb, config=cfg,
+        Training(model=model, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule, wd_schedule=wd_schedule,
+                 scaler=scaler, amp_dtype=amp_dtype, accumulate_steps=accumulate, global_batch_size=global_batch,
+                 manual_gradient_reduction=manual_reduction, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+                 channels_last=cfg.machine.channels_last),
+        DataPlan(loaders=loaders, phases=[Phase(train=True, epoch=e) for e in range(epochs)]),
+        hooks,
+        run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=out, config=cfg),
+        max_iterations=max_iterations,
         guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )
     return task

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from sslkit.distributed import agree_any
 
-if TYPE_CHECKING:
-    from sslkit.task import SSLTask
-
-__all__ = ["NonFiniteLossError", "OutOfMemoryHalt", "TrainingHalted", "UpdateGuard"]
+__all__ = ["GuardedTask", "NonFiniteLossError", "OutOfMemoryHalt", "TrainingHalted", "UpdateGuard"]
 
 logger = logging.getLogger("sslkit")
 
@@ -53,6 +51,17 @@ class NonFiniteLossError(TrainingHalted):
 
 class OutOfMemoryHalt(TrainingHalted):
     """Out of memory in a train step (policy ``halt``, or too many skipped steps in a row)."""
+
+
+class GuardedTask(Protocol):
+    """What the guard reads of the task (:class:`sslkit.task.SSLTask` has it; the guard does not import it)."""
+
+    train: bool
+    iteration: int
+    world_size: int
+    base_model: nn.Module
+    loss: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 class UpdateGuard:
@@ -115,7 +124,7 @@ class UpdateGuard:
         return self.oom == "skip" or self.nonfinite == "skip"
 
     # --------------------------------------------------------------------------------- reports
-    def begin_step(self, task: SSLTask) -> None:
+    def begin_step(self, task: GuardedTask) -> None:
         """A train step starts: forget the last one's reports; copy the buffers when an update may be dropped."""
         self._veto = None
         self._oom = False
@@ -127,7 +136,7 @@ class UpdateGuard:
         """Drop this step's update (a hook's decision, e.g. in ``on_backward``); ``reason`` is counted and logged."""
         self._veto = reason
 
-    def report_oom(self, task: SSLTask, exc: BaseException) -> None:
+    def report_oom(self, task: GuardedTask, exc: BaseException) -> None:
         """An out-of-memory error in a forward or backward: halt now (policy ``halt``, or an eval phase), else
         remember it for :meth:`decide`."""
         if not task.train or self.oom != "skip":
@@ -138,7 +147,7 @@ class UpdateGuard:
             ) from exc
         self._oom = True
 
-    def report_loss(self, task: SSLTask, reduced: torch.Tensor, metrics: dict[str, torch.Tensor],
+    def report_loss(self, task: GuardedTask, reduced: torch.Tensor, metrics: dict[str, torch.Tensor],
                     sample: dict[str, Any]) -> None:
         """Record on the device whether this train micro-batch's all-reduced loss is finite (no host sync)."""
         bad = ~torch.isfinite(reduced)
@@ -161,7 +170,7 @@ class UpdateGuard:
         self._bad = self._bad | bad
 
     # ------------------------------------------------------------------------------- decisions
-    def out_of_memory(self, task: SSLTask) -> bool:
+    def out_of_memory(self, task: GuardedTask) -> bool:
         """After the step's backward passes, on every rank: did any rank run out of memory? Under ``oom=skip``
         with several processes the ranks agree here (one all-reduce of a flag), before any gradient reduction,
         so that all of them drop the same step and none waits in a collective the others skip."""
@@ -169,7 +178,7 @@ class UpdateGuard:
             (self._oom,) = agree_any(self._oom)
         return self._oom
 
-    def decide(self, task: SSLTask) -> str | None:
+    def decide(self, task: GuardedTask) -> str | None:
         """Before the optimizer step: the reason to drop this update, or None to apply it."""
         if self._oom:
             return OUT_OF_MEMORY
@@ -182,7 +191,7 @@ class UpdateGuard:
                 return NON_FINITE
         return self._veto
 
-    def drop(self, task: SSLTask, reason: str) -> None:
+    def drop(self, task: GuardedTask, reason: str) -> None:
         """Drop this update: discard the gradients, restore the buffers, count it; halt after too many in a row."""
         task.optimizer.zero_grad(set_to_none=True)
         if self._snapshot is not None:
@@ -205,11 +214,11 @@ class UpdateGuard:
         self.consecutive = 0
         self._snapshot = None
 
-    def due(self, task: SSLTask) -> bool:
+    def due(self, task: GuardedTask) -> bool:
         """True after an update at the check interval (policy ``halt`` reads its flag then)."""
         return task.iteration % self.check_every == 0
 
-    def check(self, task: SSLTask) -> None:
+    def check(self, task: GuardedTask) -> None:
         """Policy ``halt``: if any train step so far had a non-finite loss, raise :class:`NonFiniteLossError`."""
         if self.nonfinite != "halt" or self._bad is None or not bool(self._bad):
             return

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fvcore.common.registry import Registry
+
+from sslkit.suggest import did_you_mean
 
 __all__ = [
     "DATASETS",
@@ -20,7 +21,6 @@ __all__ = [
     "TRANSFORMS",
     "TRUNKS",
     "UnknownNameError",
-    "closest",
     "get",
     "register_dataset",
     "register_head",
@@ -71,12 +71,6 @@ class UnknownNameError(KeyError):
         return str(self.args[0])
 
 
-def closest(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
-    """Return the candidate nearest to ``name`` (difflib ratio), or None if nothing is close."""
-    matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
-    return matches[0] if matches else None
-
-
 def get(registry: Registry, name: str, where: str | None = None) -> Any:
     """Look ``name`` up in ``registry``; raise :class:`UnknownNameError` naming the closest match.
 
@@ -85,11 +79,8 @@ def get(registry: Registry, name: str, where: str | None = None) -> Any:
     names = sorted(k for k, _ in registry)
     if name in names:
         return registry.get(name)
-    hint = closest(name, names)
     key = f" (config key '{where}')" if where else ""
-    msg = f"unknown {registry._name} '{name}'{key}."
-    if hint:
-        msg += f" Did you mean '{hint}'?"
+    msg = f"unknown {registry._name} '{name}'{key}.{did_you_mean(str(name), names)}"
     msg += f" Registered {registry._name}s: {', '.join(names) or '(none)'}."
     msg += " To add your own, register it with @register_" + registry._name
     msg += " in a module and name that module in imports=[...]."

@@ -17,10 +17,10 @@ from torch import nn
 from sslkit.clock import StepContext, TrainClock
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
+from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
-from sslkit.hooks.base import Event, SSLHook, in_order
 
-__all__ = ["LastBatch", "PerfStats", "Phase", "SSLTask"]
+__all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
 logger = logging.getLogger("sslkit")
 
@@ -41,7 +41,8 @@ class LastBatch:
 
     #: The sample dict: ``input`` (list of view tensors), ``target``, ``data_valid``, ``data_idx``.
     sample: dict[str, Any]
-    #: The model's output (for SSLModel: ``features`` and ``projections``, one per view).
+    #: The model's output: a :class:`~sslkit.models.output.ModelOutput` for sslkit's models (``features``,
+    #: ``projections``, ... one tensor per view).
     model_output: Any = None
     #: This rank's loss, attached to the graph.
     loss: torch.Tensor | None = None
@@ -124,87 +125,137 @@ class PerfStats:
         return "\n".join(lines)
 
 
-class SSLTask:
-    """Everything a step and a hook may touch, built by :func:`sslkit.builder.build_task`.
+@dataclass
+class Training:
+    """The model and how it is optimised (one group of :class:`SSLTask`'s state)."""
 
-    Counters are the resume position: a checkpoint stores them, and a resumed run continues
-    from the same phase and step with the same samples.
+    #: The model that is trained (wrapped in DDP in distributed runs).
+    model: nn.Module
+    #: The loss module; its buffers (queues, centres) are checkpointed.
+    loss: nn.Module
+    #: The optimizer; the update stage sets each group's lr from ``lr_schedule(clock.where)``.
+    optimizer: torch.optim.Optimizer
+    #: Learning rate as a function of ``where`` in [0, 1).
+    lr_schedule: Callable[[float], float]
+    #: Weight decay as a function of ``where`` (None keeps the optimizer's).
+    wd_schedule: Callable[[float], float] | None = None
+    #: GradScaler for float16 AMP, else None.
+    scaler: torch.amp.GradScaler | None = None
+    #: autocast dtype (bfloat16 / float16), or None when AMP is off: the precision policy.
+    amp_dtype: torch.dtype | None = None
+    #: Micro-batches per optimizer update (gradient accumulation) in train phases.
+    accumulate_steps: int = 1
+    #: Samples per optimizer update over all ranks.
+    global_batch_size: int = 1
+    #: Backward under ``no_sync`` and an explicit bucketed all-reduce of the gradients.
+    manual_gradient_reduction: bool = False
+    #: Bucket size of the manual gradient reduction.
+    bucket_cap_mb: float = 25.0
+    #: Inputs are converted to channels_last memory format.
+    channels_last: bool = False
+
+    def __post_init__(self) -> None:
+        self.accumulate_steps = max(1, self.accumulate_steps)
+
+
+@dataclass
+class DataPlan:
+    """What the run reads and in which order (the data position, ``phase_idx`` and the clock's step, lives on
+    the task)."""
+
+    #: DataLoaders by split; their samplers are :class:`StatefulDistributedSampler`.
+    loaders: dict[str, torch.utils.data.DataLoader]
+    #: The phases of the run, in order.
+    phases: list[Phase]
+
+
+@dataclass
+class RunInfo:
+    """Where and as what this process runs."""
+
+    #: Device of the model and the samples.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: This process's rank and the number of processes.
+    rank: int = 0
+    world_size: int = 1
+    #: The run's seed.
+    seed: int = 0
+    #: Where logs, metrics and checkpoints go.
+    output_dir: str = "."
+    #: The resolved config (read-only; for logging and checkpoint metadata).
+    config: Any = None
+
+
+class _Alias:
+    """``task.<name>`` reads and writes ``task.<group>.<name>``: the flat names hooks use, over grouped state."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"``{self.group}.{name}``."
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.group), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.group), self.name, value)
+
+
+class SSLTask:
+    """Everything a step and a hook may touch, built by :func:`sslkit.builder.build_task`, in groups:
+
+    * ``training`` (:class:`Training`): model, loss, optimizer, schedules, precision, accumulation;
+    * ``data`` (:class:`DataPlan`): loaders and phases; with ``phase_idx`` and ``data_iterator``, the
+      data position;
+    * ``clock`` (:class:`~sslkit.clock.TrainClock`): epoch, step in epoch, optimizer update, micro-batch;
+    * ``hooks``: the method's hooks and the others, whose states (with the loss's buffers) are the
+      method state a checkpoint holds;
+    * ``run`` (:class:`RunInfo`): device, rank, world size, seed, output folder, config;
+    * ``guard`` (:class:`~sslkit.guard.UpdateGuard`): the fate of updates that ran out of memory or
+      are not finite.
+
+    Every field of the groups is also an attribute of the task (``task.model`` is
+    ``task.training.model``). The clock and the phase index are the resume position: a checkpoint
+    stores them, and a resumed run continues from the same phase and step with the same samples.
     """
 
-    def __init__(
-        self,
-        *,
-        model: nn.Module,
-        loss: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loaders: dict[str, torch.utils.data.DataLoader],
-        phases: list[Phase],
-        hooks: list[SSLHook],
-        lr_schedule: Callable[[float], float],
-        wd_schedule: Callable[[float], float] | None = None,
-        device: torch.device | None = None,
-        amp_dtype: torch.dtype | None = None,
-        scaler: torch.amp.GradScaler | None = None,
-        global_batch_size: int = 1,
-        max_iterations: int = 1,
-        output_dir: str = ".",
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        channels_last: bool = False,
-        accumulate_steps: int = 1,
-        manual_gradient_reduction: bool = False,
-        bucket_cap_mb: float = 25.0,
-        config: Any = None,
-        guard: UpdateGuard | None = None,
-    ) -> None:
-        #: The model that is trained (wrapped in DDP in distributed runs).
-        self.model = model
-        #: The loss module; its buffers (queues, centres) are checkpointed.
-        self.loss = loss
-        #: The optimizer; the step sets each group's lr from ``lr_schedule(where)``.
-        self.optimizer = optimizer
-        #: DataLoaders by split; their samplers are :class:`StatefulDistributedSampler`.
-        self.loaders = loaders
-        #: The phases of the run, in order.
-        self.phases = phases
-        #: Hooks in the order they run: by slot (:class:`~sslkit.hooks.base.Slot`), then as given.
+    model = _Alias("training")
+    loss = _Alias("training")
+    optimizer = _Alias("training")
+    lr_schedule = _Alias("training")
+    wd_schedule = _Alias("training")
+    scaler = _Alias("training")
+    amp_dtype = _Alias("training")
+    accumulate_steps = _Alias("training")
+    global_batch_size = _Alias("training")
+    manual_gradient_reduction = _Alias("training")
+    bucket_cap_mb = _Alias("training")
+    channels_last = _Alias("training")
+    loaders = _Alias("data")
+    phases = _Alias("data")
+    device = _Alias("run")
+    rank = _Alias("run")
+    world_size = _Alias("run")
+    seed = _Alias("run")
+    output_dir = _Alias("run")
+    config = _Alias("run")
+
+    def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
+                 max_iterations: int = 1, guard: UpdateGuard | None = None) -> None:
+        self.training = training
+        self.data = data
+        self.run = run or RunInfo()
+        #: Hooks in the order they run: by slot (:class:`~sslkit.events.Slot`), then as given.
         self.hooks = in_order(hooks)
-        #: Learning rate as a function of ``where`` in [0, 1).
-        self.lr_schedule = lr_schedule
-        #: Weight decay as a function of ``where`` (None keeps the optimizer's).
-        self.wd_schedule = wd_schedule
-        #: Device of the model and the samples.
-        self.device = device or torch.device("cpu")
-        #: autocast dtype (bfloat16 / float16), or None when AMP is off.
-        self.amp_dtype = amp_dtype
-        #: GradScaler for float16 AMP, else None.
-        self.scaler = scaler
-        #: Samples per optimizer step over all ranks.
-        self.global_batch_size = global_batch_size
         #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
-        self.clock = TrainClock(max_updates=max(1, max_iterations),
-                                micro_batches=max(1, accumulate_steps))
+        self.clock = TrainClock(max_updates=max(1, max_iterations), micro_batches=training.accumulate_steps)
         #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
         #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
         self.scheduled: dict[str, float] = {}
-        #: Where logs, metrics and checkpoints go.
-        self.output_dir = output_dir
-        #: The run's seed.
-        self.seed = seed
-        #: This process's rank and the number of processes.
-        self.rank = rank
-        self.world_size = world_size
-        #: Inputs are converted to channels_last memory format.
-        self.channels_last = channels_last
-        #: Micro-batches per optimizer step (gradient accumulation) in train phases.
-        self.accumulate_steps = max(1, accumulate_steps)
-        #: Backward under ``no_sync`` and an explicit bucketed all-reduce of the gradients.
-        self.manual_gradient_reduction = manual_gradient_reduction
-        #: Bucket size of the manual gradient reduction.
-        self.bucket_cap_mb = bucket_cap_mb
-        #: The resolved config (read-only; for logging and checkpoint metadata).
-        self.config = config
 
         #: Index into ``phases`` of the current phase.
         self.phase_idx = 0

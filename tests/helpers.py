@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from sslkit.hooks.base import SSLHook
-from sslkit.task import Phase, SSLTask
+from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
 
 class TinyModel(nn.Module):
@@ -41,9 +41,9 @@ def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int 
     loader = DataLoader(data, batch_size=batch)
     model = TinyModel()
     return SSLTask(
-        model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        loaders={"train": loader, "test": loader}, phases=phases, hooks=hooks,
-        lr_schedule=lambda where: 0.1, max_iterations=100,
+        Training(model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 lr_schedule=lambda where: 0.1),
+        DataPlan(loaders={"train": loader, "test": loader}, phases=phases), hooks, max_iterations=100,
     )
 
 
@@ -143,8 +143,8 @@ def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accu
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     return SSLTask(
-        model=model, loss=_PerSampleLoss(), optimizer=optimizer, loaders={"train": loader},
-        phases=[Phase(train=True, epoch=0)], hooks=[], lr_schedule=lambda where: 0.1, max_iterations=steps,
-        global_batch_size=global_batch, rank=rank, world_size=world, accumulate_steps=accumulate,
-        manual_gradient_reduction=manual,
+        Training(model=model, loss=_PerSampleLoss(), optimizer=optimizer, lr_schedule=lambda where: 0.1,
+                 global_batch_size=global_batch, accumulate_steps=accumulate, manual_gradient_reduction=manual),
+        DataPlan(loaders={"train": loader}, phases=[Phase(train=True, epoch=0)]), [],
+        run=RunInfo(rank=rank, world_size=world), max_iterations=steps,
     )

@@ -33,7 +33,7 @@ def build_byol(
     dim = projection_dim(trunk, head)
     predictor = MLPHead(dim, predictor_hidden_dim, dim, num_layers=predictor_num_layers,
                         last_bn=predictor_last_bn)
-    return PredictorTeacherModel(trunk, head, predictor, teacher_key="targets")
+    return PredictorTeacherModel(trunk, head, predictor)
 
 
 def byol_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -62,13 +62,10 @@ class BYOLLoss(nn.Module):
     perfectly). Works unchanged across ranks: each sample's loss involves only that sample.
     """
 
-    def __init__(self, target_key: str = "targets") -> None:
-        super().__init__()
-        self.target_key = target_key
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Sum over the pairs ``(predictions[i], targets[i])`` of :func:`byol_loss`."""
-        preds, targets = output["predictions"], output[self.target_key]
+        preds, targets = output["predictions"], output["targets"]
         if len(preds) != len(targets) or not preds:
             raise ValueError(f"byol needs as many predictions as targets, got {len(preds)} and {len(targets)}")
         terms = [byol_loss(p, z) for p, z in zip(preds, targets)]

@@ -14,6 +14,7 @@ from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
 from sslkit.hooks.base import SSLHook
 from sslkit.method import Method, register_method
+from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.models.teacher import frozen_copy
 from sslkit.registry import register_head, register_hook, register_loss, register_model
@@ -113,7 +114,7 @@ class DINOModel(SSLModel):
     ``forward(views)`` runs the student on every crop (the global crops in one batch, the local
     crops in another, :func:`forward_views`) and the teacher, under ``no_grad``, on the first
     ``num_global`` crops only. Returns, one tensor per view: ``features`` (student trunk),
-    ``projections`` (student head outputs, [B, out_dim] logits) and ``teacher`` (teacher head
+    ``projections`` (student head outputs, [B, out_dim] logits) and ``targets`` (teacher head
     outputs for the global crops).
     """
 
@@ -129,7 +130,7 @@ class DINOModel(SSLModel):
         """(student, teacher) pairs for the EMA hook."""
         return [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Student outputs on all crops, teacher outputs on the global crops."""
         if isinstance(views, torch.Tensor):
             views = [views]
@@ -139,7 +140,7 @@ class DINOModel(SSLModel):
             feats = forward_views(self.teacher_trunk, globals_)
             sizes = [f.shape[0] for f in feats]
             t = self.teacher_head(torch.cat(feats) if len(feats) > 1 else feats[0])
-        out["teacher"] = list(t.split(sizes))
+        out.targets = list(t.split(sizes))
         return out
 
 
@@ -199,7 +200,7 @@ class DINOLoss(nn.Module):
 
     Config: ``loss: {name: dino, out_dim, student_temp, teacher_temp, warmup_teacher_temp,
     warmup_teacher_temp_iters, center_momentum}``. Reads ``output["projections"]`` (student,
-    every crop) and ``output["teacher"]`` (teacher, global crops) of the ``dino`` model.
+    every crop) and ``output["targets"]`` (teacher, global crops) of the ``dino`` model.
 
     Both pieces of state run on the training clock (``ctx.clock``, :class:`~sslkit.clock.TrainClock`):
 
@@ -255,7 +256,7 @@ class DINOLoss(nn.Module):
     def forward(self, output: dict[str, Any], sample: dict[str, Any],
                 ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """The loss of this batch at ``ctx.clock.update``; on train forwards, the centre moves once per update."""
-        student, teacher = output["projections"], output["teacher"]
+        student, teacher = output["projections"], output["targets"]
         if teacher[0].shape[-1] != self.out_dim:
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
                              "set loss.out_dim to model.head.out_dim")

@@ -47,6 +47,7 @@ from sslkit.distributed import gather_no_grad, get_rank, is_distributed
 from sslkit.method import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.models.heads import MLPHead
+from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import check_two_views, forward_views
 from sslkit.models.teacher import PredictorTeacherModel, frozen_copy, projection_dim
 from sslkit.registry import register_loss, register_model
@@ -111,7 +112,7 @@ class MoCoModel(nn.Module):
 
         features    = [trunk(v0)]              # + trunk(v1) when symmetric
         projections = [q0]                     # queries (+ q1 when symmetric)
-        keys        = [k(v1)]                  # keys[i] is the positive of projections[i]:
+        targets     = [k(v1)]                  # the keys: targets[i] is the positive of projections[i]:
                                                # [k(v1), k(v0)] when symmetric; no grad
 
     Non-symmetric (the paper) only ``v0`` goes through the query encoder, so its BatchNorm sees
@@ -147,14 +148,14 @@ class MoCoModel(nn.Module):
         self.shuffle_step += 1
         return out
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Queries (with grad) and their positive keys (without)."""
         v0, v1 = check_two_views(views, "moco")
         q_views, k_views = ([v0, v1], [v1, v0]) if self.symmetric else ([v0], [v1])
         feats = forward_views(self.trunk, q_views)
         q = self.head(torch.cat(feats) if len(feats) > 1 else feats[0])
         k = self.encode_keys(torch.cat(k_views) if len(k_views) > 1 else k_views[0])
-        return {"features": feats, "projections": list(q.chunk(len(q_views))), "keys": list(k.chunk(len(k_views)))}
+        return ModelOutput(features=feats, projections=list(q.chunk(len(q_views))), targets=list(k.chunk(len(k_views))))
 
     def get_extra_state(self) -> dict[str, int]:
         """The shuffle counter, saved in the state dict."""
@@ -210,7 +211,7 @@ class MoCoLoss(nn.Module):
     output size (recipes set ``dim: ${model.head.out_dim}``). The queue starts as random unit
     vectors drawn from a fixed generator (identical on every rank).
 
-    ``forward`` averages :func:`moco_infonce` over the pairs ``(projections[i], keys[i])``, then
+    ``forward`` averages :func:`moco_infonce` over the pairs ``(projections[i], targets[i])``, then
     -- only when grad is enabled (train steps) -- enqueues the batch's keys gathered from every
     rank (``gather_no_grad``), oldest first out, wrapping around at ``queue_size``; so every rank
     holds the same queue. Logs ``acc``: how often the positive has the largest logit.
@@ -250,7 +251,7 @@ class MoCoLoss(nn.Module):
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Mean InfoNCE over query/key pairs against the current queue; then enqueue (train only)."""
-        queries, keys = output["projections"], output["keys"]
+        queries, keys = output["projections"], output["targets"]
         if len(queries) != len(keys) or not queries:
             raise ValueError(f"moco needs one key per query, got {len(queries)} queries and {len(keys)} keys")
         if keys[0].shape[1] != self.queue.shape[1]:
@@ -278,7 +279,7 @@ def build_mocov3(
     predictor_last_bn: bool = False,
 ) -> PredictorTeacherModel:
     """MoCo v3: query encoder trunk + projector (``head``) + predictor; momentum encoder = frozen copy
-    of trunk + projector. Outputs ``keys``: ``keys[i]`` is the momentum encoder's projection of
+    of trunk + projector. Outputs ``targets`` (the keys): ``targets[i]`` is the momentum encoder's projection of
     the view other than ``predictions[i]``'s (see :class:`~sslkit.methods.byol.PredictorTeacherModel`).
 
     Official ResNet-50 code: projector ``Linear(4096) - BN - ReLU - Linear(256) - BN(affine=False)``
@@ -291,7 +292,7 @@ def build_mocov3(
     dim = projection_dim(trunk, head)
     predictor = MLPHead(dim, predictor_hidden_dim, dim, num_layers=predictor_num_layers,
                         last_bn=predictor_last_bn)
-    return PredictorTeacherModel(trunk, head, predictor, teacher_key="keys")
+    return PredictorTeacherModel(trunk, head, predictor)
 
 
 def mocov3_logits(q: torch.Tensor, k: torch.Tensor, temperature: float,
@@ -324,7 +325,7 @@ def mocov3_infonce(q: torch.Tensor, k: torch.Tensor, temperature: float = 0.2,
 @register_loss("mocov3")
 class MoCoV3Loss(nn.Module):
     """MoCo v3's symmetrised loss ``ctr(q1, k2) + ctr(q2, k1)`` (Algorithm 1): the **sum** over the
-    pairs ``(predictions[i], keys[i])`` of :func:`mocov3_infonce`. Logs ``acc`` (own key ranked first).
+    pairs ``(predictions[i], targets[i])`` of :func:`mocov3_infonce`. Logs ``acc`` (own key ranked first).
 
     ``temperature`` 0.2 is the paper's value for ViT (``--moco-t=.2``); the official ResNet-50
     recipe keeps the code default 1.0. 0.2 suits the small batches of CPU runs.
@@ -339,7 +340,7 @@ class MoCoV3Loss(nn.Module):
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Sum of both directions; ``acc`` the mean top-1 of the own key over the global batch."""
-        preds, keys = output["predictions"], output["keys"]
+        preds, keys = output["predictions"], output["targets"]
         if len(preds) != len(keys) or not preds:
             raise ValueError(f"mocov3 needs one key per prediction, got {len(preds)} and {len(keys)}")
         losses, accs = [], []

@@ -11,6 +11,7 @@ from torch import nn
 
 from sslkit.method import Method, register_method
 from sslkit.models.heads import MLPHead
+from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import check_two_views, forward_views
 from sslkit.models.teacher import projection_dim
 from sslkit.registry import register_loss, register_model
@@ -33,19 +34,15 @@ class SimSiamModel(nn.Module):
         self.head = head if head is not None else nn.Identity()
         self.predictor = predictor
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Features, projections, predictions of both views, and the stop-gradient targets."""
         v0, v1 = check_two_views(views, "simsiam")
         feats = forward_views(self.trunk, [v0, v1])
         z = self.head(torch.cat(feats))
         p = self.predictor(z)
         z0, z1 = z.chunk(2)
-        return {
-            "features": feats,
-            "projections": [z0, z1],
-            "predictions": list(p.chunk(2)),
-            "targets": [z1.detach(), z0.detach()],
-        }
+        return ModelOutput(features=feats, projections=[z0, z1], predictions=list(p.chunk(2)),
+                           targets=[z1.detach(), z0.detach()])
 
 
 @register_model("simsiam")

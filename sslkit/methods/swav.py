@@ -15,6 +15,7 @@ from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum, gather_no_grad, get_world_size
 from sslkit.hooks.base import SSLHook
 from sslkit.method import Method, register_method
+from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.registry import register_hook, register_loss, register_model
 
@@ -55,7 +56,7 @@ class SwAVModel(SSLModel):
         with torch.no_grad():
             self.prototypes.weight.copy_(F.normalize(self.prototypes.weight, dim=1))
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, Any]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Features, normalised projections and prototype scores per view, and the prototypes."""
         if isinstance(views, torch.Tensor):
             views = [views]
@@ -63,12 +64,8 @@ class SwAVModel(SSLModel):
         sizes = [f.shape[0] for f in feats]
         z = F.normalize(self.head(torch.cat(feats) if len(feats) > 1 else feats[0]), dim=1)
         scores = self.prototypes(z)
-        return {
-            "features": feats,
-            "projections": list(z.split(sizes)),
-            "scores": list(scores.split(sizes)),
-            "prototypes": self.prototypes.weight.detach(),
-        }
+        return ModelOutput(features=feats, projections=list(z.split(sizes)), scores=list(scores.split(sizes)),
+                           prototypes=self.prototypes.weight.detach())
 
 
 @register_model("swav")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from sslkit.models.output import ModelOutput
 from sslkit.registry import register_model
 
 __all__ = ["SSLModel", "build_ssl_model", "check_two_views", "forward_views"]
@@ -56,14 +57,14 @@ class SSLModel(nn.Module):
         self.trunk = trunk
         self.head = head if head is not None else nn.Identity()
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Trunk features and head projections for each view."""
         if isinstance(views, torch.Tensor):
             views = [views]
         feats = forward_views(self.trunk, views)
         sizes = [f.shape[0] for f in feats]
         proj = self.head(torch.cat(feats)) if len(feats) > 1 else self.head(feats[0])
-        return {"features": feats, "projections": list(proj.split(sizes))}
+        return ModelOutput(features=feats, projections=list(proj.split(sizes)))
 
 
 @register_model("ssl_model")

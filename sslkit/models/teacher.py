@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import check_two_views, forward_views
 
 __all__ = ["PredictorTeacherModel", "frozen_copy", "projection_dim", "update_momentum"]
@@ -62,9 +63,9 @@ class PredictorTeacherModel(nn.Module):
         features    = [trunk(v0), trunk(v1)]                       # student trunk
         projections = [z0, z1],  z = head(trunk(v))
         predictions = [p0, p1],  p = predictor(z)
-        <teacher_key> = [t(v1), t(v0)],  t = teacher_head(teacher_trunk(.))   # no grad
+        targets     = [t(v1), t(v0)],  t = teacher_head(teacher_trunk(.))   # no grad
 
-    so the loss compares ``predictions[i]`` with ``<teacher_key>[i]`` (the other view), whichever
+    so the loss compares ``predictions[i]`` with ``targets[i]`` (the other view), whichever
     view it came from. The student views go through one batched forward (``forward_views``), as
     do the teacher's, so BatchNorm sees both views of the batch together. The teacher is a
     frozen copy (no gradients, outside the optimizer) moved by the ``momentum_teacher`` hook
@@ -72,20 +73,19 @@ class PredictorTeacherModel(nn.Module):
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None, predictor: nn.Module,
-                 teacher_key: str = "targets") -> None:
+                 ) -> None:
         super().__init__()
         self.trunk = trunk
         self.head = head if head is not None else nn.Identity()
         self.predictor = predictor
         self.teacher_trunk = frozen_copy(self.trunk)
         self.teacher_head = frozen_copy(self.head)
-        self.teacher_key = teacher_key
 
     def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
         """(student, teacher) pairs for the ``momentum_teacher`` hook: trunk and projector."""
         return [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Student features, projections and predictions of both views; teacher outputs, paired."""
         v0, v1 = check_two_views(views, type(self).__name__)
         feats = forward_views(self.trunk, [v0, v1])
@@ -93,9 +93,5 @@ class PredictorTeacherModel(nn.Module):
         p = self.predictor(z)
         with torch.no_grad():
             t = self.teacher_head(torch.cat(forward_views(self.teacher_trunk, [v1, v0])))
-        return {
-            "features": feats,
-            "projections": list(z.chunk(2)),
-            "predictions": list(p.chunk(2)),
-            self.teacher_key: list(t.chunk(2)),
-        }
+        return ModelOutput(features=feats, projections=list(z.chunk(2)), predictions=list(p.chunk(2)),
+                           targets=list(t.chunk(2)))

@@ -7,7 +7,7 @@ from torch import nn
 
 from sslkit.optim.lars import LARS
 from sslkit.optim.param_groups import param_groups
-from sslkit.registry import closest
+from sslkit.suggest import did_you_mean
 
 __all__ = ["OPTIMIZER_NAMES", "build_optimizer", "set_lr", "set_weight_decay"]
 
@@ -43,11 +43,8 @@ def build_optimizer(
             no trainable parameters.
     """
     if name not in OPTIMIZER_NAMES:
-        hint = closest(name, OPTIMIZER_NAMES)
-        msg = f"unknown optimizer '{name}'."
-        if hint:
-            msg += f" Did you mean '{hint}'?"
-        raise ValueError(msg + f" Valid: {', '.join(OPTIMIZER_NAMES)}.")
+        raise ValueError(f"unknown optimizer '{name}'.{did_you_mean(name, OPTIMIZER_NAMES)} "
+                         f"Valid: {', '.join(OPTIMIZER_NAMES)}.")
 
     groups = param_groups(model, weight_decay, exclude_bias_and_norm=exclude_bias_and_norm)
     if not groups:

@@ -12,7 +12,7 @@ from fvcore.common.param_scheduler import (
     ParamScheduler,
 )
 
-from sslkit.registry import closest
+from sslkit.suggest import did_you_mean
 
 __all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "build_schedule", "scaled_lr"]
 
@@ -21,11 +21,7 @@ SCALING_RULES: tuple[str, ...] = ("linear", "none", "sqrt")
 
 
 def _unknown(kind: str, name: str, valid: tuple[str, ...]) -> ValueError:
-    hint = closest(name, valid)
-    msg = f"unknown {kind} '{name}'."
-    if hint:
-        msg += f" Did you mean '{hint}'?"
-    return ValueError(msg + f" Valid: {', '.join(valid)}.")
+    return ValueError(f"unknown {kind} '{name}'.{did_you_mean(name, valid)} Valid: {', '.join(valid)}.")
 
 
 def build_schedule(

@@ -23,7 +23,7 @@ from sslkit.methods.dino import (
     teacher_temp_at,
 )
 from sslkit.models.teacher import frozen_copy
-from sslkit.task import Phase, SSLTask
+from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
 
@@ -72,7 +72,7 @@ def test_loss_module_matches_reference_and_logs_terms() -> None:
     student, teacher = logits(3, 4, 6, seed=3), logits(2, 4, 6, seed=4)
     loss = DINOLoss(out_dim=6, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_iters=10)
     ctx = StepContext(clock=TrainClock(update=5), train=True, device=torch.device("cpu"))
-    out = loss({"projections": student, "teacher": teacher}, {}, ctx)
+    out = loss({"projections": student, "targets": teacher}, {}, ctx)
     # at update 5 of a 10-update warm-up the teacher temperature is halfway: 0.055
     expected = reference_dino(student, teacher, torch.zeros(1, 6), 0.1, 0.055)
     assert out["loss"].item() == pytest.approx(expected, rel=1e-5)
@@ -106,17 +106,17 @@ def test_center_follows_its_ema_exactly_over_two_steps() -> None:
     loss = DINOLoss(out_dim=5, center_momentum=0.9)
     t1, t2 = logits(2, 3, 5, seed=12), logits(2, 3, 5, seed=13)
     s = logits(3, 3, 5, seed=14)
-    loss({"projections": s, "teacher": t1}, {})
+    loss({"projections": s, "targets": t1}, {})
     c1 = 0.9 * torch.zeros(1, 5) + 0.1 * torch.cat(t1).mean(dim=0, keepdim=True)
     assert torch.allclose(loss.center, c1, atol=1e-7)
     # the second step's loss uses c1, then the centre moves to c2
-    out = loss({"projections": s, "teacher": t2}, {})
+    out = loss({"projections": s, "targets": t2}, {})
     assert out["loss"].item() == pytest.approx(reference_dino(s, t2, c1, 0.1, loss.teacher_temp), rel=1e-5)
     c2 = 0.9 * c1 + 0.1 * torch.cat(t2).mean(dim=0, keepdim=True)
     assert torch.allclose(loss.center, c2, atol=1e-7)
     # eval forwards (no grad) leave the state alone
     with torch.no_grad():
-        loss({"projections": s, "teacher": t1}, {})
+        loss({"projections": s, "targets": t1}, {})
     assert torch.allclose(loss.center, c2, atol=1e-7)
     # and the state round-trips through the state dict
     fresh = DINOLoss(out_dim=5)
@@ -130,12 +130,12 @@ def test_center_moves_once_per_update_over_the_micro_batches() -> None:
     t = logits(2, 6, 5, seed=20)
     s = logits(3, 6, 5, seed=21)
     whole = DINOLoss(out_dim=5, center_momentum=0.9)
-    whole({"projections": s, "teacher": t}, {}, StepContext(TrainClock(), True, torch.device("cpu")))
+    whole({"projections": s, "targets": t}, {}, StepContext(TrainClock(), True, torch.device("cpu")))
     split = DINOLoss(out_dim=5, center_momentum=0.9)
     clock = TrainClock(micro_batches=2)
     for micro, rows in enumerate((slice(0, 3), slice(3, 6))):
         clock.micro_batch = micro
-        out = split({"projections": [x[rows] for x in s], "teacher": [x[rows] for x in t]}, {},
+        out = split({"projections": [x[rows] for x in s], "targets": [x[rows] for x in t]}, {},
                     StepContext(clock, True, torch.device("cpu")))
         assert out["loss"].item() == pytest.approx(
             reference_dino([x[rows] for x in s], [x[rows] for x in t], torch.zeros(1, 5), 0.1, 0.07), rel=1e-5)
@@ -160,14 +160,14 @@ def test_teacher_temperature_schedule() -> None:
         for micro in range(2):
             clock.micro_batch = micro
             ctx = StepContext(clock, True, torch.device("cpu"))
-            loss({"projections": logits(2, 2, 4, update), "teacher": logits(2, 2, 4, update + 50)}, {}, ctx)
+            loss({"projections": logits(2, 2, 4, update), "targets": logits(2, 2, 4, update + 50)}, {}, ctx)
             temps.append(ctx.scheduled["teacher_temp"])
     assert temps == pytest.approx([t for t in [0.04, 0.0475, 0.055, 0.0625, 0.07, 0.07] for _ in range(2)])
 
 
 def test_loss_checks_out_dim() -> None:
     with pytest.raises(ValueError, match="out_dim"):
-        DINOLoss(out_dim=9)({"projections": logits(2, 2, 4, 0), "teacher": logits(2, 2, 4, 1)}, {})
+        DINOLoss(out_dim=9)({"projections": logits(2, 2, 4, 0), "targets": logits(2, 2, 4, 1)}, {})
 
 
 # ----------------------------------------------------------------------------------------- head
@@ -222,9 +222,9 @@ def test_model_teacher_sees_global_crops_and_starts_equal() -> None:
     model = _model()
     views = [torch.randn(3, 4) for _ in range(4)]
     out = model(views)
-    assert len(out["projections"]) == 4 and len(out["teacher"]) == 2
-    assert [t.shape for t in out["teacher"]] == [torch.Size([3, 6])] * 2
-    for s, t in zip(out["projections"][:2], out["teacher"]):
+    assert len(out["projections"]) == 4 and len(out["targets"]) == 2
+    assert [t.shape for t in out["targets"]] == [torch.Size([3, 6])] * 2
+    for s, t in zip(out["projections"][:2], out["targets"]):
         assert torch.allclose(s, t, atol=1e-6)  # the teacher starts as a copy of the student
         assert not t.requires_grad
     assert all(not p.requires_grad for p in model.teacher_trunk.parameters())
@@ -256,12 +256,12 @@ def test_last_layer_gradient_dropped_in_the_first_epoch_only() -> None:
     data = [{"input": [torch.randn(4, generator=g) for _ in range(3)], "target": 0} for _ in range(8)]
     rec = _LastLayerRecorder()
     task = SSLTask(
-        model=model, loss=DINOLoss(out_dim=6),
-        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
-        loaders={"train": DataLoader(data, batch_size=4)},
-        phases=[Phase(train=True, epoch=0), Phase(train=True, epoch=1)],
-        hooks=[rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], lr_schedule=lambda where: 0.5,
-        max_iterations=4,
+        Training(model=model, loss=DINOLoss(out_dim=6),
+                 optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+                 lr_schedule=lambda where: 0.5),
+        DataPlan(loaders={"train": DataLoader(data, batch_size=4)},
+                 phases=[Phase(train=True, epoch=0), Phase(train=True, epoch=1)]),
+        [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_iterations=4,
     )
     train(task, standard_train_step)
     assert [e for e, _ in rec.grads] == [0, 0, 1, 1]

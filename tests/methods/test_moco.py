@@ -142,9 +142,9 @@ def test_loss_uses_old_queue_then_enqueues_only_when_training() -> None:
     q, k = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
     before = loss.queue.clone()
     with torch.no_grad():  # eval: no enqueue
-        loss({"projections": [q], "keys": [k]}, {})
+        loss({"projections": [q], "targets": [k]}, {})
     assert torch.equal(loss.queue, before) and loss.queue_ptr.item() == 0
-    out = loss({"projections": [q], "keys": [k]}, {})
+    out = loss({"projections": [q], "targets": [k]}, {})
     assert out["loss"].item() == pytest.approx(reference_moco(q.detach(), k, before, 0.2), rel=1e-5)
     out["loss"].backward()  # the in-place enqueue did not break backward
     assert torch.allclose(loss.queue[:4], unit(k)) and loss.queue_ptr.item() == 4
@@ -156,7 +156,7 @@ def test_symmetric_loss_is_mean_of_both_directions() -> None:
     q0, q1, k0, k1 = (torch.randn(4, 3, generator=g) for _ in range(4))
     loss = MoCoLoss(queue_size=5, dim=3)
     queue = loss.queue.clone()
-    out = loss({"projections": [q0, q1], "keys": [k1, k0]}, {})
+    out = loss({"projections": [q0, q1], "targets": [k1, k0]}, {})
     expected = (reference_moco(q0, k1, queue, 0.2) + reference_moco(q1, k0, queue, 0.2)) / 2
     assert out["loss"].item() == pytest.approx(expected, rel=1e-5)
     assert loss.queue_ptr.item() == 8 % 5
@@ -166,7 +166,7 @@ def test_moco_loss_rejects_bad_config() -> None:
     with pytest.raises(ValueError, match="temperature"):
         MoCoLoss(temperature=0.0)
     with pytest.raises(ValueError, match=r"model.head.out_dim"):
-        MoCoLoss(dim=8)({"projections": [torch.randn(2, 4)], "keys": [torch.randn(2, 4)]}, {})
+        MoCoLoss(dim=8)({"projections": [torch.randn(2, 4)], "targets": [torch.randn(2, 4)]}, {})
 
 
 # ------------------------------------------------------------------------------ shuffle-BN
@@ -226,15 +226,15 @@ def test_moco_model_outputs_queries_and_keys_without_grad() -> None:
     model = build_moco(TinyTrunk(), MLPHead(6, 8, 4, batch_norm=False))
     out = model(tiny_views())
     assert [t.shape for t in out["projections"]] == [(8, 4)] and len(out["features"]) == 1
-    assert [t.shape for t in out["keys"]] == [(8, 4)] and not out["keys"][0].requires_grad
+    assert [t.shape for t in out["targets"]] == [(8, 4)] and not out["targets"][0].requires_grad
     sym = build_moco(TinyTrunk(), MLPHead(6, 8, 4, batch_norm=False), symmetric=True)
     v0, v1 = tiny_views()
     out = sym([v0, v1])
-    assert len(out["projections"]) == 2 and len(out["keys"]) == 2
+    assert len(out["projections"]) == 2 and len(out["targets"]) == 2
     sym.eval()  # running statistics: no batch dependence, so keys[i] is the key of the other view
     out = sym([v0, v1])
-    assert torch.allclose(out["keys"][0], sym.teacher_head(sym.teacher_trunk(v1)), atol=1e-6)
-    assert torch.allclose(out["keys"][1], sym.teacher_head(sym.teacher_trunk(v0)), atol=1e-6)
+    assert torch.allclose(out["targets"][0], sym.teacher_head(sym.teacher_trunk(v1)), atol=1e-6)
+    assert torch.allclose(out["targets"][1], sym.teacher_head(sym.teacher_trunk(v0)), atol=1e-6)
     with pytest.raises(ValueError, match="two views"):
         model([v0])
 
@@ -291,17 +291,17 @@ def test_mocov3_loss_is_symmetric_sum_with_known_minimum() -> None:
     g = torch.Generator().manual_seed(5)
     p0, p1, k0, k1 = (torch.randn(8, 6, generator=g) for _ in range(4))
     loss = MoCoV3Loss(temperature=0.2)
-    out = loss({"predictions": [p0, p1], "keys": [k1, k0]}, {})
+    out = loss({"predictions": [p0, p1], "targets": [k1, k0]}, {})
     expected = reference_mocov3(p0, k1, 0.2) + reference_mocov3(p1, k0, 0.2)
     assert out["loss"].item() == pytest.approx(expected, rel=1e-5)
-    swapped = loss({"predictions": [p1, p0], "keys": [k0, k1]}, {})
+    swapped = loss({"predictions": [p1, p0], "targets": [k0, k1]}, {})
     assert torch.allclose(swapped["loss"], out["loss"])
     perm = torch.randperm(8, generator=g)
-    permuted = loss({"predictions": [p0[perm], p1[perm]], "keys": [k1[perm], k0[perm]]}, {})
+    permuted = loss({"predictions": [p0[perm], p1[perm]], "targets": [k1[perm], k0[perm]]}, {})
     assert torch.allclose(permuted["loss"], out["loss"], atol=1e-6)
     # orthonormal, aligned: each direction is 2T * -log(e^{1/T} / (e^{1/T} + (B - 1)))
     e = torch.eye(4)
-    aligned = loss({"predictions": [e, e], "keys": [e, e]}, {})
+    aligned = loss({"predictions": [e, e], "targets": [e, e]}, {})
     one = 2 * 0.2 * -math.log(math.exp(5) / (math.exp(5) + 3))
     assert aligned["loss"].item() == pytest.approx(2 * one, rel=1e-6)
     assert aligned["acc"].item() == 1.0
@@ -312,12 +312,12 @@ def test_mocov3_model_pairs_keys_with_the_other_view() -> None:
     model = build_mocov3(TinyTrunk(), MLPHead(6, 8, 4, last_bn=True), predictor_hidden_dim=8)
     v0, v1 = tiny_views()
     out = model([v0, v1])
-    assert {"features", "projections", "predictions", "keys"} <= set(out)
+    assert out.given() == ["features", "projections", "predictions", "targets"]
     assert [t.shape for t in out["predictions"]] == [(8, 4), (8, 4)]
-    assert not any(k.requires_grad for k in out["keys"])
+    assert not any(k.requires_grad for k in out["targets"])
     model.eval()
     out = model([v0, v1])
-    assert torch.allclose(out["keys"][0], model.teacher_head(model.teacher_trunk(v1)), atol=1e-6)
+    assert torch.allclose(out["targets"][0], model.teacher_head(model.teacher_trunk(v1)), atol=1e-6)
     assert len(model.momentum_pairs()) == 2
 
 

@@ -18,7 +18,7 @@ from sslkit.clock import StepContext, TrainClock
 from sslkit.hooks.base import Slot, SSLHook
 from sslkit.methods.swav import SwAVLoss, SwAVPrototypesHook, build_swav, sinkhorn, swapped_prediction_loss
 from sslkit.models.heads import MLPHead
-from sslkit.task import Phase, SSLTask
+from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
 
@@ -305,11 +305,11 @@ def test_prototype_hook_normalises_and_freezes_in_the_standard_step() -> None:
     data = [{"input": [torch.randn(4, generator=g), torch.randn(4, generator=g)], "target": 0} for _ in range(40)]
     rec = _GradRecorder()
     task = SSLTask(
-        model=model, loss=SwAVLoss(embedding_dim=6, epsilon=0.5),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-4),
-        loaders={"train": DataLoader(data, batch_size=8)}, phases=[Phase(train=True, epoch=0)],
-        hooks=[rec, SwAVPrototypesHook(freeze_prototypes_iters=2)], lr_schedule=lambda where: 0.5,
-        max_iterations=5,
+        Training(model=model, loss=SwAVLoss(embedding_dim=6, epsilon=0.5),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-4),
+                 lr_schedule=lambda where: 0.5),
+        DataPlan(loaders={"train": DataLoader(data, batch_size=8)}, phases=[Phase(train=True, epoch=0)]),
+        [rec, SwAVPrototypesHook(freeze_prototypes_iters=2)], max_iterations=5,
     )
     train(task, standard_train_step)
     assert task.iteration == 5

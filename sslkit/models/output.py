@@ -1,0 +1,53 @@
+"""ModelOutput: what every model's forward returns, the one structure losses and hooks read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = ["ModelOutput"]
+
+
+@dataclass
+class ModelOutput:
+    """The outputs of an SSL model for one batch, one tensor per view in the order of the views.
+
+    * ``features``: trunk features (what kNN, linear probes and feature export read);
+    * ``projections``: head outputs of the student (SwAV: L2-normalised embeddings; DINO: logits);
+    * ``predictions``: predictor outputs (BYOL, SimSiam, MoCo v3), paired with ``targets``;
+    * ``targets``: what the student's outputs are compared with, without gradient, paired by index:
+      the other view's target projection (BYOL, SimSiam), the positive key (MoCo v2, MoCo v3), the
+      teacher's logits of the global crops (DINO);
+    * ``scores``: prototype scores (SwAV);
+    * ``prototypes``: the prototype matrix, detached (SwAV).
+
+    Fields a method does not produce are None. A loss or hook may index it by field name
+    (``output["projections"]``, as a plain dict of the same keys would be); asking for a field the
+    model did not give is a ``KeyError`` that names the fields it did.
+    """
+
+    features: list[torch.Tensor]
+    projections: list[torch.Tensor]
+    predictions: list[torch.Tensor] | None = None
+    targets: list[torch.Tensor] | None = None
+    scores: list[torch.Tensor] | None = None
+    prototypes: torch.Tensor | None = None
+
+    def given(self) -> list[str]:
+        """The fields this output holds (not None)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key, None) if key in _FIELDS else None
+        if value is None:
+            raise KeyError(f"the model's output has no '{key}'; it has {', '.join(self.given())} "
+                           "(a loss or hook that needs it does not fit this model: see docs/methods.md)")
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in _FIELDS and getattr(self, key) is not None
+
+
+_FIELDS = frozenset(f.name for f in fields(ModelOutput))
