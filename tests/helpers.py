@@ -84,6 +84,24 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return proc
 
 
+def run_main(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """:func:`run_cli` in this process (``sslkit.cli.main``, output captured): the same outcome without the
+    seconds a new interpreter takes to import torch. For runs that need no process of their own (signals,
+    environment, working directory, spawned workers)."""
+    import contextlib
+    import io
+
+    from sslkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    proc = subprocess.CompletedProcess(["sslkit", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

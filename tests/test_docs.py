@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import reliability_helpers  # noqa: F401  (puts the fault-injection hooks, sslkit_faults, on the import path)
-from helpers import REPO, SMALL, run_cli
+from helpers import REPO, SMALL
 
 
 def python_block(doc: str) -> str:
@@ -27,21 +27,30 @@ def python_block(doc: str) -> str:
     return blocks[0]
 
 
-@pytest.mark.slow
-def test_hook_example_runs(tmp_path: Path) -> None:
-    (tmp_path / "doc_hooks.py").write_text(python_block("hooks.md"))
-    proc = run_cli("config=simclr", *SMALL, "optim.max_steps=4", "eval.knn.enabled=false",
-                   "imports=[doc_hooks]", "hooks=[{name: embedding_std, every_n_steps: 2}]",
-                   f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def doc_hooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """docs/hooks.md's example as the module ``doc_hooks`` (imported once: it registers ``embedding_std``)."""
+    folder = tmp_path_factory.mktemp("doc_hooks")
+    (folder / "doc_hooks.py").write_text(python_block("hooks.md"))
+    sys.path.insert(0, str(folder))
+    yield "imports=[doc_hooks]"
+    sys.path.remove(str(folder))
+
+
+def test_hook_example_runs(tmp_path: Path, doc_hooks: str) -> None:
+    from helpers import run_main
+
+    proc = run_main("config=simclr", *SMALL, "optim.max_steps=4", "eval.knn.enabled=false", doc_hooks,
+                    "hooks=[{name: embedding_std, every_n_steps: 2}]", f"output_dir={tmp_path / 'run'}")
     stds = [float(m) for m in re.findall(r"embedding std ([0-9.]+)", proc.stdout)]
     assert len(stds) == 2 and all(0 < s <= 1 for s in stds)
 
 
-@pytest.mark.slow
-def test_hook_example_typo_is_named(tmp_path: Path) -> None:
-    (tmp_path / "doc_hooks.py").write_text(python_block("hooks.md"))
-    proc = run_cli("config=simclr", *SMALL, "imports=[doc_hooks]", "hooks=[{name: embedding_std, every_n_step: 2}]",
-                   f"output_dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+def test_hook_example_typo_is_named(tmp_path: Path, doc_hooks: str) -> None:
+    from helpers import run_main
+
+    proc = run_main("config=simclr", *SMALL, doc_hooks, "hooks=[{name: embedding_std, every_n_step: 2}]",
+                    f"output_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2
     expected = "'hooks[0].every_n_step' is not an argument of EmbeddingStdHook. Did you mean 'every_n_steps'?"
     assert expected in proc.stderr

@@ -24,8 +24,9 @@ class ModelOutput:
     * ``prototypes``: the prototype matrix, detached (SwAV).
 
     Fields a method does not produce are None. A loss or hook may index it by field name
-    (``output["projections"]``, as a plain dict of the same keys would be); asking for a field the
-    model did not give is a ``KeyError`` that names the fields it did.
+    (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
+    field that way); asking for a field the model did not give is a ``KeyError`` that names the
+    fields it did.
     """
 
     features: list[torch.Tensor]
@@ -45,6 +46,11 @@ class ModelOutput:
             raise KeyError(f"the model's output has no '{key}'; it has {', '.join(self.given())} "
                            "(a loss or hook that needs it does not fit this model: see docs/methods.md)")
         return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _FIELDS:
+            raise KeyError(f"a model output has no field '{key}'; its fields are {', '.join(sorted(_FIELDS))}")
+        setattr(self, key, value)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key in _FIELDS and getattr(self, key) is not None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, metrics, run_cli
+from helpers import SMALL, metrics, run_main
 
 import sslkit.methods.barlow_twins as bt
 from sslkit.methods.barlow_twins import BarlowTwinsLoss, barlow_twins_loss, cross_correlation
@@ -187,7 +187,7 @@ def test_bf16_autocast_keeps_float32_precision() -> None:
 @pytest.mark.slow
 def test_recipe_runs_three_steps(tmp_path: Path) -> None:
     out = tmp_path / "bt"
-    run_cli("config=barlow_twins", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", f"output_dir={out}")
+    run_main("config=barlow_twins", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", f"output_dir={out}")
     text = (out / "config.yaml").read_text()
     assert "barlow_twins" in text and "collapse_monitor" in text
     train = [r for r in metrics(out) if r.get("phase") == "train"]

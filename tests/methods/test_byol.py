@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, TinyTrunk, run_cli
+from helpers import SMALL, TinyTrunk, run_main
 
 from sslkit.methods.byol import BYOLLoss, build_byol, byol_loss
 from sslkit.models.heads import MLPHead
@@ -101,7 +101,7 @@ def test_recipe_checkpoints_the_target_network_and_resumes(tmp_path: Path) -> No
 
     out = tmp_path / "byol"
     args = ["config=byol", *SMALL, "eval.knn.enabled=false", "model.kwargs.predictor_hidden_dim=32"]
-    run_cli(*args, "optim.max_steps=3", f"output_dir={out}")
+    run_main(*args, "optim.max_steps=3", f"output_dir={out}")
     ckpts = out / "checkpoints"
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
     task = build_task(compose_config([*args, "optim.max_steps=3", f"output_dir={tmp_path / 'fresh'}"]))
@@ -113,7 +113,7 @@ def test_recipe_checkpoints_the_target_network_and_resumes(tmp_path: Path) -> No
     for k in teacher:
         assert torch.equal(task.base_model.state_dict()[k], state["model"][k])
     # a second run in the same folder resumes (the first run's epoch is done: 5 steps need a 2nd epoch)
-    proc = run_cli(*args, "optim.max_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
+    proc = run_main(*args, "optim.max_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
                    f"output_dir={out}")
     assert "resumed from" in proc.stdout
     step4 = torch.load(ckpts / "checkpoint_000000004.pt", weights_only=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, run_cli
+from helpers import SMALL, run_main
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -275,7 +275,7 @@ def test_last_layer_gradient_dropped_in_the_first_epoch_only() -> None:
 @pytest.mark.slow
 def test_recipe_runs_and_checkpoints_teacher_and_center(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_cli("config=dino", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "data.transform.num_small=2",
+    run_main("config=dino", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "data.transform.num_small=2",
             "model.head.bottleneck_dim=8", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
             f"output_dir={out}")
     ckpts = out / "checkpoints"

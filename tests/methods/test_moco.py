@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import SMALL, TinyTrunk, run_cli
+from helpers import SMALL, TinyTrunk, run_main
 from torch import nn
 
 from sslkit.clock import TrainClock
@@ -329,7 +329,7 @@ def _recipe_run(tmp_path: Path, config: str, extra: list[str]) -> tuple[dict, di
 
     out = tmp_path / config
     args = [f"config={config}", *SMALL, "eval.knn.enabled=false", *extra]
-    run_cli(*args, "optim.max_steps=3", f"output_dir={out}")
+    run_main(*args, "optim.max_steps=3", f"output_dir={out}")
     ckpts = out / "checkpoints"
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
     cfg = compose_config([*args, "optim.max_steps=3", f"output_dir={tmp_path / 'fresh'}"])
@@ -359,7 +359,7 @@ def test_moco_recipe_checkpoints_teacher_and_queue_and_resumes(tmp_path: Path) -
     assert state["loss"]["queue_ptr"].item() == 48
     assert state["model"]["_extra_state"] == {"shuffle_step": 3}
     assert state["hooks"]["momentum_teacher"]["last_momentum"] == pytest.approx(0.99)
-    proc = run_cli("config=moco", *SMALL, "eval.knn.enabled=false", *extra, "optim.max_steps=5", f"output_dir={out}")
+    proc = run_main("config=moco", *SMALL, "eval.knn.enabled=false", *extra, "optim.max_steps=5", f"output_dir={out}")
     assert "resumed from" in proc.stdout
     ckpts = out / "checkpoints"
     final = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)

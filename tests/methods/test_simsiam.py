@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, TinyTrunk, run_cli
+from helpers import SMALL, TinyTrunk, run_main
 
 from sslkit.methods.simsiam import SimSiamLoss, build_simsiam, negative_cosine
 from sslkit.models.heads import MLPHead
@@ -75,7 +75,7 @@ def test_model_outputs_and_gradient_paths() -> None:
 @pytest.mark.slow
 def test_recipe_runs_and_logs_the_collapse_monitor(tmp_path: Path) -> None:
     out = tmp_path / "simsiam"
-    run_cli("config=simsiam", *SMALL, "eval.knn.enabled=false", "model.kwargs.predictor_hidden_dim=8",
+    run_main("config=simsiam", *SMALL, "eval.knn.enabled=false", "model.kwargs.predictor_hidden_dim=8",
             "optim.max_steps=3", f"output_dir={out}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("phase") == "train"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL, metrics, run_cli
+from helpers import SMALL, metrics, run_main
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -335,7 +335,7 @@ def test_prototype_hook_names_missing_module() -> None:
 @pytest.mark.slow
 def test_recipe_runs_and_checkpoints_the_queue(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_cli("config=swav", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "loss.queue_length=24",
+    run_main("config=swav", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "loss.queue_length=24",
             "model.kwargs.num_prototypes=10", "data.transform.num_small=2", f"output_dir={out}")
     ckpts = out / "checkpoints"
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)

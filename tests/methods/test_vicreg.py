@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, metrics, run_cli
+from helpers import SMALL, metrics, run_main
 
 import sslkit.methods.vicreg as vr
 from sslkit.methods.vicreg import VICRegLoss, covariance_term, variance_term, vicreg_loss
@@ -193,7 +193,7 @@ def test_module_returns_detached_terms_and_checks_input() -> None:
 @pytest.mark.slow
 def test_recipe_runs_three_steps(tmp_path: Path) -> None:
     out = tmp_path / "vicreg"
-    run_cli("config=vicreg", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", f"output_dir={out}")
+    run_main("config=vicreg", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", f"output_dir={out}")
     text = (out / "config.yaml").read_text()
     assert "vicreg" in text and "collapse_monitor" in text
     train = [r for r in metrics(out) if r.get("phase") == "train"]

@@ -19,6 +19,10 @@ def test_fields_index_and_membership() -> None:
         out["predictions"]
     with pytest.raises(KeyError, match="has no 'keys'"):  # the old MoCo name is not a silent alias
         out["keys"]
+    out["scores"] = z  # a hook may replace a field by name, not invent one
+    assert out.scores is z
+    with pytest.raises(KeyError, match="no field 'logits'"):
+        out["logits"] = z
 
 
 def test_a_method_model_returns_it() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import metrics, run_cli
+from helpers import metrics, run_main
 from PIL import Image
-from reliability_helpers import BASE, FAULT_ENV, assert_identical, latest_state
+from reliability_helpers import BASE, assert_identical, latest_state
 
 SMALL_FOLDER = ["config=simclr", "machine.device=cpu", "data=folder", "data.batch_size=8", "data.num_workers=0",
                 "model.trunk=small_cnn",
@@ -41,7 +41,7 @@ def test_corrupt_jpeg_and_png_are_skipped_counted_and_reported_each_epoch(tmp_pa
     (root / "b" / "garbage.png").write_bytes(b"\x89PNG\r\n\x1a\n" + rng.bytes(200))   # PNG header, junk after
     (root / "b" / "notes.txt").write_text("not an image")                            # ignored
     out = tmp_path / "run"
-    proc = run_cli(*SMALL_FOLDER, f"data.train.path={root}", f"output_dir={out}", env=FAULT_ENV)
+    proc = run_main(*SMALL_FOLDER, f"data.train.path={root}", f"output_dir={out}")
     log = proc.stdout + proc.stderr
     assert "trunc.jpg" in log and "garbage.png" in log  # each bad file is named
     reports = [r for r in metrics(out) if "unreadable_samples" in r]
@@ -56,7 +56,7 @@ def test_corrupt_jpeg_and_png_are_skipped_counted_and_reported_each_epoch(tmp_pa
 @pytest.mark.slow
 def test_truncated_latest_checkpoint_falls_back_and_the_run_ends_identical(tmp_path: Path) -> None:
     args = ["config=simclr", *BASE, "optim.epochs=2", "checkpoint.every_n_steps=4"]
-    run_cli(*args, f"output_dir={tmp_path / 'ref'}", env=FAULT_ENV)
+    run_main(*args, f"output_dir={tmp_path / 'ref'}")
     reference = latest_state(tmp_path / "ref")
 
     out = tmp_path / "run"
@@ -66,6 +66,6 @@ def test_truncated_latest_checkpoint_falls_back_and_the_run_ends_identical(tmp_p
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # torn by a crash or a full disk
     (out / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in metrics(out) if r.get("step", 0) <= 8))
-    proc = run_cli(*args, f"output_dir={out}", env=FAULT_ENV)
+    proc = run_main(*args, f"output_dir={out}")
     assert "is unreadable" in proc.stdout + proc.stderr and "checkpoint_000000008.pt" in proc.stdout
     assert_identical(latest_state(out), reference)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metrics, run_cli
+from helpers import metrics, run_cli, run_main
 from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, hooks_override, latest_state
 
 ARGS = ["config=simclr", *BASE, "optim.epochs=2", "log.every_n_steps=4", "checkpoint.every_n_steps=2"]
@@ -21,7 +21,7 @@ def _finite(state: dict) -> bool:
 def test_nan_halt_names_step_terms_and_samples_and_keeps_checkpoints_clean(tmp_path: Path) -> None:
     out = tmp_path / "run"
     hooks = hooks_override("simclr", {"name": "fault_nan", "step": 5})
-    proc = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV, check=False)
+    proc = run_main(*ARGS, hooks, f"output_dir={out}", check=False)
     assert proc.returncode == 1
     err = proc.stderr
     assert "step 5: the loss is not finite (loss=nan" in err
@@ -38,7 +38,7 @@ def test_nan_halt_names_step_terms_and_samples_and_keeps_checkpoints_clean(tmp_p
     assert "step 5" in torch.load(crash[0], weights_only=False)["crash"]
     # nothing of step 5 onwards reached the optimizer's result in the clean checkpoint; the same command resumes
     # at 4 (the fault fires only in a run started from scratch)
-    again = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV)
+    again = run_main(*ARGS, hooks, f"output_dir={out}")
     assert "checkpoint_000000004.pt" in again.stdout
     assert latest_state(out)["position"]["iteration"] == 12 and _finite(latest_state(out))
 
@@ -47,7 +47,7 @@ def test_nan_halt_names_step_terms_and_samples_and_keeps_checkpoints_clean(tmp_p
 def test_nan_skip_drops_that_update_only(tmp_path: Path) -> None:
     out = tmp_path / "run"
     hooks = hooks_override("simclr", {"name": "fault_nan", "step": 5})
-    proc = run_cli(*ARGS, "reliability.nonfinite_loss=skip", hooks, f"output_dir={out}", env=FAULT_ENV)
+    proc = run_main(*ARGS, "reliability.nonfinite_loss=skip", hooks, f"output_dir={out}")
     assert "step 5: the loss is not finite" in proc.stdout + proc.stderr
     final = latest_state(out)
     assert _finite(final)
@@ -63,8 +63,8 @@ def test_nan_skip_drops_that_update_only(tmp_path: Path) -> None:
 def test_nan_skip_stops_after_consecutive_skips(tmp_path: Path) -> None:
     out = tmp_path / "run"
     hooks = hooks_override("simclr", *[{"name": "fault_nan", "step": s} for s in (3, 4, 5)])
-    proc = run_cli(*ARGS, "reliability.nonfinite_loss=skip", "reliability.max_consecutive_skips=3", hooks,
-                   f"output_dir={out}", env=FAULT_ENV, check=False)
+    proc = run_main(*ARGS, "reliability.nonfinite_loss=skip", "reliability.max_consecutive_skips=3", hooks,
+                   f"output_dir={out}", check=False)
     assert proc.returncode == 1
     assert "3 updates in a row were dropped (non-finite loss)" in proc.stderr
     # the checkpoint of step 4 came after two dropped updates: its weights are those of step 2's update
@@ -78,7 +78,7 @@ def test_nan_skip_stops_after_consecutive_skips(tmp_path: Path) -> None:
 def test_oom_halt_says_what_to_do(tmp_path: Path, where: str) -> None:
     out = tmp_path / "run"
     hooks = hooks_override("simclr", {"name": "fault_oom", "step": 3, "where": where})
-    proc = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV, check=False)
+    proc = run_main(*ARGS, hooks, f"output_dir={out}", check=False)
     assert proc.returncode == 1
     assert "step 3: out of memory" in proc.stderr and "Lower data.batch_size" in proc.stderr
     assert latest_state(out)["position"]["iteration"] == 2
@@ -89,7 +89,7 @@ def test_oom_halt_says_what_to_do(tmp_path: Path, where: str) -> None:
 def test_oom_skip_drops_the_step_and_continues(tmp_path: Path, where: str) -> None:
     out = tmp_path / "run"
     hooks = hooks_override("simclr", {"name": "fault_oom", "step": 3, "where": where})
-    run_cli(*ARGS, "reliability.oom=skip", hooks, f"output_dir={out}", env=FAULT_ENV)
+    run_main(*ARGS, "reliability.oom=skip", hooks, f"output_dir={out}")
     final = latest_state(out)
     assert final["position"]["iteration"] == 12 and final["position"]["skipped_steps"] == {"out of memory": 1}
     assert final["position"]["num_updates"] == 11 * 16 and _finite(final)
