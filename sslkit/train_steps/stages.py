@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def precision(task: SSLTask) -> contextlib.AbstractContextManager[None]:
     return torch.autocast(task.device.type, dtype=task.amp_dtype)
 
 
-def read_sample(task: SSLTask) -> dict:
+def read_sample(task: SSLTask) -> dict[str, Any]:
     """Stage *sample*: the next batch as the model's sample dict on the device; starts ``task.last_batch``.
 
     Raises ``StopIteration`` when the phase's data runs out (the trainer ends the phase)."""
@@ -69,7 +70,7 @@ def read_sample(task: SSLTask) -> dict:
     return sample
 
 
-def forward_and_loss(task: SSLTask, sample: dict) -> torch.Tensor:
+def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:
     """Stage *forward and loss*, under the precision policy: the model's output (``on_forward`` fires), then
     the loss with the step context. Returns this rank's loss, attached to the graph; the logged terms of a
     loss that returns a dict go to ``task.last_batch.metrics``."""
