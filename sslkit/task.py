@@ -187,14 +187,16 @@ class RunInfo:
 
 
 class _Alias:
-    """``task.<name>`` reads and writes ``task.<group>.<name>``: the flat names hooks use, over grouped state."""
+    """``task.<name>`` reads and writes ``task.<group>.<field>`` (``field`` defaults to ``name``): the flat names
+    hooks use, over grouped state."""
 
-    def __init__(self, group: str) -> None:
+    def __init__(self, group: str, field: str | None = None) -> None:
         self.group = group
+        self.field = field
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.__doc__ = f"``{self.group}.{name}``."
+        self.name = self.field or name
+        self.__doc__ = f"``{self.group}.{self.name}``."
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
@@ -243,6 +245,12 @@ class SSLTask:
     seed = _Alias("run")
     output_dir = _Alias("run")
     config = _Alias("run")
+    #: Optimizer updates done in total, the steps done in the current phase (the resume position inside it), the
+    #: samples trained on (all ranks) and the updates the run makes: the clock's hands under their older names.
+    iteration = _Alias("clock", "update")
+    steps_in_phase = _Alias("clock", "step_in_epoch")
+    num_updates = _Alias("clock", "samples")
+    max_iterations = _Alias("clock", "max_updates")
 
     def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
                  max_iterations: int = 1, guard: UpdateGuard | None = None) -> None:
@@ -281,42 +289,6 @@ class SSLTask:
         self.guard = guard or UpdateGuard()
 
     # -------------------------------------------------------------------------------- clock
-    @property
-    def iteration(self) -> int:
-        """Optimizer updates done in total: ``clock.update``."""
-        return self.clock.update
-
-    @iteration.setter
-    def iteration(self, value: int) -> None:
-        self.clock.update = value
-
-    @property
-    def steps_in_phase(self) -> int:
-        """Steps done in the current phase (the resume position inside it): ``clock.step_in_epoch``."""
-        return self.clock.step_in_epoch
-
-    @steps_in_phase.setter
-    def steps_in_phase(self, value: int) -> None:
-        self.clock.step_in_epoch = value
-
-    @property
-    def num_updates(self) -> int:
-        """Samples trained on in total, all ranks: ``clock.samples``."""
-        return self.clock.samples
-
-    @num_updates.setter
-    def num_updates(self, value: int) -> None:
-        self.clock.samples = value
-
-    @property
-    def max_iterations(self) -> int:
-        """Optimizer updates the run makes in total: ``clock.max_updates``."""
-        return self.clock.max_updates
-
-    @max_iterations.setter
-    def max_iterations(self, value: int) -> None:
-        self.clock.max_updates = max(1, value)
-
     def context(self) -> StepContext:
         """The step context handed to the loss: the clock, the phase, the device, the precision."""
         return StepContext(clock=self.clock, train=self.train, device=self.device, amp_dtype=self.amp_dtype,

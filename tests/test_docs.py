@@ -27,14 +27,20 @@ def python_block(doc: str) -> str:
     return blocks[0]
 
 
+def _doc_module(factory: pytest.TempPathFactory, doc: str, module: str) -> Iterator[str]:
+    """The python block of ``docs/<doc>`` as the module ``module`` (imported once per test module: it registers
+    names), yielding the ``imports=`` override that loads it."""
+    folder = factory.mktemp(module)
+    (folder / f"{module}.py").write_text(python_block(doc))
+    sys.path.insert(0, str(folder))
+    yield f"imports=[{module}]"
+    sys.path.remove(str(folder))
+
+
 @pytest.fixture(scope="module")
 def doc_hooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """docs/hooks.md's example as the module ``doc_hooks`` (imported once: it registers ``embedding_std``)."""
-    folder = tmp_path_factory.mktemp("doc_hooks")
-    (folder / "doc_hooks.py").write_text(python_block("hooks.md"))
-    sys.path.insert(0, str(folder))
-    yield "imports=[doc_hooks]"
-    sys.path.remove(str(folder))
+    """docs/hooks.md's example as the module ``doc_hooks`` (it registers ``embedding_std``)."""
+    yield from _doc_module(tmp_path_factory, "hooks.md", "doc_hooks")
 
 
 def test_hook_example_runs(tmp_path: Path, doc_hooks: str) -> None:
@@ -58,12 +64,8 @@ def test_hook_example_typo_is_named(tmp_path: Path, doc_hooks: str) -> None:
 
 @pytest.fixture(scope="module")
 def doc_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """docs/train_steps.md's example as the module ``doc_steps`` (imported once: it registers ``clipped``)."""
-    folder = tmp_path_factory.mktemp("doc_steps")
-    (folder / "doc_steps.py").write_text(python_block("train_steps.md"))
-    sys.path.insert(0, str(folder))
-    yield "imports=[doc_steps]"
-    sys.path.remove(str(folder))
+    """docs/train_steps.md's example as the module ``doc_steps`` (it registers ``clipped``)."""
+    yield from _doc_module(tmp_path_factory, "train_steps.md", "doc_steps")
 
 
 def _clipped(capsys: pytest.CaptureFixture[str], doc_steps: str, out: Path, *args: str) -> str:
