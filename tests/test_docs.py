@@ -135,19 +135,23 @@ def test_train_step_example_keeps_accumulation(tmp_path: Path, capsys: pytest.Ca
     assert "epoch 2/2 done" in stdout
 
 
+@pytest.mark.parametrize("precision", [[], ["amp.enabled=true", "amp.dtype=float16"]], ids=["fp32", "fp16-scaler"])
 def test_train_step_example_drops_a_non_finite_update(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      doc_steps: str) -> None:
+                                                      doc_steps: str, precision: list[str]) -> None:
     """nonfinite_loss=skip: the NaN step's update is dropped before the optimizer sees it (the old example logged
-    "dropping the update" and applied it, leaving NaN in the weights)."""
+    "dropping the update" and applied it, leaving NaN in the weights). With float16 the example unscales the
+    gradients through the GradScaler before clipping, and the dropped update still closes the scaler's step."""
     import torch
 
     out = tmp_path / "run"
     stdout = _clipped(capsys, doc_steps, out, "config=simclr", "optim.max_steps=4", "reliability.nonfinite_loss=skip",
-                      "imports=[doc_steps, sslkit_faults]", "hooks=[{name: fault_nan, step: 2}]")
+                      "imports=[doc_steps, sslkit_faults]", "hooks=[{name: fault_nan, step: 2}]", *precision)
     assert "update dropped (non-finite loss)" in stdout
     state = _state(out)
     assert state["position"]["iteration"] == 4 and state["position"]["skipped_steps"] == {"non-finite loss": 1}
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    if precision:
+        assert state["scaler"] is not None and state["scaler"]["scale"] < 65536.0  # it backed off at the NaN
 
 
 # ------------------------------------------------------------------------- the commands the docs show
