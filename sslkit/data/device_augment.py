@@ -1,0 +1,177 @@
+"""SimCLR-style augmentation of a whole batch on its device: per-sample random parameters, a few batched kernels.
+
+The first building block of ``data.augment_on=device`` (issue 13; not wired into the loader yet). It
+computes what :class:`sslkit.data.transforms.SimCLRTransform` computes for one image, for a batch of
+images at once, on the batch's device (CPU or CUDA), with no Python loop over images and no host-device
+sync: the uniforms of every view are drawn in one call from a seeded generator, in the same layout as the
+per-image transform (54 per view: 40 for the crop, then flip, jitter, grayscale, blur, solarize), so that
+given the same uniforms both pipelines draw the same crop boxes, flips, jitter factors and order, grayscale,
+blur sigmas and solarisation. The crop and resize is one ``torchvision.ops.roi_align`` over all boxes
+(bilinear, averaging several samples per output pixel where it shrinks a crop), which differs from the per-image
+antialiased ``F.interpolate`` in the last digits of a resized crop (tests/data/test_device_augment.py
+measures how much); every other operation gives the per-image result up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torchvision.ops import roi_align
+
+from sslkit.data.transforms import SimCLRTransform
+
+__all__ = ["UNIFORMS_PER_VIEW", "DeviceSimCLRAugment", "crop_boxes"]
+
+#: Uniforms one view consumes, in :class:`SimCLRTransform`'s layout.
+UNIFORMS_PER_VIEW = SimCLRTransform._N_UNIFORMS
+_GRAY = (0.299, 0.587, 0.114)
+
+
+def crop_boxes(u: torch.Tensor, height: int, width: int, scale: Sequence[float],
+               ratio: Sequence[float]) -> torch.Tensor:
+    """Inception-style random crop boxes ``[N, 4]`` (top, left, h, w) from uniforms ``u`` [N, >= 40].
+
+    :func:`sslkit.data.transforms.random_resized_crop_box` for every row at once: 10 attempts per row
+    (area fraction, log aspect ratio, vertical and horizontal position), the first that fits wins, else the
+    largest centred box whose aspect ratio lies in ``ratio``. Same uniforms, same boxes.
+    """
+    u = u[:, :40].to(torch.float64).view(-1, 10, 4)
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    target = area * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
+    aspect = torch.exp(log_lo + u[..., 1] * (log_hi - log_lo))
+    # Python's round() is round-half-even, as torch.round
+    w = torch.round(torch.sqrt(target * aspect))
+    h = torch.round(torch.sqrt(target / aspect))
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    first = torch.argmax(fits.to(torch.int8), dim=1, keepdim=True)  # the first attempt that fits (0 if none)
+    any_fit = fits.any(dim=1)
+    pick = lambda t: t.gather(1, first).squeeze(1)
+    h1, w1 = pick(h), pick(w)
+    top = torch.floor(pick(u[..., 2]) * (height - h1 + 1))
+    left = torch.floor(pick(u[..., 3]) * (width - w1 + 1))
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        fw, fh = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        fh, fw = height, round(height * ratio[1])
+    else:
+        fw, fh = width, height
+    fallback = torch.tensor([(height - fh) // 2, (width - fw) // 2, fh, fw], dtype=torch.float64, device=u.device)
+    boxes = torch.stack([top, left, h1, w1], dim=1)
+    return torch.where(any_fit[:, None], boxes, fallback).to(torch.int64)
+
+
+def _luma(x: torch.Tensor) -> torch.Tensor:
+    """``[N, 1, H, W]`` luma of RGB ``[N, 3, H, W]`` (the channel mean otherwise)."""
+    if x.shape[1] != 3:
+        return x.mean(1, keepdim=True)
+    return (x[:, 0:1] * _GRAY[0] + x[:, 1:2] * _GRAY[1] + x[:, 2:3] * _GRAY[2])
+
+
+def _shift_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Rotate the HSV hue of RGB ``[N, 3, H, W]`` in [0, 1] by ``shift`` [N] turns (value and saturation kept)."""
+    maxc, argmax = x.max(1)
+    minc = x.amin(1)
+    delta = maxc - minc
+    r, g, b = x.unbind(1)
+    diffs = torch.stack([g - b, b - r, r - g], dim=1)
+    h6 = diffs.gather(1, argmax.unsqueeze(1)).squeeze(1).div(delta + 1e-12) + 2 * argmax
+    phases = torch.tensor([0.0, 4.0, 2.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    k = (h6.unsqueeze(1) + (phases + 6.0 * shift.view(-1, 1, 1, 1))).remainder(6.0).sub(3.0).abs().sub(1.0)
+    return torch.addcmul(minc.unsqueeze(1), delta.unsqueeze(1), k.clamp(0.0, 1.0))
+
+
+def _blur_matrices(n: int, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """``[N, n, n]`` matrices applying a Gaussian of per-sample ``sigma`` [N] along an axis of ``n`` pixels
+    (reflect padding), as the per-image transform's blur."""
+    half = kernel_size // 2
+    offsets = torch.arange(-half, half + 1, dtype=torch.float32, device=sigma.device)
+    k1 = torch.exp(-0.5 * (offsets[None] / sigma[:, None].float()) ** 2)
+    k1 = k1 / k1.sum(1, keepdim=True)  # [N, K]
+    rows = torch.arange(n, device=sigma.device).repeat_interleave(2 * half + 1)
+    src = rows + torch.arange(-half, half + 1, device=sigma.device).repeat(n)
+    for _ in range(2):
+        src = torch.where(src < 0, -src, src)
+        src = torch.where(src > n - 1, 2 * (n - 1) - src, src)
+    src = src.clamp(0, n - 1)
+    flat = (rows * n + src)[None].expand(len(sigma), -1)
+    out = torch.zeros(len(sigma), n * n, dtype=torch.float32, device=sigma.device)
+    return out.scatter_add_(1, flat, k1.repeat(1, n)).view(-1, n, n)
+
+
+class DeviceSimCLRAugment:
+    """SimCLR-style views of a batch ``[N, C, H, W]`` (uint8, or float in [0, 1]) on its own device.
+
+    Takes the same arguments as :class:`SimCLRTransform` (its validation applies). ``views(images, u)``
+    gives one view per image from uniforms ``u`` [N, UNIFORMS_PER_VIEW]; ``__call__(images, generator)``
+    draws them from ``generator`` (on the images' device) and returns ``num_views`` views of the batch.
+    """
+
+    def __init__(self, image_size: int, **kwargs: object) -> None:
+        self.spec = SimCLRTransform(image_size, **kwargs)  # type: ignore[arg-type]
+
+    def views(self, images: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One augmented, normalised float32 view ``[N, C, s, s]`` per image, from uniforms ``u``."""
+        spec = self.spec
+        n, c, height, width = images.shape
+        s = spec.image_size
+        x = images.float().div_(255.0) if images.dtype == torch.uint8 else images.float()
+        boxes = crop_boxes(u, height, width, spec.crop_scale, spec.crop_ratio).to(x.dtype)
+        top, left, bh, bw = boxes.unbind(1)
+        rois = torch.stack([torch.arange(n, device=x.device, dtype=x.dtype), left, top, left + bw, top + bh], 1)
+        # sampling_ratio=-1: per box, ceil(crop / s) samples per output pixel and axis: one (plain bilinear, as
+        # F.interpolate) when the crop is enlarged, an average of several (a box filter) when it is shrunk
+        x = roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        x = x.clamp_(0.0, 1.0)
+        v = u[:, 40:].to(x.dtype)
+        x = torch.where((v[:, 0] < spec.hflip_p).view(-1, 1, 1, 1), x.flip(-1), x)
+        x = self._jitter(x, v[:, 1] < spec.jitter_p, v[:, 2:10])
+        if c == 3:
+            x = torch.where((v[:, 10] < spec.grayscale_p).view(-1, 1, 1, 1), _luma(x).expand(-1, 3, -1, -1), x)
+        if spec.blur_p > 0:
+            lo, hi = spec.blur_sigma
+            m = _blur_matrices(s, lo + v[:, 12] * (hi - lo), spec.blur_kernel).unsqueeze(1)  # [N, 1, s, s]
+            blurred = torch.matmul(torch.matmul(m, x), m.transpose(-1, -2))
+            x = torch.where((v[:, 11] < spec.blur_p).view(-1, 1, 1, 1), blurred, x)
+        if spec.solarize_p > 0:
+            solar = torch.where(x >= 0.5, 1.0 - x, x)
+            x = torch.where((v[:, 13] < spec.solarize_p).view(-1, 1, 1, 1), solar, x)
+        mean, inv_std = spec.normalize._stats(c)
+        return (x - mean.to(x.device)) * inv_std.to(x.device)
+
+    def _jitter(self, x: torch.Tensor, apply: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Brightness, contrast, saturation, hue with per-sample factors, each sample in its own random order:
+        in round r every sample applies its r-th adjustment (the other three are neutral for it)."""
+        strength = self.spec.jitter_strength
+        if strength <= 0:
+            return x
+        b, c, sat, hue = 0.8 * strength, 0.8 * strength, 0.8 * strength, 0.2 * strength
+        factors = torch.stack([
+            max(0.0, 1 - b) + v[:, 0] * (1 + b - max(0.0, 1 - b)),
+            max(0.0, 1 - c) + v[:, 1] * (1 + c - max(0.0, 1 - c)),
+            max(0.0, 1 - sat) + v[:, 2] * (1 + sat - max(0.0, 1 - sat)),
+            -hue + v[:, 3] * 2 * hue,
+        ], 1)
+        order = torch.argsort(v[:, 4:8], dim=1, stable=True)  # as sorted(range(4), key=u[4 + i])
+        rgb = x.shape[1] == 3
+        view = (-1, 1, 1, 1)
+        for r in range(4):
+            op = torch.where(apply, order[:, r], -1)
+            f = factors.gather(1, order[:, r : r + 1]).squeeze(1)
+            x = torch.where((op == 0).view(view), (x * f.view(view)).clamp(0.0, 1.0), x)
+            mean = _luma(x).mean(dim=(1, 2, 3), keepdim=True) if rgb else x.mean(dim=(1, 2, 3), keepdim=True)
+            x = torch.where((op == 1).view(view), (x * f.view(view) + (1 - f.view(view)) * mean).clamp(0.0, 1.0), x)
+            if rgb:
+                x = torch.where((op == 2).view(view), torch.lerp(_luma(x), x, f.view(view)).clamp(0.0, 1.0), x)
+                x = torch.where(((op == 3) & (f != 0)).view(view), _shift_hue(x, f), x)
+        return x
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
+        """``num_views`` views of the batch, their uniforms drawn from ``generator`` (one call per view)."""
+        n = images.shape[0]
+        return [self.views(images, torch.rand(n, UNIFORMS_PER_VIEW, generator=generator, dtype=torch.float64,
+                                              device=images.device))
+                for _ in range(self.spec.num_views)]
