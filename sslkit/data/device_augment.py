@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 from torchvision.ops import roi_align
 
-from sslkit.data.transforms import SimCLRTransform
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform
 
-__all__ = ["UNIFORMS_PER_VIEW", "DeviceSimCLRAugment", "crop_boxes"]
+__all__ = ["UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "crop_boxes", "device_augment_for"]
 
 #: Uniforms one view consumes, in :class:`SimCLRTransform`'s layout.
 UNIFORMS_PER_VIEW = SimCLRTransform._N_UNIFORMS
@@ -113,6 +113,13 @@ class DeviceSimCLRAugment:
     def __init__(self, image_size: int, **kwargs: object) -> None:
         self.spec = SimCLRTransform(image_size, **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_transform(cls, spec: SimCLRTransform) -> DeviceSimCLRAugment:
+        """The device version of an existing per-image transform (same settings)."""
+        augment = cls.__new__(cls)
+        augment.spec = spec
+        return augment
+
     def views(self, images: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One augmented, normalised float32 view ``[N, C, s, s]`` per image, from uniforms ``u``."""
         spec = self.spec
@@ -175,3 +182,28 @@ class DeviceSimCLRAugment:
         return [self.views(images, torch.rand(n, UNIFORMS_PER_VIEW, generator=generator, dtype=torch.float64,
                                               device=images.device))
                 for _ in range(self.spec.num_views)]
+
+
+class DeviceAugment:
+    """Groups of :class:`DeviceSimCLRAugment` applied in order: the device version of a multi-crop transform
+    (SwAV, DINO: the global crops, then the local ones at their own size), or of one SimCLR-style transform.
+    ``__call__(images, generator)`` returns every group's views, group after group, as the per-image
+    transform's list."""
+
+    def __init__(self, groups: Sequence[DeviceSimCLRAugment]) -> None:
+        self.groups = list(groups)
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
+        """Every group's ``num_views`` views of the batch, drawn from ``generator``."""
+        return [view for group in self.groups for view in group(images, generator)]
+
+
+def device_augment_for(transform: object) -> DeviceAugment:
+    """The device version of a per-image training transform (``simclr`` or ``multicrop``); a transform without
+    one is an error that names it."""
+    if isinstance(transform, SimCLRTransform):
+        return DeviceAugment([DeviceSimCLRAugment.from_transform(transform)])
+    if isinstance(transform, MultiCropTransform):
+        return DeviceAugment([DeviceSimCLRAugment.from_transform(g) for g in transform.groups])
+    raise ValueError(f"{type(transform).__name__} has no device version yet: augment on the loader workers "
+                     "(the simclr and multicrop transforms have one)")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from sslkit.data.device_augment import UNIFORMS_PER_VIEW, DeviceSimCLRAugment, crop_boxes
-from sslkit.data.transforms import SimCLRTransform, random_resized_crop_box
+from sslkit.data.device_augment import UNIFORMS_PER_VIEW, DeviceSimCLRAugment, crop_boxes, device_augment_for
+from sslkit.data.transforms import SimCLRTransform, build_eval, build_multicrop, random_resized_crop_box
 
 ALL_ON = {"jitter_strength": 0.5, "jitter_p": 0.8, "grayscale_p": 0.3, "blur_p": 0.5, "solarize_p": 0.4}
 
@@ -88,3 +88,36 @@ def test_same_generator_same_views_and_views_differ() -> None:
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not torch.equal(a[0], a[1])  # the two views of a batch are drawn independently
     assert not torch.equal(a[0], augment(images, torch.Generator().manual_seed(8))[0])
+
+
+def test_multicrop_device_version_gives_every_group_in_order() -> None:
+    """DINO-style multi-crop: 2 global crops (asymmetric blur and solarize) then 3 local ones at their own size.
+    With the crop geometry fixed (and the local crops at the full size too, so nothing is resampled), each view
+    equals the per-image group's view for the same uniforms, drawn one [N, 54] block per view, group after
+    group."""
+    images = torch.randint(0, 256, (16, 3, 16, 16), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    shapes = device_augment_for(build_multicrop(16, 8, num_large=2, num_small=3))(images, torch.Generator())
+    assert [tuple(v.shape) for v in shapes] == [(16, 3, 16, 16)] * 2 + [(16, 3, 8, 8)] * 3
+    multicrop = build_multicrop(16, 16, num_large=2, num_small=3, crop_scale=(1.0, 1.0), small_scale=(1.0, 1.0),
+                                blur_p=[1.0, 0.1], solarize_p=[0.0, 0.2], small_blur_p=0.5)
+    for group in multicrop.groups:
+        group.crop_ratio = (1.0, 1.0)
+    views = device_augment_for(multicrop)(images, torch.Generator().manual_seed(9))
+    gen = torch.Generator().manual_seed(9)
+    for view, group in zip(views, [multicrop.groups[0], multicrop.groups[1], *[multicrop.groups[2]] * 3],
+                           strict=True):
+        u = torch.rand(16, UNIFORMS_PER_VIEW, generator=gen, dtype=torch.float64)
+        expected = torch.stack([_view_from(group, img, row) for img, row in zip(images, u, strict=True)])
+        assert (view - expected).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="EvalTransform has no device version yet"):
+        device_augment_for(build_eval(16))
+
+
+def _view_from(transform: SimCLRTransform, image: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """The per-image view of ``image`` drawn from the uniforms ``row`` (the transform draws them from torch.rand)."""
+    original = torch.rand
+    torch.rand = lambda *args, **kwargs: row.clone()  # type: ignore[assignment]
+    try:
+        return transform.view(image)
+    finally:
+        torch.rand = original
