@@ -19,6 +19,7 @@ import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.config.compose import ConfigError
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
+from sslkit.data.device_augment import DeviceAugment, device_augment_for
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
 from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
@@ -127,11 +128,17 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
     return _limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
 
 
+def _unaugmented(image: torch.Tensor) -> list[torch.Tensor]:
+    """The image as it was read (uint8 ``[C, H, W]``), one view: ``data.augment_on=device`` augments the batch."""
+    return [image]
+
+
 def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
-            workers: int, pin: bool) -> Any:
+            workers: int, pin: bool, device_augment: bool = False) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
-    used once at the end, do not hold processes all run long)."""
-    ds = SSLDataset(source, build_transform(transform.name, **_kwargs(transform)), seed=cfg.seed)
+    used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read."""
+    ds = SSLDataset(source, _unaugmented if device_augment else build_transform(transform.name, **_kwargs(transform)),
+                    seed=cfg.seed)
     sampler = StatefulDistributedSampler(
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
@@ -139,6 +146,23 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
     ignores = tuple(int(getattr(signal, name)) for name in cfg.reliability.preemption_signals)
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
                         drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores)
+
+
+def _device_augment(cfg: DictConfig, source: Dataset) -> DeviceAugment | None:
+    """``data.augment_on``: the batch augmentation of ``device`` (None for workers; auto is workers for now)."""
+    if cfg.data.augment_on != "device":
+        return None
+    name = cfg.data.train.source
+    if name == "folder":
+        raise ConfigError("data.augment_on=device: the images of a folder differ in size and the batch augmentation "
+                          "needs one size for now (fashion_mnist, cifar10, cifar100, stl10, synthetic); use "
+                          "data.augment_on=workers")
+    try:
+        augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
+    except ValueError as exc:
+        raise ConfigError(f"data.augment_on=device with data.transform.name={cfg.data.transform.name}: {exc}") from None
+    logger.info("data: augmented on the training device (data.augment_on=device); the loader workers only read")
+    return augment
 
 
 def build_task(cfg: DictConfig) -> SSLTask:
@@ -155,8 +179,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
     workers, why = resolve_num_workers(cfg.data.num_workers, device)
     pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
     logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
+    device_augment = _device_augment(cfg, train_source)
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
-                           workers=workers, pin=pin)
+                           workers=workers, pin=pin, device_augment=device_augment is not None)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
@@ -260,7 +285,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
                  scaler=scaler, amp_dtype=amp_dtype, accumulate_steps=accumulate, global_batch_size=global_batch,
                  manual_gradient_reduction=manual_reduction, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                  channels_last=cfg.machine.channels_last),
-        DataPlan(loaders=loaders, phases=[Phase(train=True, epoch=e) for e in range(epochs)]),
+        DataPlan(loaders=loaders, phases=[Phase(train=True, epoch=e) for e in range(epochs)],
+                 device_augment=device_augment),
         hooks,
         run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=out, config=cfg),
         max_iterations=max_iterations,

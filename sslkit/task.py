@@ -167,6 +167,9 @@ class DataPlan:
     loaders: dict[str, torch.utils.data.DataLoader]
     #: The phases of the run, in order.
     phases: list[Phase]
+    #: ``data.augment_on=device``: augments each train batch on the device (the loaders then give the images as
+    #: read); None when the loader workers augment.
+    device_augment: Any = None
 
 
 @dataclass

@@ -330,6 +330,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.num_workers": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
                          "auto or an integer >= 0"),
     "data.pin_memory": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "data.augment_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sslkit.clock import call_loss
+from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
 from sslkit.optim import set_lr, set_weight_decay
@@ -31,6 +32,7 @@ from sslkit.task import LastBatch, SSLTask
 from sslkit.train_steps.sample import to_sample
 
 __all__ = [
+    "augment_on_device",
     "backward",
     "forward_and_loss",
     "forward_backward",
@@ -66,8 +68,27 @@ def read_sample(task: SSLTask) -> dict[str, Any]:
     Raises ``StopIteration`` when the phase's data runs out (the trainer ends the phase)."""
     with task.perf_stats.timer("read_sample"):
         sample = to_sample(next(task.data_iterator), task.device, task.channels_last)
+    if task.train and task.data.device_augment is not None:
+        with task.perf_stats.timer("augment"):
+            sample["input"] = augment_on_device(task, sample["input"][0])
     task.last_batch = LastBatch(sample=sample)
     return sample
+
+
+def augment_on_device(task: SSLTask, images: torch.Tensor) -> list[torch.Tensor]:
+    """``data.augment_on=device``: the views of a batch of images as read, augmented on the task's device.
+
+    The generator is seeded from (seed, rank, epoch, micro-batch of the epoch): the augmentation of a batch
+    follows from the clock's position alone, so a resumed run draws what the uninterrupted one drew (nothing
+    to checkpoint) and every rank and micro-batch draws its own."""
+    clock = task.clock
+    micro = clock.step_in_epoch * clock.micro_batches + clock.micro_batch
+    generator = torch.Generator(device=images.device)
+    generator.manual_seed(mix_seed(task.seed, task.rank, clock.epoch, micro))
+    views = task.data.device_augment(images, generator)
+    if task.channels_last:
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    return views
 
 
 def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:

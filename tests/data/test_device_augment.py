@@ -121,3 +121,56 @@ def _view_from(transform: SimCLRTransform, image: torch.Tensor, row: torch.Tenso
         return transform.view(image)
     finally:
         torch.rand = original
+
+
+# ------------------------------------------------------------------------------ data.augment_on=device in runs
+def _run(*args: str) -> object:
+    from helpers import SMALL, run_main
+
+    return run_main(*SMALL, "eval.knn.enabled=false", "log.tensorboard=false", "data.augment_on=device", *args,
+                    check=False)
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "byol", "swav", "dino"])
+def test_recipes_train_with_the_batch_augmented_on_the_device(tmp_path, recipe: str) -> None:
+    from helpers import RECIPES, metrics
+
+    proc = _run(f"config={recipe}", *RECIPES[recipe], "optim.max_steps=2", "log.every_n_steps=1",
+                f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "augmented on the training device" in proc.stdout and "augment" in proc.stdout  # the log and the timer
+    losses = [r["loss"] for r in metrics(tmp_path / "run") if r.get("phase") == "train" and "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.parametrize("recipe", ["simclr", "dino"])
+def test_device_augmentation_resumes_bit_identically(tmp_path, recipe: str) -> None:
+    """The generator is seeded from the clock's position: a run crashed after step 5 and resumed from the
+    checkpoint of step 3 ends bit-identical to an uninterrupted one (nothing of the augmentation is saved)."""
+    import reliability_helpers
+    from helpers import RECIPES
+
+    args = [f"config={recipe}", *RECIPES[recipe], "optim.epochs=2", "checkpoint.every_n_steps=3",
+            "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0", "imports=[sslkit_faults]"]
+    ref, out = tmp_path / "ref", tmp_path / "crashed"
+    assert _run(*args, "hooks=[{name: fault_crash, step: 1000}]", f"output_dir={ref}").returncode == 0
+    with pytest.raises(RuntimeError, match="injected crash after step 5"):
+        _run(*args, "hooks=[{name: fault_crash, step: 5}]", f"output_dir={out}")
+    assert _run(*args, "hooks=[{name: fault_crash, step: 5}]", f"output_dir={out}").returncode == 0
+    expected, got = reliability_helpers.latest_state(ref), reliability_helpers.latest_state(out)
+    assert expected["position"]["iteration"] == 8
+    reliability_helpers.assert_identical(got, expected)
+
+
+def test_folder_images_of_many_sizes_are_refused_with_what_to_do(tmp_path) -> None:
+    from helpers import run_main
+    from PIL import Image
+
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    for i in range(8):
+        Image.new("RGB", (16 + i, 16), (i * 20, 0, 0)).save(tmp_path / "images" / "a" / f"{i}.png")
+    proc = run_main("config=simclr", "data=folder", f"data.train.path={tmp_path / 'images'}", "machine.device=cpu",
+                    "data.num_workers=0", "model.trunk=small_cnn", "data.image_size=16", "data.small_image_size=8",
+                    "data.batch_size=4", "eval.knn.enabled=false", "data.augment_on=device",
+                    f"output_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "data.augment_on=workers" in proc.stderr and "Traceback" not in proc.stderr
