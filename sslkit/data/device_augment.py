@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torchvision.ops import roi_align
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, centred_crop_box
 
 __all__ = ["UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "crop_boxes", "device_augment_for"]
 
@@ -52,14 +52,7 @@ def crop_boxes(u: torch.Tensor, height: int, width: int, scale: Sequence[float],
     h1, w1 = pick(h), pick(w)
     top = torch.floor(pick(u[..., 2]) * (height - h1 + 1))
     left = torch.floor(pick(u[..., 3]) * (width - w1 + 1))
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        fw, fh = width, round(width / ratio[0])
-    elif in_ratio > ratio[1]:
-        fh, fw = height, round(height * ratio[1])
-    else:
-        fw, fh = width, height
-    fallback = torch.tensor([(height - fh) // 2, (width - fw) // 2, fh, fw], dtype=torch.float64, device=u.device)
+    fallback = torch.tensor(centred_crop_box(height, width, ratio), dtype=torch.float64, device=u.device)
     boxes = torch.stack([top, left, h1, w1], dim=1)
     return torch.where(any_fit[:, None], boxes, fallback).to(torch.int64)
 

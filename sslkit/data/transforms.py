@@ -19,6 +19,7 @@ __all__ = [
     "build_eval",
     "build_simclr",
     "build_transform",
+    "centred_crop_box",
     "random_resized_crop_box",
 ]
 
@@ -91,6 +92,12 @@ def random_resized_crop_box(
         h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             return int(y * (height - h + 1)), int(x * (width - w + 1)), h, w
+    return centred_crop_box(height, width, ratio)
+
+
+def centred_crop_box(height: int, width: int, ratio: Sequence[float]) -> tuple[int, int, int, int]:
+    """The fallback of a random resized crop: the largest centred ``(top, left, h, w)`` with its aspect ratio
+    in ``ratio``."""
     in_ratio = width / height
     if in_ratio < ratio[0]:
         w, h = width, round(width / ratio[0])
