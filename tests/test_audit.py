@@ -87,6 +87,14 @@ def test_amp_and_accumulation_steps_are_clean_too() -> None:
     assert findings == [], "\n".join(map(str, findings))
 
 
+@pytest.mark.parametrize("recipe", ["simclr", "dino"])
+def test_the_batch_augmented_on_the_device_is_clean_too(recipe: str) -> None:
+    """data.augment_on=device: the augmentation runs inside the step, so it too must make no CPU tensor, sync or
+    nondeterministic call (it found the normalisation constants made without a device)."""
+    findings = audit_recipe([f"config={recipe}", *SMALL, *RECIPES[recipe], "data.augment_on=device"])
+    assert findings == [], "\n".join(map(str, findings))
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_module_state_is_registered_so_it_moves_with_the_model(recipe: str, tmp_path: Path) -> None:
     """A tensor kept as a plain attribute of a module stays on the CPU when the model goes to the GPU (and is not

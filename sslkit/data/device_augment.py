@@ -52,9 +52,11 @@ def crop_boxes(u: torch.Tensor, height: int, width: int, scale: Sequence[float],
     h1, w1 = pick(h), pick(w)
     top = torch.floor(pick(u[..., 2]) * (height - h1 + 1))
     left = torch.floor(pick(u[..., 3]) * (width - w1 + 1))
-    fallback = torch.tensor(centred_crop_box(height, width, ratio), dtype=torch.float64, device=u.device)
-    boxes = torch.stack([top, left, h1, w1], dim=1)
-    return torch.where(any_fit[:, None], boxes, fallback).to(torch.int64)
+    # the fallback as Python numbers in torch.where: no tensor is copied from the host to the device
+    f_top, f_left, f_h, f_w = (float(v) for v in centred_crop_box(height, width, ratio))
+    boxes = [torch.where(any_fit, value, fallback) for value, fallback in
+             ((top, f_top), (left, f_left), (h1, f_h), (w1, f_w))]
+    return torch.stack(boxes, dim=1).to(torch.int64)
 
 
 def _luma(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,8 @@ def _shift_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     r, g, b = x.unbind(1)
     diffs = torch.stack([g - b, b - r, r - g], dim=1)
     h6 = diffs.gather(1, argmax.unsqueeze(1)).squeeze(1).div(delta + 1e-12) + 2 * argmax
-    phases = torch.tensor([0.0, 4.0, 2.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    # the R, G, B phases 0, 4, 2 in the HSV hexagon, made on the device (no copy from the host)
+    phases = (torch.arange(3, dtype=x.dtype, device=x.device) * 4).remainder(6).view(1, 3, 1, 1)
     k = (h6.unsqueeze(1) + (phases + 6.0 * shift.view(-1, 1, 1, 1))).remainder(6.0).sub(3.0).abs().sub(1.0)
     return torch.addcmul(minc.unsqueeze(1), delta.unsqueeze(1), k.clamp(0.0, 1.0))
 
@@ -105,12 +108,14 @@ class DeviceSimCLRAugment:
 
     def __init__(self, image_size: int, **kwargs: object) -> None:
         self.spec = SimCLRTransform(image_size, **kwargs)  # type: ignore[arg-type]
+        self._stats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_transform(cls, spec: SimCLRTransform) -> DeviceSimCLRAugment:
         """The device version of an existing per-image transform (same settings)."""
         augment = cls.__new__(cls)
         augment.spec = spec
+        augment._stats = {}
         return augment
 
     def views(self, images: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -139,8 +144,23 @@ class DeviceSimCLRAugment:
         if spec.solarize_p > 0:
             solar = torch.where(x >= 0.5, 1.0 - x, x)
             x = torch.where((v[:, 13] < spec.solarize_p).view(-1, 1, 1, 1), solar, x)
-        mean, inv_std = spec.normalize._stats(c)
-        return (x - mean.to(x.device)) * inv_std.to(x.device)
+        mean, inv_std = self._normalisation(c, x.device)
+        return (x - mean) * inv_std
+
+    def _normalisation(self, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-channel mean and 1 / std on ``device``, copied there once (not in every step)."""
+        key = (channels, str(device))
+        if key not in self._stats:
+            made = []
+            for name, values in (("mean", self.spec.normalize.mean), ("std", self.spec.normalize.std)):
+                values = [0.5] * channels if values is None else list(values)
+                values = values * channels if len(values) == 1 else values
+                if len(values) != channels:
+                    raise ValueError(f"transform {name} has {len(values)} values but the images have {channels} "
+                                     "channel(s)")
+                made.append(torch.tensor(values, dtype=torch.float32, device=device).view(1, channels, 1, 1))
+            self._stats[key] = (made[0], 1.0 / made[1])
+        return self._stats[key]
 
     def _jitter(self, x: torch.Tensor, apply: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Brightness, contrast, saturation, hue with per-sample factors, each sample in its own random order:
