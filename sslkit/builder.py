@@ -148,19 +148,12 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
                         drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores)
 
 
-def _device_augment(cfg: DictConfig, source: Dataset) -> DeviceAugment | None:
-    """``data.augment_on``: the batch augmentation of ``device`` (None for workers; auto is workers for now)."""
+def _device_augment(cfg: DictConfig) -> DeviceAugment | None:
+    """``data.augment_on``: the batch augmentation of ``device`` (None for workers; auto is workers for now). The
+    config was checked to allow it (a transform with a device version, images of one size)."""
     if cfg.data.augment_on != "device":
         return None
-    name = cfg.data.train.source
-    if name == "folder":
-        raise ConfigError("data.augment_on=device: the images of a folder differ in size and the batch augmentation "
-                          "needs one size for now (fashion_mnist, cifar10, cifar100, stl10, synthetic); use "
-                          "data.augment_on=workers")
-    try:
-        augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
-    except ValueError as exc:
-        raise ConfigError(f"data.augment_on=device with data.transform.name={cfg.data.transform.name}: {exc}") from None
+    augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
     logger.info("data: augmented on the training device (data.augment_on=device); the loader workers only read")
     return augment
 
@@ -179,7 +172,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     workers, why = resolve_num_workers(cfg.data.num_workers, device)
     pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
     logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
-    device_augment = _device_augment(cfg, train_source)
+    device_augment = _device_augment(cfg)
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
                            workers=workers, pin=pin, device_augment=device_augment is not None)
     accumulate = cfg.optim.accumulate_steps

@@ -560,18 +560,35 @@ def _check_device(cfg: DictConfig, errors: list[str]) -> None:
 
 def _check_transform(cfg: DictConfig, where: str, builder: Callable[..., Any], errors: list[str]) -> None:
     """Build the transform at ``where`` (cheap: no data) so its own argument checks run now, then check
-    that its crops fit the images."""
+    that its crops fit the images and, for the training transform under ``data.augment_on=device``, that
+    it has a device version and the source gives images of one size."""
     before = len(errors)
     try:
         kwargs = OmegaConf.to_container(OmegaConf.select(cfg, where), resolve=True)
         assert isinstance(kwargs, dict)
-        builder(**{k: v for k, v in kwargs.items() if k != "name"})
+        transform = builder(**{k: v for k, v in kwargs.items() if k != "name"})
     except Exception as exc:  # the transform's own message names the argument
         kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
         errors.append(f"'{where}'{kind}: {exc}")
     if len(errors) == before:
         splits = ("train",) if where == "data.transform" else ("train", "test")
         _check_transform_fits(cfg, where, splits, errors)
+    if len(errors) == before and where == "data.transform" and cfg.data.augment_on == "device":
+        _check_device_augment(cfg, transform, errors)
+
+
+def _check_device_augment(cfg: DictConfig, transform: Any, errors: list[str]) -> None:
+    """``data.augment_on=device``: the training transform has a device version, and the images come in one size."""
+    from sslkit.data.device_augment import device_augment_for
+
+    if cfg.data.train.source == "folder":
+        errors.append("'data.augment_on' = device: the images of a folder differ in size and the batch augmentation "
+                      "needs one size for now (fashion_mnist, cifar10, cifar100, stl10, synthetic); use "
+                      "data.augment_on=workers")
+    try:
+        device_augment_for(transform)
+    except ValueError as exc:
+        errors.append(f"'data.augment_on' = device with data.transform.name={cfg.data.transform.name}: {exc}")
 
 
 def validate(cfg: DictConfig) -> None:

@@ -174,3 +174,4 @@ def test_folder_images_of_many_sizes_are_refused_with_what_to_do(tmp_path) -> No
                     "data.batch_size=4", "eval.knn.enabled=false", "data.augment_on=device",
                     f"output_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2 and "data.augment_on=workers" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # refused while composing the config: nothing is written
