@@ -53,11 +53,6 @@ class TrainClock:
         """True on the step's last micro-batch: state that moves once per update moves here."""
         return self.micro_batch == self.micro_batches - 1
 
-    def state_dict(self) -> dict[str, int]:
-        """The hands that a resume needs (micro-batch is always 0 between steps)."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "update": self.update,
-                "samples": self.samples}
-
 
 @dataclass
 class StepContext:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torchvision.ops import roi_align
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, centred_crop_box
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps, centred_crop_box
 
 __all__ = ["UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "crop_boxes", "device_augment_for"]
 
@@ -87,12 +87,7 @@ def _blur_matrices(n: int, sigma: torch.Tensor, kernel_size: int) -> torch.Tenso
     offsets = torch.arange(-half, half + 1, dtype=torch.float32, device=sigma.device)
     k1 = torch.exp(-0.5 * (offsets[None] / sigma[:, None].float()) ** 2)
     k1 = k1 / k1.sum(1, keepdim=True)  # [N, K]
-    rows = torch.arange(n, device=sigma.device).repeat_interleave(2 * half + 1)
-    src = rows + torch.arange(-half, half + 1, device=sigma.device).repeat(n)
-    for _ in range(2):
-        src = torch.where(src < 0, -src, src)
-        src = torch.where(src > n - 1, 2 * (n - 1) - src, src)
-    src = src.clamp(0, n - 1)
+    rows, src = _blur_taps(n, half, str(sigma.device))
     flat = (rows * n + src)[None].expand(len(sigma), -1)
     out = torch.zeros(len(sigma), n * n, dtype=torch.float32, device=sigma.device)
     return out.scatter_add_(1, flat, k1.repeat(1, n)).view(-1, n, n)

@@ -148,10 +148,11 @@ def _saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _blur_taps(n: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and (reflect-padded) source-column indices of a ``2*half+1``-tap filter along ``n`` pixels."""
-    rows = torch.arange(n).repeat_interleave(2 * half + 1)
-    src = rows + torch.arange(-half, half + 1).repeat(n)
+def _blur_taps(n: int, half: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and (reflect-padded) source-column indices of a ``2*half+1``-tap filter along ``n`` pixels, made on
+    ``device`` (once per size: cached)."""
+    rows = torch.arange(n, device=device).repeat_interleave(2 * half + 1)
+    src = rows + torch.arange(-half, half + 1, device=device).repeat(n)
     for _ in range(2):  # reflect at both edges (twice covers kernels up to twice the image size)
         src = torch.where(src < 0, -src, src)
         src = torch.where(src > n - 1, 2 * (n - 1) - src, src)

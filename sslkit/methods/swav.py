@@ -274,9 +274,8 @@ class SwAVLoss(nn.Module):
 
     @torch.no_grad()
     def _advance(self, output: dict[str, Any], loss: torch.Tensor, num_prototypes: int, update: int) -> None:
-        index = update  # 0-based optimizer update this forward belongs to
         length = self.queue_length
-        if length > 0 and index >= self.queue_start_iter:
+        if length > 0 and update >= self.queue_start_iter:  # update: the 0-based optimizer update of this forward
             proj = output["projections"]
             if proj[0].shape[1] != self.embedding_dim:
                 raise ValueError(f"swav loss embedding_dim={self.embedding_dim} but the projections have "
