@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -20,6 +21,8 @@ from sslkit import registry as R
 from sslkit.config.compose import ConfigError
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.data.device_augment import DeviceAugment, device_augment_for
+from sslkit.data.device_decode import DeviceDecoder, collate_raw
+from sslkit.data.loader import collate_views
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
 from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
@@ -136,7 +139,8 @@ def _unaugmented(image: torch.Tensor) -> list[torch.Tensor]:
 def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
             workers: int, pin: bool, device_augment: bool = False) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
-    used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read."""
+    used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read
+    (and the batches of images of many sizes come packed, :func:`~sslkit.data.device_decode.collate_raw`)."""
     ds = SSLDataset(source, _unaugmented if device_augment else build_transform(transform.name, **_kwargs(transform)),
                     seed=cfg.seed)
     sampler = StatefulDistributedSampler(
@@ -144,18 +148,48 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
         drop_last=train and cfg.data.drop_last,
     )
     ignores = tuple(int(getattr(signal, name)) for name in cfg.reliability.preemption_signals)
+    collate = functools.partial(collate_views, stack=collate_raw) if device_augment else collate_views
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
-                        drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores)
+                        drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores,
+                        collate_fn=collate)
 
 
-def _device_augment(cfg: DictConfig) -> DeviceAugment | None:
-    """``data.augment_on``: the batch augmentation of ``device`` (None for workers; auto is workers for now). The
-    config was checked to allow it (a transform with a device version, images of one size)."""
-    if cfg.data.augment_on != "device":
+def _device_augment(cfg: DictConfig, device: torch.device) -> DeviceAugment | None:
+    """``data.augment_on``: the batch augmentation, or None where the workers augment. ``auto`` is ``device`` on
+    CUDA when the training transform has a device version (else workers, said in the log), and ``workers`` on
+    the CPU (docs/data.md: what each pipeline measured there)."""
+    choice = cfg.data.augment_on
+    if choice == "workers" or (choice == "auto" and device.type != "cuda"):
         return None
-    augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
-    logger.info("data: augmented on the training device (data.augment_on=device); the loader workers only read")
+    try:
+        augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
+    except ValueError as exc:  # augment_on=device was checked with the config; auto falls back
+        logger.info("data: augmented in the loader workers (data.augment_on=auto): %s", exc)
+        return None
+    logger.info("data: augmented on the training device (data.augment_on=%s); the loader workers only read", choice)
     return augment
+
+
+def _device_decoder(cfg: DictConfig, source: Dataset, device: torch.device, augment: DeviceAugment | None,
+                    describe: Any) -> DeviceDecoder | None:
+    """``data.decode_on``: a decoder of JPEG bytes on the training device, where the source has files and the
+    batch is augmented there; ``auto`` decodes on CUDA, and in the workers on the CPU (which has the workers'
+    cores for it). Tells the source to give its JPEGs as bytes."""
+    choice = cfg.data.decode_on
+    if augment is None:
+        if choice == "device":  # augment_on=auto resolved to workers here
+            raise ConfigError("data.decode_on=device needs the augmentation on the device too, and data.augment_on="
+                              f"{cfg.data.augment_on} augments in the loader workers on {device.type}: set "
+                              "data.augment_on=device, or data.decode_on=auto")
+        return None
+    files = source.dataset if isinstance(source, Subset) else source
+    if not hasattr(files, "jpeg_bytes"):
+        return None  # tensors in memory, nothing to decode
+    if choice == "workers" or (choice == "auto" and device.type != "cuda"):
+        return None
+    files.jpeg_bytes = True
+    logger.info("data: JPEG files decoded on the training device in batches (data.decode_on=%s)", choice)
+    return DeviceDecoder(getattr(files, "channels", 3), describe)
 
 
 def build_task(cfg: DictConfig) -> SSLTask:
@@ -172,9 +206,10 @@ def build_task(cfg: DictConfig) -> SSLTask:
     workers, why = resolve_num_workers(cfg.data.num_workers, device)
     pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
     logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
-    device_augment = _device_augment(cfg)
+    device_augment = _device_augment(cfg, device)
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
                            workers=workers, pin=pin, device_augment=device_augment is not None)
+    device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
@@ -279,7 +314,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
                  manual_gradient_reduction=manual_reduction, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                  channels_last=cfg.machine.channels_last),
         DataPlan(loaders=loaders, phases=[Phase(train=True, epoch=e) for e in range(epochs)],
-                 device_augment=device_augment),
+                 device_augment=device_augment, device_decoder=device_decoder),
         hooks,
         run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=out, config=cfg),
         max_iterations=max_iterations,

@@ -170,6 +170,9 @@ class DataPlan:
     #: ``data.augment_on=device``: augments each train batch on the device (the loaders then give the images as
     #: read); None when the loader workers augment.
     device_augment: Any = None
+    #: ``data.decode_on=device``: decodes the JPEG bytes of a train batch on the device before that
+    #: (:class:`~sslkit.data.device_decode.DeviceDecoder`); None when the workers decode.
+    device_decoder: Any = None
 
 
 @dataclass

@@ -331,6 +331,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                          "auto or an integer >= 0"),
     "data.pin_memory": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "data.augment_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
+    "data.decode_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),
@@ -561,7 +562,7 @@ def _check_device(cfg: DictConfig, errors: list[str]) -> None:
 def _check_transform(cfg: DictConfig, where: str, builder: Callable[..., Any], errors: list[str]) -> None:
     """Build the transform at ``where`` (cheap: no data) so its own argument checks run now, then check
     that its crops fit the images and, for the training transform under ``data.augment_on=device``, that
-    it has a device version and the source gives images of one size."""
+    it has a device version."""
     before = len(errors)
     try:
         kwargs = OmegaConf.to_container(OmegaConf.select(cfg, where), resolve=True)
@@ -578,13 +579,9 @@ def _check_transform(cfg: DictConfig, where: str, builder: Callable[..., Any], e
 
 
 def _check_device_augment(cfg: DictConfig, transform: Any, errors: list[str]) -> None:
-    """``data.augment_on=device``: the training transform has a device version, and the images come in one size."""
+    """``data.augment_on=device``: the training transform has a device version."""
     from sslkit.data.device_augment import device_augment_for
 
-    if cfg.data.train.source == "folder":
-        errors.append("'data.augment_on' = device: the images of a folder differ in size and the batch augmentation "
-                      "needs one size for now (fashion_mnist, cifar10, cifar100, stl10, synthetic); use "
-                      "data.augment_on=workers")
     try:
         device_augment_for(transform)
     except ValueError as exc:
@@ -615,6 +612,9 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:
         errors.append("'optim.epochs' and 'optim.max_steps' are both 0: set one of them > 0")
+    if cfg.data.decode_on == "device" and cfg.data.augment_on != "device":
+        errors.append(f"'data.decode_on' = device needs the augmentation on the device too (data.augment_on="
+                      f"{cfg.data.augment_on}): set data.augment_on=device, or data.decode_on=auto")
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1:
         _check_steps(cfg, errors)
     _check_folder_paths(cfg, errors)

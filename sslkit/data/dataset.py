@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from sslkit.data.seeding import mix_seed
 from sslkit.data.sources import DataSourceError, UnreadableSampleError
@@ -51,6 +51,14 @@ class SSLDataset(Dataset):
     def channels(self) -> int:
         """The source's number of image channels."""
         return int(getattr(self.source, "channels", 3))
+
+    def describe(self, index: int) -> str:
+        """Sample ``index`` named for a message: its file where the source has files."""
+        source, i = self.source, index
+        if isinstance(source, Subset):
+            source, i = source.dataset, source.indices[i]
+        samples = getattr(source, "samples", None)
+        return f"{samples[i][0]}" if samples else f"sample {index}"
 
     def _warn_once(self, err: UnreadableSampleError) -> None:
         key = err.path or str(err)

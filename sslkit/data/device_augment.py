@@ -20,43 +20,180 @@ from collections.abc import Sequence
 import torch
 from torchvision.ops import roi_align
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps, centred_crop_box
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps
 
-__all__ = ["UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "crop_boxes", "device_augment_for"]
+__all__ = [
+    "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "crop_and_resize",
+    "crop_boxes", "device_augment_for", "pack",
+]
 
 #: Uniforms one view consumes, in :class:`SimCLRTransform`'s layout.
 UNIFORMS_PER_VIEW = SimCLRTransform._N_UNIFORMS
 _GRAY = (0.299, 0.587, 0.114)
 
 
-def crop_boxes(u: torch.Tensor, height: int, width: int, scale: Sequence[float],
+def _centred_boxes(height: torch.Tensor, width: torch.Tensor, ratio: Sequence[float]) -> list[torch.Tensor]:
+    """:func:`sslkit.data.transforms.centred_crop_box` for per-sample sizes (float64 tensors): top, left, h, w."""
+    in_ratio = width / height
+    narrow, wide = in_ratio < ratio[0], in_ratio > ratio[1]
+    w = torch.where(wide, torch.round(height * ratio[1]), width)
+    h = torch.where(narrow, torch.round(width / ratio[0]), height)
+    return [torch.div(height - h, 2, rounding_mode="floor"), torch.div(width - w, 2, rounding_mode="floor"), h, w]
+
+
+def crop_boxes(u: torch.Tensor, height: int | torch.Tensor, width: int | torch.Tensor, scale: Sequence[float],
                ratio: Sequence[float]) -> torch.Tensor:
     """Inception-style random crop boxes ``[N, 4]`` (top, left, h, w) from uniforms ``u`` [N, >= 40].
 
     :func:`sslkit.data.transforms.random_resized_crop_box` for every row at once: 10 attempts per row
     (area fraction, log aspect ratio, vertical and horizontal position), the first that fits wins, else the
-    largest centred box whose aspect ratio lies in ``ratio``. Same uniforms, same boxes.
+    largest centred box whose aspect ratio lies in ``ratio``. Same uniforms, same boxes. ``height`` and
+    ``width`` are one image size, or per-row sizes ``[N]`` (images of many sizes).
     """
     u = u[:, :40].to(torch.float64).view(-1, 10, 4)
-    area = height * width
+    if isinstance(height, int) and isinstance(width, int):  # one size: Python numbers, made on the device
+        size = [torch.full((u.shape[0],), float(v), dtype=torch.float64, device=u.device) for v in (height, width)]
+    else:
+        size = [torch.as_tensor(v).to(device=u.device, dtype=torch.float64).expand(u.shape[0])
+                for v in (height, width)]
+    hh, ww = (v.unsqueeze(1) for v in size)
+    area = hh * ww
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     target = area * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
     aspect = torch.exp(log_lo + u[..., 1] * (log_hi - log_lo))
     # Python's round() is round-half-even, as torch.round
     w = torch.round(torch.sqrt(target * aspect))
     h = torch.round(torch.sqrt(target / aspect))
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    fits = (w > 0) & (w <= ww) & (h > 0) & (h <= hh)
     first = torch.argmax(fits.to(torch.int8), dim=1, keepdim=True)  # the first attempt that fits (0 if none)
     any_fit = fits.any(dim=1)
     pick = lambda t: t.gather(1, first).squeeze(1)
     h1, w1 = pick(h), pick(w)
-    top = torch.floor(pick(u[..., 2]) * (height - h1 + 1))
-    left = torch.floor(pick(u[..., 3]) * (width - w1 + 1))
-    # the fallback as Python numbers in torch.where: no tensor is copied from the host to the device
-    f_top, f_left, f_h, f_w = (float(v) for v in centred_crop_box(height, width, ratio))
-    boxes = [torch.where(any_fit, value, fallback) for value, fallback in
-             ((top, f_top), (left, f_left), (h1, f_h), (w1, f_w))]
+    top = torch.floor(pick(u[..., 2]) * (size[0] - h1 + 1))
+    left = torch.floor(pick(u[..., 3]) * (size[1] - w1 + 1))
+    fallback = _centred_boxes(size[0], size[1], ratio)
+    boxes = [torch.where(any_fit, value, other) for value, other in zip((top, left, h1, w1), fallback, strict=True)]
     return torch.stack(boxes, dim=1).to(torch.int64)
+
+
+class PackedImages:
+    """Images of many sizes packed one after another in one flat buffer on their device (``[C, H_i, W_i]``
+    each, in order), with their sizes on the host (for the chunking, no sync) and on the device (for the
+    gather). The device augmentation takes it in place of a list, so a batch is packed once for all views."""
+
+    def __init__(self, flat: torch.Tensor, shapes: Sequence[tuple[int, int, int]]) -> None:
+        """``flat``: the pixels of every image, concatenated; ``shapes``: each image's ``(C, H, W)``."""
+        self.flat = flat
+        self.shapes = [tuple(int(v) for v in s) for s in shapes]
+        channels = {s[0] for s in self.shapes}
+        if len(channels) != 1:
+            raise ValueError(f"the images of a batch have different channel counts: {sorted(channels)}")
+        self.channels = channels.pop()
+        sizes = torch.tensor([s[1:] for s in self.shapes], dtype=torch.int64)
+        starts = torch.tensor([0] + [math.prod(s) for s in self.shapes[:-1]], dtype=torch.int64).cumsum(0)
+        host = torch.cat([sizes, starts.view(-1, 1)], 1)
+        cuda = flat.device.type == "cuda"
+        moved = host.pin_memory().to(flat.device, non_blocking=True) if cuda else host.to(flat.device)
+        self.hw, self.start = moved[:, :2], moved[:, 2]
+
+    @classmethod
+    def of(cls, images: Sequence[torch.Tensor]) -> PackedImages:
+        """Pack a list of ``[C, H_i, W_i]`` images (one copy)."""
+        return cls(torch.cat([t.reshape(-1) for t in images]), [tuple(t.shape) for t in images])
+
+    def __len__(self) -> int:
+        """Number of images."""
+        return len(self.shapes)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pixels are."""
+        return self.flat.device
+
+    def stacked(self) -> torch.Tensor | None:
+        """The batch as one ``[N, C, H, W]`` tensor (a view of the buffer) if all images have one size."""
+        if len(set(self.shapes)) != 1:
+            return None
+        return self.flat.view(len(self.shapes), *self.shapes[0])
+
+    def padded(self, first: int, last: int) -> torch.Tensor:
+        """Images ``first:last`` as one ``[n, C, H, W]`` batch at their largest height and width, each padded by
+        repeating its last row and column: a bilinear sample at an image's edge then reads the edge pixel, as it
+        does in an unpadded image."""
+        height = max(s[1] for s in self.shapes[first:last])
+        width = max(s[2] for s in self.shapes[first:last])
+        device = self.flat.device
+        hw, start = self.hw[first:last], self.start[first:last]
+        h, w = hw[:, 0].view(-1, 1, 1, 1), hw[:, 1].view(-1, 1, 1, 1)
+        y = torch.minimum(torch.arange(height, device=device).view(1, 1, -1, 1), h - 1)
+        x = torch.minimum(torch.arange(width, device=device).view(1, 1, 1, -1), w - 1)
+        c = torch.arange(self.channels, device=device).view(1, -1, 1, 1)
+        return self.flat[start.view(-1, 1, 1, 1) + (c * h + y) * w + x]
+
+    def chunks(self, budget: int) -> list[tuple[int, int]]:
+        """Ranges of consecutive images whose padded batch has at most ``budget`` elements (an image larger than
+        that alone), so that one large photo does not pad every other image of the batch to its size."""
+        ranges, first = [], 0
+        while first < len(self.shapes):
+            last, height, width = first + 1, self.shapes[first][1], self.shapes[first][2]
+            while last < len(self.shapes):
+                h, w = max(height, self.shapes[last][1]), max(width, self.shapes[last][2])
+                if (last - first + 1) * self.channels * h * w > budget:
+                    break
+                last, height, width = last + 1, h, w
+            ranges.append((first, last))
+            first = last
+        return ranges
+
+
+#: An image batch for the device augmentation: ``[N, C, H, W]``, a list of ``[C, H_i, W_i]`` of many sizes, or
+#: such a list packed.
+Images = torch.Tensor | PackedImages | Sequence[torch.Tensor]
+
+#: Elements of one padded chunk of a batch of many sizes (with its gather index, about 13 bytes each).
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    return x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+
+
+def _resize_boxes(x: torch.Tensor, boxes: torch.Tensor, s: int) -> torch.Tensor:
+    """The crops ``boxes`` [N, 4] (top, left, h, w) of float images ``x`` [N, C, H, W], resized to ``s`` x ``s``."""
+    top, left, bh, bw = boxes.to(x.dtype).unbind(1)
+    rows = torch.arange(len(boxes), device=x.device, dtype=x.dtype)
+    rois = torch.stack([rows, left, top, left + bw, top + bh], 1)
+    # sampling_ratio=-1: per box, ceil(crop / s) samples per output pixel and axis: one (plain bilinear, as
+    # F.interpolate) when the crop is enlarged, an average of several (a box filter) when it is shrunk
+    return roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+
+
+def pack(images: Images) -> torch.Tensor | PackedImages:
+    """A batch as the augmentation takes it: one tensor where all images have one size, else packed."""
+    if isinstance(images, torch.Tensor):
+        return images
+    packed = images if isinstance(images, PackedImages) else PackedImages.of(images)
+    stacked = packed.stacked()
+    return packed if stacked is None else stacked
+
+
+def crop_and_resize(images: Images, u: torch.Tensor, size: int, scale: Sequence[float],
+                    ratio: Sequence[float]) -> torch.Tensor:
+    """Random resized crops ``[N, C, size, size]`` (float in [0, 1]) of a batch, boxes from uniforms ``u``.
+
+    ``images`` is uint8 (or float in [0, 1]): one tensor ``[N, C, H, W]``, or images of many sizes (a list, or
+    :class:`PackedImages`), each cropped within its own size: the batch is resized in padded chunks of bounded
+    size, one ``roi_align`` each (host-side sizes only: no sync).
+    """
+    images = pack(images)
+    if isinstance(images, torch.Tensor):
+        x = _as_float(images)
+        boxes = crop_boxes(u, x.shape[2], x.shape[3], scale, ratio)
+        return _resize_boxes(x, boxes, size).clamp_(0.0, 1.0)
+    boxes = crop_boxes(u, images.hw[:, 0], images.hw[:, 1], scale, ratio)
+    out = [_resize_boxes(_as_float(images.padded(first, last)), boxes[first:last], size)
+           for first, last in images.chunks(_CHUNK_ELEMENTS)]
+    return torch.cat(out).clamp_(0.0, 1.0)
 
 
 def _luma(x: torch.Tensor) -> torch.Tensor:
@@ -113,19 +250,14 @@ class DeviceSimCLRAugment:
         augment._stats = {}
         return augment
 
-    def views(self, images: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """One augmented, normalised float32 view ``[N, C, s, s]`` per image, from uniforms ``u``."""
+    def views(self, images: Images, u: torch.Tensor) -> torch.Tensor:
+        """One augmented, normalised float32 view ``[N, C, s, s]`` per image, from uniforms ``u``.
+
+        ``images`` is a batch ``[N, C, H, W]`` or a list of ``[C, H_i, W_i]`` images of many sizes (a folder
+        of photos): each is cropped within its own size."""
         spec = self.spec
-        n, c, height, width = images.shape
-        s = spec.image_size
-        x = images.float().div_(255.0) if images.dtype == torch.uint8 else images.float()
-        boxes = crop_boxes(u, height, width, spec.crop_scale, spec.crop_ratio).to(x.dtype)
-        top, left, bh, bw = boxes.unbind(1)
-        rois = torch.stack([torch.arange(n, device=x.device, dtype=x.dtype), left, top, left + bw, top + bh], 1)
-        # sampling_ratio=-1: per box, ceil(crop / s) samples per output pixel and axis: one (plain bilinear, as
-        # F.interpolate) when the crop is enlarged, an average of several (a box filter) when it is shrunk
-        x = roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
-        x = x.clamp_(0.0, 1.0)
+        x = crop_and_resize(images, u, spec.image_size, spec.crop_scale, spec.crop_ratio)
+        c, s = x.shape[1], spec.image_size
         v = u[:, 40:].to(x.dtype)
         x = torch.where((v[:, 0] < spec.hflip_p).view(-1, 1, 1, 1), x.flip(-1), x)
         x = self._jitter(x, v[:, 1] < spec.jitter_p, v[:, 2:10])
@@ -184,11 +316,12 @@ class DeviceSimCLRAugment:
                 x = torch.where(((op == 3) & (f != 0)).view(view), _shift_hue(x, f), x)
         return x
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
+    def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
         """``num_views`` views of the batch, their uniforms drawn from ``generator`` (one call per view)."""
-        n = images.shape[0]
+        images = pack(images)
+        n, device = len(images), images.device
         return [self.views(images, torch.rand(n, UNIFORMS_PER_VIEW, generator=generator, dtype=torch.float64,
-                                              device=images.device))
+                                              device=device))
                 for _ in range(self.spec.num_views)]
 
 
@@ -201,8 +334,9 @@ class DeviceAugment:
     def __init__(self, groups: Sequence[DeviceSimCLRAugment]) -> None:
         self.groups = list(groups)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
-        """Every group's ``num_views`` views of the batch, drawn from ``generator``."""
+    def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
+        """Every group's ``num_views`` views of the batch, drawn from ``generator`` (the batch packed once)."""
+        images = pack(images)
         return [view for group in self.groups for view in group(images, generator)]
 
 

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,12 +18,14 @@ from sslkit.data.sampler import StatefulDistributedSampler
 __all__ = ["SignalSafeLoader", "build_loader", "collate_views", "ignore_signals_in_worker", "signals_blocked"]
 
 
-def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
+def collate_views(batch: list[dict[str, Any]],
+                  stack: Callable[[list[torch.Tensor]], Any] = torch.stack) -> dict[str, Any]:
     """Stack :class:`SSLDataset` samples into a batch.
 
     Returns ``input`` (one ``[B,C,H,W]`` tensor per view, so views of different sizes are
-    fine), ``target`` (int64 labels), ``data_valid`` (bool; False for an unreadable sample that was
-    replaced, counted per epoch by :class:`~sslkit.data.health.SkippedSamples`) and ``data_idx``
+    fine; ``stack`` makes it, e.g. :func:`~sslkit.data.device_decode.collate_raw` for images as read),
+    ``target`` (int64 labels), ``data_valid`` (bool; False for an unreadable sample that was replaced,
+    counted per epoch by :class:`~sslkit.data.health.SkippedSamples`) and ``data_idx``
     (int64 indices).
     """
     if not batch:
@@ -32,7 +34,7 @@ def collate_views(batch: list[dict[str, Any]]) -> dict[str, Any]:
     if any(len(b["views"]) != num_views for b in batch):
         raise ValueError(f"samples in a batch have different numbers of views: {[len(b['views']) for b in batch]}")
     return {
-        "input": [torch.stack([b["views"][v] for b in batch]) for v in range(num_views)],
+        "input": [stack([b["views"][v] for b in batch]) for v in range(num_views)],
         "target": torch.tensor([b["label"] for b in batch], dtype=torch.int64),
         "data_valid": torch.tensor([b["valid"] for b in batch], dtype=torch.bool),
         "data_idx": torch.tensor([b["index"] for b in batch], dtype=torch.int64),
@@ -88,12 +90,14 @@ def build_loader(
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
     worker_ignores: tuple[int, ...] = (),
+    collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] = collate_views,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` drawing ``(epoch, index)`` keys from ``sampler``.
 
     ``persistent_workers`` and ``prefetch_factor`` apply only with ``num_workers > 0``. Note that
     persistent workers keep the dataset object of their first epoch. The workers ignore the
-    signals in ``worker_ignores`` (:func:`ignore_signals_in_worker`).
+    signals in ``worker_ignores`` (:func:`ignore_signals_in_worker`). ``collate_fn`` makes the batches
+    (:func:`collate_views`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -110,7 +114,7 @@ def build_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        collate_fn=collate_views,
+        collate_fn=collate_fn,
         pin_memory=pin_memory,
         drop_last=drop_last,
         **kwargs,

@@ -260,6 +260,15 @@ def build_cifar100(split: str, path: str | None = None, download: bool = True) -
 # ----------------------------------------------------------------------------------------------------
 
 
+#: The first bytes of every JPEG file (SOI marker and the next marker's 0xFF).
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def is_jpeg(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is a JPEG (by its bytes, not its name)."""
+    return head[:3] == JPEG_MAGIC
+
+
 def _has_image_ext(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
@@ -311,6 +320,9 @@ class FolderDataset(Dataset):
         """
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels}")
+        #: Give JPEG files as their bytes (1-D uint8), for a decoder on the training device
+        #: (``data.decode_on=device``); other files are still decoded here.
+        self.jpeg_bytes = False
         root = Path(root).expanduser()
         if not root.exists():
             raise DataSourceError(f"image folder {root} does not exist")
@@ -371,10 +383,19 @@ class FolderDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        """Decode image ``i`` to uint8 ``[C,H,W]``; raise :class:`UnreadableSampleError` if it is bad."""
+        """Decode image ``i`` to uint8 ``[C,H,W]`` (a JPEG's bytes, 1-D, with :attr:`jpeg_bytes`); raise
+        :class:`UnreadableSampleError` if it is bad."""
         from PIL import Image
 
         path, label = self.samples[i]
+        if self.jpeg_bytes:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
+            if is_jpeg(data):
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
         try:
             with Image.open(path) as img:
                 img.load()

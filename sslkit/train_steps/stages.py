@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from sslkit.clock import call_loss
+from sslkit.data.device_augment import Images
+from sslkit.data.device_decode import DeviceDecoder, RawImages
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
@@ -44,6 +46,10 @@ __all__ = [
     "unscale_gradients",
     "update",
 ]
+
+
+#: Images of many sizes that the workers decoded: copied to the device and packed (no JPEG to decode).
+_PACK_ONLY = DeviceDecoder(channels=3)
 
 
 def split_loss(out: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -69,13 +75,18 @@ def read_sample(task: SSLTask) -> dict[str, Any]:
     with task.perf_stats.timer("read_sample"):
         sample = to_sample(next(task.data_iterator), task.device, task.channels_last)
     if task.train and task.data.device_augment is not None:
+        images = sample["input"][0]
+        if isinstance(images, RawImages):  # images of many sizes, JPEGs as bytes
+            with task.perf_stats.timer("decode"):
+                decoder = task.data.device_decoder or _PACK_ONLY
+                images = decoder(images, sample, task.device)
         with task.perf_stats.timer("augment"):
-            sample["input"] = augment_on_device(task, sample["input"][0])
+            sample["input"] = augment_on_device(task, images)
     task.last_batch = LastBatch(sample=sample)
     return sample
 
 
-def augment_on_device(task: SSLTask, images: torch.Tensor) -> list[torch.Tensor]:
+def augment_on_device(task: SSLTask, images: Images) -> list[torch.Tensor]:
     """``data.augment_on=device``: the views of a batch of images as read, augmented on the task's device.
 
     The generator is seeded from (seed, rank, epoch, micro-batch of the epoch): the augmentation of a batch

@@ -160,18 +160,3 @@ def test_device_augmentation_resumes_bit_identically(tmp_path, recipe: str) -> N
     expected, got = reliability_helpers.latest_state(ref), reliability_helpers.latest_state(out)
     assert expected["position"]["iteration"] == 8
     reliability_helpers.assert_identical(got, expected)
-
-
-def test_folder_images_of_many_sizes_are_refused_with_what_to_do(tmp_path) -> None:
-    from helpers import run_main
-    from PIL import Image
-
-    (tmp_path / "images" / "a").mkdir(parents=True)
-    for i in range(8):
-        Image.new("RGB", (16 + i, 16), (i * 20, 0, 0)).save(tmp_path / "images" / "a" / f"{i}.png")
-    proc = run_main("config=simclr", "data=folder", f"data.train.path={tmp_path / 'images'}", "machine.device=cpu",
-                    "data.num_workers=0", "model.trunk=small_cnn", "data.image_size=16", "data.small_image_size=8",
-                    "data.batch_size=4", "eval.knn.enabled=false", "data.augment_on=device",
-                    f"output_dir={tmp_path / 'run'}", check=False)
-    assert proc.returncode == 2 and "data.augment_on=workers" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists()  # refused while composing the config: nothing is written
