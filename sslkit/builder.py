@@ -192,6 +192,20 @@ def _device_decoder(cfg: DictConfig, source: Dataset, device: torch.device, augm
     return DeviceDecoder(getattr(files, "channels", 3), describe)
 
 
+def compile_parts(model: torch.nn.Module, kinds: tuple[type, ...], backend: str, mode: str) -> list[str]:
+    """``machine.compile``: ``torch.compile`` every submodule of ``model`` of a type in ``kinds`` (the trunks and
+    heads: students, teachers, key encoders, predictors), in place (``Module.compile``), so parameter names,
+    checkpoints, DDP and the hooks that update teachers see the same modules. The method's own wiring (queues,
+    shuffles, momentum updates) stays eager: it is small, and Python state there would make dynamo recompile.
+    Returns the compiled modules' names."""
+    names = [name for name, m in model.named_modules() if isinstance(m, kinds)]
+    for name in names:
+        model.get_submodule(name).compile(backend=backend, mode=None if mode == "default" else mode)
+    logger.info("machine.compile: %d module(s) compiled with torch.compile (backend %s, mode %s): %s; the first "
+                "steps are slower while they compile", len(names), backend, mode, ", ".join(names))
+    return names
+
+
 def build_task(cfg: DictConfig) -> SSLTask:
     """Build data, model, loss, optimizer, schedules and hooks from ``cfg`` into an SSLTask."""
     rank, world = get_rank(), get_world_size()
@@ -240,6 +254,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
     ).to(device)
     if cfg.machine.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.machine.compile:
+        compile_parts(model, (type(trunk), type(head)), cfg.machine.compile_backend, cfg.machine.compile_mode)
     if cfg.distributed.sync_bn and world > 1:
         from sslkit.models.sync_batchnorm import convert_sync_batchnorm
 

@@ -325,6 +325,16 @@ def _probability(v: Any) -> bool:
 
 
 # value checks: key -> (predicate, requirement)
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_backends() -> list[str]:
+    """The backends torch.compile knows here."""
+    import torch._dynamo
+
+    return ["eager", *torch._dynamo.list_backends(exclude_tags=())]
+
+
 _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.batch_size": (lambda v: v > 0, "> 0"),
     "data.num_workers": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
@@ -338,6 +348,9 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.min_crop_scale": (lambda v: 0 < v <= 1, "in (0, 1] (an area fraction)"),
     "data.blur_p": (_probability, "a probability in [0, 1]"),
     "machine.num_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
+    "machine.compile_mode": (lambda v: v in _COMPILE_MODES, " | ".join(_COMPILE_MODES)),
+    "machine.compile_backend": (lambda v: v in _compile_backends(), "a torch.compile backend: inductor, aot_eager "
+                                "or eager (torch._dynamo.list_backends())"),
     "optim.lr": (lambda v: v > 0 and _finite(v), "> 0 and finite"),
     "optim.final_lr": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
     "optim.epochs": (lambda v: v >= 0, ">= 0"),

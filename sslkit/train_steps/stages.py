@@ -18,6 +18,7 @@ runs under its timer (the table at phase end) and none syncs the host with the d
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from sslkit.clock import call_loss
 from sslkit.data.device_augment import Images
 from sslkit.data.device_decode import DeviceDecoder, RawImages
+from sslkit.data.prefetch import Prefetcher
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
@@ -39,6 +41,7 @@ __all__ = [
     "forward_and_loss",
     "forward_backward",
     "precision",
+    "prepare_sample",
     "read_sample",
     "reduce",
     "run_micro_batches",
@@ -71,31 +74,62 @@ def precision(task: SSLTask) -> contextlib.AbstractContextManager[None]:
 def read_sample(task: SSLTask) -> dict[str, Any]:
     """Stage *sample*: the next batch as the model's sample dict on the device; starts ``task.last_batch``.
 
-    Raises ``StopIteration`` when the phase's data runs out (the trainer ends the phase)."""
+    In train phases the batches come through a :class:`~sslkit.data.prefetch.Prefetcher`: the copy to the
+    device, the decode and the augmentation (``data.augment_on=device``) of the next batch are queued on a
+    side CUDA stream while this one's step runs (on the CPU one batch ahead, in line). Raises
+    ``StopIteration`` when the phase's data runs out (the trainer ends the phase)."""
+    if not task.train:
+        with task.perf_stats.timer("read_sample"):
+            sample = to_sample(next(task.data_iterator), task.device, task.channels_last)
+        task.last_batch = LastBatch(sample=sample)
+        return sample
+    position = _position(task)
+    if not isinstance(task.data_iterator, Prefetcher):  # the phase's first batch
+        task.data_iterator = Prefetcher(task.data_iterator, functools.partial(prepare_sample, task), task.device,
+                                        start=position)
     with task.perf_stats.timer("read_sample"):
-        sample = to_sample(next(task.data_iterator), task.device, task.channels_last)
-    if task.train and task.data.device_augment is not None:
+        sample = next(task.data_iterator)
+    if task.data_iterator.position - 1 != position:
+        raise RuntimeError(f"the train batches were read out of step: the clock is at micro-batch {position} of "
+                           f"the epoch and the batch read is number {task.data_iterator.position - 1}; a custom "
+                           "step must read its batches with read_sample (or next(task.data_iterator)) once per "
+                           "micro-batch")
+    task.last_batch = LastBatch(sample=sample)
+    return sample
+
+
+def _position(task: SSLTask) -> int:
+    """The micro-batch of the epoch the clock is at: the batch that ``read_sample`` reads now."""
+    clock = task.clock
+    return clock.step_in_epoch * clock.micro_batches + clock.micro_batch
+
+
+def prepare_sample(task: SSLTask, batch: dict[str, Any], position: int) -> dict[str, Any]:
+    """A train batch made the model's sample: copied to the device (non-blocking from pinned memory) and, with
+    ``data.augment_on=device``, decoded and augmented there (seeded by its ``position`` in the epoch)."""
+    device_side = task.data.device_augment is not None
+    sample = to_sample(batch, task.device, task.channels_last and not device_side)
+    if device_side:
         images = sample["input"][0]
         if isinstance(images, RawImages):  # images of many sizes, JPEGs as bytes
             with task.perf_stats.timer("decode"):
                 decoder = task.data.device_decoder or _PACK_ONLY
                 images = decoder(images, sample, task.device)
         with task.perf_stats.timer("augment"):
-            sample["input"] = augment_on_device(task, images)
-    task.last_batch = LastBatch(sample=sample)
+            sample["input"] = augment_on_device(task, images, position)
     return sample
 
 
-def augment_on_device(task: SSLTask, images: Images) -> list[torch.Tensor]:
+def augment_on_device(task: SSLTask, images: Images, position: int | None = None) -> list[torch.Tensor]:
     """``data.augment_on=device``: the views of a batch of images as read, augmented on the task's device.
 
-    The generator is seeded from (seed, rank, epoch, micro-batch of the epoch): the augmentation of a batch
-    follows from the clock's position alone, so a resumed run draws what the uninterrupted one drew (nothing
-    to checkpoint) and every rank and micro-batch draws its own."""
+    The generator is seeded from (seed, rank, epoch, ``position``: the micro-batch of the epoch, the clock's
+    by default): the augmentation of a batch follows from its place in the run alone, so a resumed run draws
+    what the uninterrupted one drew (nothing to checkpoint) and every rank and micro-batch draws its own."""
     clock = task.clock
-    micro = clock.step_in_epoch * clock.micro_batches + clock.micro_batch
-    generator = torch.Generator(device=images.device)
-    generator.manual_seed(mix_seed(task.seed, task.rank, clock.epoch, micro))
+    position = _position(task) if position is None else position
+    generator = torch.Generator(device=task.device)
+    generator.manual_seed(mix_seed(task.seed, task.rank, clock.epoch, position))
     views = task.data.device_augment(images, generator)
     if task.channels_last:
         views = [v.contiguous(memory_format=torch.channels_last) for v in views]

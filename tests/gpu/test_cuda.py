@@ -184,3 +184,51 @@ def test_accumulation_schedules_on_cuda(tmp_path: Path) -> None:
         records = [r for r in metrics(out) if r.get("phase") == "train" and "teacher_temp" in r]
         runs.append([{k: r[k] for k in keys} for r in records])
     assert len(runs[0]) == 8 and runs[0] == runs[1]
+
+
+def test_prefetcher_on_cuda_gives_the_batches_prepared_in_line() -> None:
+    """The side stream's preparation (pinned copy, arithmetic) of batch k+1 while the default stream is busy gives
+    exactly what preparing in line gives, and the default stream waits for it before reading."""
+    from sslkit.data.prefetch import Prefetcher
+
+    batches = [torch.randn(256, 3, 64, 64).pin_memory() for _ in range(6)]
+
+    def prepare(batch: torch.Tensor, position: int) -> dict:
+        x = batch.to("cuda", non_blocking=True)
+        return {"input": [x.mul(2).add_(position).sin_()]}
+
+    expected = [prepare(b, i)["input"][0].cpu() for i, b in enumerate(batches)]
+    busy = torch.randn(4096, 4096, device="cuda")
+    got = []
+    for sample in Prefetcher(iter(batches), prepare, torch.device("cuda")):
+        for _ in range(5):  # keep the default stream busy while the next batch is prepared beside it
+            busy = busy @ busy / 4096
+        got.append(sample["input"][0].cpu())
+    assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_folder_of_photos_is_decoded_and_augmented_on_cuda_by_default(tmp_path: Path) -> None:
+    """On CUDA, data.augment_on=auto and data.decode_on=auto put both on the GPU: JPEGs of many sizes are
+    decoded by nvJPEG in one call per batch, PNGs in the workers, the corrupt JPEG is skipped and counted."""
+    from test_device_decode import _folder
+
+    _folder(tmp_path / "images")
+    out = tmp_path / "run"
+    proc = run_cli("config=simclr", "data=folder", f"data.train.path={tmp_path / 'images'}", *GPU,
+                   "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}", "data.image_size=16",
+                   "data.small_image_size=8", "data.batch_size=8", "optim.max_steps=3", "eval.knn.enabled=false",
+                   "log.every_n_steps=1", "data.num_workers=2", f"output_dir={out}")
+    assert "augmented on the training device" in proc.stdout and "decoded on the training device" in proc.stdout
+    records = metrics(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if r.get("phase") == "train" and "loss" in r)
+    assert sum(r.get("unreadable_samples", 0) for r in records) == 1
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_compiles_with_inductor_on_cuda(tmp_path: Path, recipe: str) -> None:
+    out = tmp_path / recipe
+    proc = run_cli(f"config={recipe}", *SMALL, *RECIPES[recipe], *GPU, "machine.compile=true", "optim.max_steps=3",
+                   "eval.knn.enabled=false", "log.every_n_steps=1", f"output_dir={out}")
+    assert "compiled with torch.compile (backend inductor" in proc.stdout
+    train = [r for r in metrics(out) if r.get("phase") == "train" and "loss" in r]
+    assert len(train) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
