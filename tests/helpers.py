@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -166,3 +167,21 @@ def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accu
         DataPlan(loaders={"train": loader}, phases=[Phase(train=True, epoch=0)]), [],
         run=RunInfo(rank=rank, world_size=world), max_iterations=steps,
     )
+
+
+def photo(h: int, w: int, seed: int) -> Any:
+    """A smooth RGB picture of ``h`` x ``w`` (bilinear upsampling of 4 x 4 random colours)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(h, w), mode="bilinear")
+    return Image.fromarray((smooth[0].permute(1, 2, 0) * 255).to(torch.uint8).numpy())
+
+
+def photo_folder(root: Path, n: int = 24) -> None:
+    """Class folders of JPEGs and PNGs of many sizes, one corrupt JPEG among them."""
+    for i in range(n):
+        folder = root / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        photo(24 + (i * 7) % 19, 20 + (i * 5) % 23, i).save(folder / f"{i}.{'png' if i % 5 == 0 else 'jpg'}")
+    (root / "c1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\0" * 64)

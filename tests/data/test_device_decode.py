@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import photo
 from PIL import Image
 
 import sslkit.data.device_augment as device_augment
@@ -70,18 +71,12 @@ def _jpeg(image: Image.Image, quality: int = 95) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _photo(h: int, w: int, seed: int) -> Image.Image:
-    g = torch.Generator().manual_seed(seed)
-    smooth = torch.nn.functional.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(h, w), mode="bilinear")
-    return Image.fromarray((smooth[0].permute(1, 2, 0) * 255).to(torch.uint8).numpy())
-
-
 def test_decoder_decodes_jpegs_and_packs_decoded_images_in_batch_order(caplog) -> None:
     """JPEG bytes and worker-decoded images mixed in a batch: the decoded batch keeps their order, the JPEGs are
     PIL's pixels (up to the decoders' rounding), a CMYK JPEG is decoded too, and a corrupt file is replaced by
     another image of the batch, marked invalid and named once in a warning."""
-    photos = [_photo(30 + 7 * i, 40 - 3 * i, i) for i in range(4)]
-    decoded = torch.from_numpy(np.array(_photo(20, 24, 9))).permute(2, 0, 1).contiguous()
+    photos = [photo(30 + 7 * i, 40 - 3 * i, i) for i in range(4)]
+    decoded = torch.from_numpy(np.array(photo(20, 24, 9))).permute(2, 0, 1).contiguous()
     cmyk = _jpeg(photos[3].convert("CMYK"))
     items = [_jpeg(photos[0]), decoded, _jpeg(photos[1]), torch.tensor([0xFF, 0xD8, 0xFF, 1, 2, 3], dtype=torch.uint8),
              _jpeg(photos[2]), cmyk]
@@ -116,24 +111,14 @@ def test_a_batch_with_no_decodable_image_says_so() -> None:
 
 
 # ------------------------------------------------------------------------------ runs on a folder of photos
-def _folder(root, n: int = 24) -> None:
-    """Class folders of JPEGs and PNGs of many sizes, one corrupt JPEG among them."""
-    for i in range(n):
-        folder = root / f"c{i % 2}"
-        folder.mkdir(parents=True, exist_ok=True)
-        photo = _photo(24 + (i * 7) % 19, 20 + (i * 5) % 23, i)
-        photo.save(folder / f"{i}.{'png' if i % 5 == 0 else 'jpg'}")
-    (root / "c1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\0" * 64)
-
-
 @pytest.mark.parametrize("decode_on", ["workers", "device"])
 def test_a_folder_of_many_sizes_trains_with_the_augmentation_on_the_device(tmp_path, decode_on: str) -> None:
     """data=folder with data.augment_on=device: images of many sizes, PNGs decoded in the workers, JPEGs in the
     workers or (decode_on=device) in one batched call in the training process; the corrupt JPEG is skipped
     and counted either way."""
-    from helpers import metrics, run_main
+    from helpers import metrics, photo_folder, run_main
 
-    _folder(tmp_path / "images")
+    photo_folder(tmp_path / "images")
     proc = run_main("config=simclr", "data=folder", f"data.train.path={tmp_path / 'images'}", "machine.device=cpu",
                     "data.num_workers=0", "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}",
                     "data.image_size=16", "data.small_image_size=8", "data.batch_size=8", "optim.max_steps=3",

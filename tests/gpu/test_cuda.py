@@ -210,9 +210,9 @@ def test_prefetcher_on_cuda_gives_the_batches_prepared_in_line() -> None:
 def test_a_folder_of_photos_is_decoded_and_augmented_on_cuda_by_default(tmp_path: Path) -> None:
     """On CUDA, data.augment_on=auto and data.decode_on=auto put both on the GPU: JPEGs of many sizes are
     decoded by nvJPEG in one call per batch, PNGs in the workers, the corrupt JPEG is skipped and counted."""
-    from test_device_decode import _folder
+    from helpers import photo_folder
 
-    _folder(tmp_path / "images")
+    photo_folder(tmp_path / "images")
     out = tmp_path / "run"
     proc = run_cli("config=simclr", "data=folder", f"data.train.path={tmp_path / 'images'}", *GPU,
                    "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}", "data.image_size=16",
