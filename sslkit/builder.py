@@ -221,6 +221,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
     pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
     logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
     device_augment = _device_augment(cfg, device)
+    if device_augment is not None and cfg.machine.compile:
+        device_augment.compile(cfg.machine.compile_backend, None if cfg.machine.compile_mode == "default"
+                               else cfg.machine.compile_mode)
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
                            workers=workers, pin=pin, device_augment=device_augment is not None)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)

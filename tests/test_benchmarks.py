@@ -117,3 +117,24 @@ def test_refuses_what_the_plain_loop_does_not_mirror(overhead) -> None:
     task = SimpleNamespace(config=OmegaConf.create({"train_step": "standard"}), world_size=2, phases=[])
     with pytest.raises(SystemExit, match="one process"):
         overhead.check_supported(task)
+
+
+@pytest.mark.slow
+def test_throughput_quick_prints_every_pipeline_with_its_ratio(tmp_path: Path) -> None:
+    """benchmarks/throughput.py on the CPU, the JPEG preset with a small trunk: it writes its JPEG folder, times
+    (a) the raw step, (b) and (c) for the three pipelines, and prints the table with c / a = step / raw."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("SSLKIT_MALLOC_TUNED", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick", "--presets",
+         "simclr_rn50", "--steps", "2", "--warmup", "1", "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^machine: .+ cores", proc.stdout, re.M), proc.stdout
+    rows = re.findall(r"^\| simclr_rn50 \| (\S+) \| 2x64 \| 16 \| (\S+) \| \d+ \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
+                      r"([\d.]+) \|$", proc.stdout, re.M)
+    assert [r[1] for r in rows] == ["workers", "device", "device+decode"], proc.stdout
+    for _trunk, _pipeline, loader, step, raw, ratio in rows:
+        step_rate, raw_rate = (float(v.replace(",", "")) for v in (step, raw))
+        assert float(loader.replace(",", "")) > 0 and step_rate > 0
+        assert float(ratio) == pytest.approx(step_rate / raw_rate, abs=0.01)

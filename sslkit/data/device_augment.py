@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torchvision.ops import roi_align
@@ -217,14 +218,16 @@ def _shift_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(minc.unsqueeze(1), delta.unsqueeze(1), k.clamp(0.0, 1.0))
 
 
-def _blur_matrices(n: int, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
+def _blur_matrices(n: int, sigma: torch.Tensor, kernel_size: int,
+                   taps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[N, n, n]`` matrices applying a Gaussian of per-sample ``sigma`` [N] along an axis of ``n`` pixels
-    (reflect padding), as the per-image transform's blur."""
+    (reflect padding), as the per-image transform's blur. ``taps``: :func:`_blur_taps` of ``n`` and the kernel's
+    half width on ``sigma``'s device (looked up when not given)."""
     half = kernel_size // 2
     offsets = torch.arange(-half, half + 1, dtype=torch.float32, device=sigma.device)
     k1 = torch.exp(-0.5 * (offsets[None] / sigma[:, None].float()) ** 2)
     k1 = k1 / k1.sum(1, keepdim=True)  # [N, K]
-    rows, src = _blur_taps(n, half, str(sigma.device))
+    rows, src = taps if taps is not None else _blur_taps(n, half, str(sigma.device))
     flat = (rows * n + src)[None].expand(len(sigma), -1)
     out = torch.zeros(len(sigma), n * n, dtype=torch.float32, device=sigma.device)
     return out.scatter_add_(1, flat, k1.repeat(1, n)).view(-1, n, n)
@@ -241,6 +244,7 @@ class DeviceSimCLRAugment:
     def __init__(self, image_size: int, **kwargs: object) -> None:
         self.spec = SimCLRTransform(image_size, **kwargs)  # type: ignore[arg-type]
         self._stats: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.compiled: Any = None
 
     @classmethod
     def from_transform(cls, spec: SimCLRTransform) -> DeviceSimCLRAugment:
@@ -248,6 +252,7 @@ class DeviceSimCLRAugment:
         augment = cls.__new__(cls)
         augment.spec = spec
         augment._stats = {}
+        augment.compiled = None
         return augment
 
     def views(self, images: Images, u: torch.Tensor) -> torch.Tensor:
@@ -257,22 +262,36 @@ class DeviceSimCLRAugment:
         of photos): each is cropped within its own size."""
         spec = self.spec
         x = crop_and_resize(images, u, spec.image_size, spec.crop_scale, spec.crop_ratio)
-        c, s = x.shape[1], spec.image_size
-        v = u[:, 40:].to(x.dtype)
+        mean, inv_std = self._normalisation(x.shape[1], x.device)
+        taps = _blur_taps(spec.image_size, spec.blur_kernel // 2, str(x.device))
+        pixels = self._pixels if self.compiled is None else self.compiled
+        return pixels(x, u[:, 40:].to(x.dtype), mean, inv_std, taps)
+
+    def _pixels(self, x: torch.Tensor, v: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor,
+                taps: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Everything after the crop, on crops ``x`` [N, C, s, s] with the view's uniforms ``v`` past the crop's:
+        flip, jitter, grayscale, blur, solarisation, normalisation. Elementwise work on the whole batch: what
+        :meth:`compile` fuses into few kernels."""
+        spec = self.spec
+        c, s = x.shape[1], x.shape[-1]
         x = torch.where((v[:, 0] < spec.hflip_p).view(-1, 1, 1, 1), x.flip(-1), x)
         x = self._jitter(x, v[:, 1] < spec.jitter_p, v[:, 2:10])
         if c == 3:
             x = torch.where((v[:, 10] < spec.grayscale_p).view(-1, 1, 1, 1), _luma(x).expand(-1, 3, -1, -1), x)
         if spec.blur_p > 0:
             lo, hi = spec.blur_sigma
-            m = _blur_matrices(s, lo + v[:, 12] * (hi - lo), spec.blur_kernel).unsqueeze(1)  # [N, 1, s, s]
+            m = _blur_matrices(s, lo + v[:, 12] * (hi - lo), spec.blur_kernel, taps).unsqueeze(1)  # [N, 1, s, s]
             blurred = torch.matmul(torch.matmul(m, x), m.transpose(-1, -2))
             x = torch.where((v[:, 11] < spec.blur_p).view(-1, 1, 1, 1), blurred, x)
         if spec.solarize_p > 0:
             solar = torch.where(x >= 0.5, 1.0 - x, x)
             x = torch.where((v[:, 13] < spec.solarize_p).view(-1, 1, 1, 1), solar, x)
-        mean, inv_std = self._normalisation(c, x.device)
         return (x - mean) * inv_std
+
+    def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
+        """Run the pixel operations through ``torch.compile`` (``machine.compile``): on a GPU the ~100
+        elementwise passes over the batch become a few fused kernels. The same results to float rounding."""
+        self.compiled = torch.compile(self._pixels, backend=backend, mode=mode, dynamic=False)
 
     def _normalisation(self, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-channel mean and 1 / std on ``device``, copied there once (not in every step)."""
@@ -305,15 +324,20 @@ class DeviceSimCLRAugment:
         order = torch.argsort(v[:, 4:8], dim=1, stable=True)  # as sorted(range(4), key=u[4 + i])
         rgb = x.shape[1] == 3
         view = (-1, 1, 1, 1)
+        affine = 3 if rgb else 2  # brightness, contrast and (RGB only) saturation are blends: one fused pass
         for r in range(4):
             op = torch.where(apply, order[:, r], -1)
             f = factors.gather(1, order[:, r : r + 1]).squeeze(1)
-            x = torch.where((op == 0).view(view), (x * f.view(view)).clamp(0.0, 1.0), x)
-            mean = _luma(x).mean(dim=(1, 2, 3), keepdim=True) if rgb else x.mean(dim=(1, 2, 3), keepdim=True)
-            x = torch.where((op == 1).view(view), (x * f.view(view) + (1 - f.view(view)) * mean).clamp(0.0, 1.0), x)
+            # brightness f*x, contrast f*x + (1-f)*mean(luma), saturation f*x + (1-f)*luma: a*x + b + c*luma
+            a = torch.where((op >= 0) & (op < affine), f, 1.0).view(view)
+            luma = _luma(x) if rgb else x
+            b = torch.where(op == 1, 1 - f, 0.0).view(view) * luma.mean(dim=(1, 2, 3), keepdim=True)
             if rgb:
-                x = torch.where((op == 2).view(view), torch.lerp(_luma(x), x, f.view(view)).clamp(0.0, 1.0), x)
+                c = torch.where(op == 2, 1 - f, 0.0).view(view)
+                x = torch.addcmul(torch.addcmul(b, a, x), c, luma).clamp_(0.0, 1.0)
                 x = torch.where(((op == 3) & (f != 0)).view(view), _shift_hue(x, f), x)
+            else:
+                x = torch.addcmul(b, a, x).clamp_(0.0, 1.0)
         return x
 
     def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
@@ -333,6 +357,11 @@ class DeviceAugment:
 
     def __init__(self, groups: Sequence[DeviceSimCLRAugment]) -> None:
         self.groups = list(groups)
+
+    def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
+        """Compile every group's pixel operations (:meth:`DeviceSimCLRAugment.compile`)."""
+        for group in self.groups:
+            group.compile(backend, mode)
 
     def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
         """Every group's ``num_views`` views of the batch, drawn from ``generator`` (the batch packed once)."""

@@ -59,3 +59,25 @@ def test_an_unknown_backend_or_mode_is_a_config_error(tmp_path) -> None:
                     "machine.compile_mode=fast", f"output_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "machine.compile_backend" in proc.stderr and "machine.compile_mode" in proc.stderr
+
+
+def test_the_device_augmentation_compiles_to_the_eager_pixels() -> None:
+    """machine.compile with data.augment_on=device also compiles the pixel operations (inductor, CPU kernels):
+    the same views to float rounding, for RGB SimCLR views and multi-crop groups."""
+    from sslkit.data.device_augment import device_augment_for
+    from sslkit.data.transforms import build_multicrop
+
+    torch._dynamo.reset()
+    images = torch.randint(0, 256, (16, 3, 40, 40), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    eager = device_augment_for(build_multicrop(32, 16, num_small=2, blur_p=0.5, solarize_p=0.2))
+    expected = eager(images, torch.Generator().manual_seed(1))
+    eager.compile()
+    got = eager(images, torch.Generator().manual_seed(1))
+    assert all(g.shape == e.shape for g, e in zip(got, expected, strict=True))
+    assert max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True)) < 1e-4
+
+
+def test_a_run_compiles_its_device_augmentation(tmp_path) -> None:
+    _run("simclr", tmp_path / "run", "machine.compile_backend=aot_eager", "data.augment_on=device")
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])  # trunk, head and the augmentation
+    assert all(math.isfinite(v) for v in _losses(tmp_path / "run"))

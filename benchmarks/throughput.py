@@ -1,0 +1,349 @@
+"""Images per second of the model step alone, of each data pipeline alone, and of sslkit's full step per pipeline.
+
+    python benchmarks/throughput.py [--device cuda|cpu] [--quick] [--presets simclr_rn50,multicrop,rn18_32]
+                                    [--steps 20] [--warmup 5] [--compile] [--tools] [key=value ...]
+
+In one process, for each preset:
+
+(a) **raw**: the plain PyTorch step (forward, loss, backward, optimizer step, the method's own hooks such
+    as the EMA teacher) on synthetic views already on the device, of the shapes the preset trains on:
+    what the model can take;
+(b) **loader**, per pipeline: the batches alone, with nothing trained, ready on the device as the model
+    takes them (for ``device`` pipelines the decode and augmentation on the device are included, the
+    device synchronised at the end);
+(c) **step**, per pipeline: sslkit's trainer and standard step (prefetch, guard, hooks, logging);
+
+and prints c / a: how much of what the model can take the pipeline delivers (1.0: the data costs
+nothing). The presets are
+
+* ``simclr_rn50``: SimCLR, ResNet-50, two 224 px views, from a folder of JPEGs the benchmark writes
+  itself (photo-like content, ImageNet's sizes around 500 x 375, portrait and landscape);
+* ``multicrop``: DINO, ResNet-50, 2 x 224 + 6 x 96 px crops, the same JPEG folder;
+* ``rn18_32``: SimCLR, ResNet-18 with the small-image stem, two 32 px views of the in-memory synthetic
+  source (no decoding).
+
+Pipelines: ``workers`` (``data.augment_on=workers``: decode and augment in the loader workers),
+``device`` (``augment_on=device``: the workers decode, the batch is augmented on the device) and, for
+JPEG folders, ``device+decode`` (``decode_on=device`` as well: the workers only read bytes; nvJPEG
+on CUDA). On CUDA the precision is bf16 autocast with channels_last, on the CPU fp32. ``--quick``
+shrinks everything (64 px crops, 32 px small crops, batch 16, 4 steps) so that ``--device cpu --quick``
+ends in a few minutes on 2 cores and prints the same table. ``--tools`` adds the augmentation alone,
+batched ops against kornia's (where kornia is installed), on one batch already on the device.
+Overrides (``data.batch_size=128``, ``data.num_workers=8``) apply to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from sslkit.runtime import reexec_with_tuned_malloc
+
+reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before torch is imported
+
+import torch  # noqa: E402
+
+from sslkit.builder import build_task  # noqa: E402
+from sslkit.cli import setup_logging  # noqa: E402
+from sslkit.clock import call_loss  # noqa: E402
+from sslkit.hooks.base import Event  # noqa: E402
+from sslkit.task import LastBatch, SSLTask  # noqa: E402
+from sslkit.train_steps.stages import precision, prepare_sample, split_loss  # noqa: E402
+from sslkit.train_steps.standard import standard_train_step  # noqa: E402
+from sslkit.trainer import train  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import Clock, StepClock, _dispatcher, bench_config, machine_header, method_hooks  # noqa: E402
+
+PIPELINES = {
+    "workers": ["data.augment_on=workers"],
+    "device": ["data.augment_on=device", "data.decode_on=workers"],
+    "device+decode": ["data.augment_on=device", "data.decode_on=device"],
+}
+
+
+@dataclass
+class Preset:
+    """One model and data setting."""
+
+    recipe: str
+    trunk: list[str]
+    jpeg: bool  # a JPEG folder (else the in-memory synthetic source)
+    image_size: int
+    small_size: int = 0
+    num_small: int = 0
+    batch: int = 256
+
+    def views(self) -> list[int]:
+        """The side of every view the model takes."""
+        return [self.image_size] * 2 + [self.small_size] * self.num_small
+
+    def describe(self) -> str:
+        """``2x224 + 6x96``."""
+        small = f" + {self.num_small}x{self.small_size}" if self.num_small else ""
+        return f"2x{self.image_size}{small}"
+
+
+PRESETS = {
+    "simclr_rn50": Preset("simclr", ["model.trunk=resnet50"], jpeg=True, image_size=224),
+    "multicrop": Preset("dino", ["model.trunk=resnet50"], jpeg=True, image_size=224, small_size=96, num_small=6,
+                        batch=128),
+    "rn18_32": Preset("simclr", ["model.trunk=resnet18", "model.trunk_kwargs.small_image_stem=true"], jpeg=False,
+                      image_size=32, batch=512),
+}
+
+
+def _quick(preset: Preset) -> Preset:
+    """The preset at CPU size: 64 px crops (32 px small ones, 2 of them), batch 16."""
+    return Preset(preset.recipe, preset.trunk, preset.jpeg, 64 if preset.jpeg else 32,
+                  32 if preset.num_small else 0, 2 if preset.num_small else 0, 16)
+
+
+# ------------------------------------------------------------------------------------------- data
+def _write_jpegs(args: tuple[str, int, int, float]) -> None:
+    """Write JPEGs ``first..last`` of a folder: smooth colour fields with texture, at photo-like sizes."""
+    import numpy as np
+    from PIL import Image
+
+    root, first, last, scale = args
+    for i in range(first, last):
+        rng = np.random.default_rng(i)
+        w, h = (500, 375) if i % 3 else (375, 500)
+        if i % 7 == 0:
+            w, h = 500, 333
+        w, h = max(8, int(w * scale)), max(8, int(h * scale))
+        coarse = rng.random((6, 8, 3))
+        field = np.asarray(Image.fromarray((coarse * 255).astype(np.uint8)).resize((w, h), Image.BICUBIC), np.float32)
+        texture = rng.normal(0, 12, (h, w, 3)).astype(np.float32)
+        pixels = np.clip(field + texture, 0, 255).astype(np.uint8)
+        folder = Path(root) / f"class{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(folder / f"{i:06d}.jpg", quality=90)
+
+
+def make_jpeg_folder(root: Path, count: int, scale: float) -> Path:
+    """``count`` JPEGs in 10 class folders under ``root`` (written by all cores)."""
+    cores = os.cpu_count() or 1
+    per = math.ceil(count / cores)
+    jobs = [(str(root), a, min(count, a + per), scale) for a in range(0, count, per)]
+    with ProcessPoolExecutor(max_workers=cores) as pool:
+        list(pool.map(_write_jpegs, jobs))
+    return root
+
+
+def preset_overrides(preset: Preset, data: Path | None, samples: int, device: str) -> list[str]:
+    """The config of a preset: recipe, trunk, views, data, precision."""
+    if preset.jpeg:
+        source = ["data=folder", f"data.train.path={data}"]
+    else:
+        source = ["data=synthetic", f"data.train.kwargs.num_samples={samples}",
+                  f"data.train.kwargs.image_size={preset.image_size}"]
+    crops = [f"data.image_size={preset.image_size}"]
+    if preset.num_small:
+        crops += [f"data.small_image_size={preset.small_size}", f"data.transform.num_small={preset.num_small}"]
+    amp = ["amp.enabled=true", "amp.dtype=bfloat16"] if device == "cuda" else ["amp.enabled=false"]
+    return [f"config={preset.recipe}", *source, *preset.trunk, *crops, f"data.batch_size={preset.batch}",
+            f"machine.device={device}", "machine.channels_last=true", *amp, "log.every_n_steps=1000"]
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
+    """(a) images/s of the plain step on synthetic views already on the device."""
+    device, b = task.device, preset.batch
+    channels = 3
+    views = [torch.randn(b, channels, s, s, device=device).contiguous(memory_format=torch.channels_last)
+             for s in preset.views()]
+    sample = {"input": views, "target": torch.zeros(b, dtype=torch.int64, device=device),
+              "data_valid": torch.ones(b, dtype=torch.bool, device=device),
+              "data_idx": torch.arange(b, device=device)}
+    fire = _dispatcher(method_hooks(task), task)
+    model, opt = task.model, task.optimizer
+    fire(Event.ON_START)
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        task.last_batch = LastBatch(sample=sample)
+        with precision(task):
+            out = model(views)
+            task.last_batch.model_output = out
+            fire(Event.ON_FORWARD)
+            loss, _ = split_loss(call_loss(task.loss, out, sample, task.context()))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        fire(Event.ON_BACKWARD)
+        opt.step()
+        fire(Event.ON_UPDATE)
+        task.iteration += 1
+    _sync(device)
+    return b * steps / (time.perf_counter() - start)
+
+
+def loader_rate(task: SSLTask, steps: int, warmup: int) -> float:
+    """(b) images/s of the train batches alone, made ready on the device as the model takes them."""
+    loader, device = task.loaders["train"], task.device
+    batches = iter(loader)
+    images, start = 0, 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        sample = prepare_sample(task, next(batches), i)
+        if i >= warmup:
+            images += len(sample["data_idx"])
+    _sync(device)
+    return images / (time.perf_counter() - start)
+
+
+def step_rate(cfg_overrides: list[str], out: str, steps: int, warmup: int) -> tuple[float, SSLTask]:
+    """(c) images/s of sslkit's full step (trainer, standard step, hooks)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    task = build_task(bench_config(warmup + steps, cfg_overrides, out))
+    clock = Clock(task.device, warmup, task.max_iterations)
+    task.hooks.append(StepClock(clock))
+    train(task, standard_train_step)
+    return task.global_batch_size * steps / clock.block_seconds(), task
+
+
+def tool_rates(preset: Preset, device: torch.device, steps: int) -> list[tuple[str, float | str]]:
+    """The augmentation alone on one uint8 batch on the device: sslkit's batched ops, kornia's."""
+    from sslkit.data.device_augment import device_augment_for
+    from sslkit.data.transforms import build_simclr
+
+    size = 375 if preset.image_size >= 128 else preset.image_size * 2
+    images = torch.randint(0, 256, (preset.batch, 3, size, size), dtype=torch.uint8, device=device)
+    transform = build_simclr(preset.image_size, crop_scale=(0.08, 1.0), blur_p=0.5)
+    ours = device_augment_for(transform)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def timed(fn) -> float:
+        fn()
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _sync(device)
+        return preset.batch * steps / (time.perf_counter() - t)
+
+    rows: list[tuple[str, float | str]] = [("sslkit batched ops (2 views)", timed(lambda: ours(images, generator)))]
+    try:
+        import kornia.augmentation as K
+    except ImportError:
+        rows.append(("kornia (2 views)", "not installed (pip install kornia)"))
+        return rows
+    s = preset.image_size
+    pipeline = torch.nn.Sequential(
+        K.RandomResizedCrop((s, s), scale=(0.08, 1.0)), K.RandomHorizontalFlip(),
+        K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8), K.RandomGrayscale(p=0.2),
+        K.RandomGaussianBlur((s // 10 * 2 + 1, s // 10 * 2 + 1), (0.1, 2.0), p=0.5),
+        K.Normalize(mean=torch.tensor([0.485, 0.456, 0.406]), std=torch.tensor([0.229, 0.224, 0.225])),
+    ).to(device)
+    rows.append(("kornia (2 views)", timed(lambda: [pipeline(images.float() / 255) for _ in range(2)])))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure and print the table; returns 0."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="small settings (CPU: a few minutes on 2 cores)")
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 4)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out first (default 5, quick 1)")
+    parser.add_argument("--compile", action="store_true", help="machine.compile=true for (a) and (c)")
+    parser.add_argument("--tools", action="store_true", help="also time the augmentation alone: ours vs kornia")
+    args, overrides = parser.parse_known_args(argv)
+    if bad := [o for o in overrides if "=" not in o]:
+        parser.error(f"not an option nor a key=value override: {' '.join(bad)}")
+    names = [n for n in args.presets.split(",") if n]
+    if unknown := [n for n in names if n not in PRESETS]:
+        parser.error(f"unknown preset(s) {unknown}: choose from {', '.join(PRESETS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("throughput.py: --device cuda, but no CUDA device is visible here; use --device cpu --quick",
+              file=sys.stderr)
+        return 2
+    steps = args.steps or (4 if args.quick else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    setup_logging(None)
+    import logging
+
+    logging.getLogger("sslkit").setLevel(logging.WARNING)
+    scratch = Path(tempfile.mkdtemp(prefix="sslkit_throughput_"))
+    try:
+        return _measure(args, names, steps, warmup, overrides, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int, overrides: list[str],
+             scratch: Path) -> int:
+    presets = {n: _quick(PRESETS[n]) if args.quick else PRESETS[n] for n in names}
+    extra = [*(["machine.compile=true"] if args.compile else []), *overrides]
+    largest = max(p.batch for p in presets.values())
+    samples = largest * (warmup + steps + 2)
+    folder = None
+    if any(p.jpeg for p in presets.values()):
+        t = time.perf_counter()
+        folder = make_jpeg_folder(scratch / "jpeg", samples, 0.32 if args.quick else 1.0)
+        print(f"wrote {samples} JPEGs to {folder} in {time.perf_counter() - t:.0f} s", flush=True)
+    rows = []
+    header_done = False
+    for name, preset in presets.items():
+        base = [*preset_overrides(preset, folder, samples, args.device), *extra]
+        raw_task = build_task(bench_config(warmup + steps, base, str(scratch / "raw")))
+        t0 = time.perf_counter()
+        if not header_done:
+            print("\n".join(machine_header(raw_task.config, raw_task.device)), flush=True)
+            header_done = True
+        raw = raw_rate(raw_task, preset, steps, warmup)
+        del raw_task
+        print(f"{name}: raw step {raw:,.0f} img/s", flush=True)
+        pipelines = [p for p in PIPELINES if preset.jpeg or p != "device+decode"]
+        for pipeline in pipelines:
+            cfg = [*base, *PIPELINES[pipeline]]
+            loader_task = build_task(bench_config(warmup + steps, cfg, str(scratch / "loader")))
+            workers = loader_task.loaders["train"].num_workers
+            loaded = loader_rate(loader_task, steps, warmup)
+            loader_task.close()
+            del loader_task
+            full, task = step_rate(cfg, str(scratch / f"{name}-{pipeline}"), steps, warmup)
+            task.close()
+            print(f"{name} {pipeline}: loader {loaded:,.0f} img/s, full step {full:,.0f} img/s "
+                  f"({time.perf_counter() - t0:.0f} s so far)", flush=True)
+            rows.append((name, preset, pipeline, workers, loaded, full, raw))
+    print()
+    print("| preset | trunk | views | batch | pipeline | workers | (b) loader img/s | (c) step img/s | "
+          "(a) raw img/s | c / a |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, preset, pipeline, workers, loaded, full, raw in rows:
+        trunk = preset.trunk[0].split("=")[1]
+        print(f"| {name} | {trunk} | {preset.describe()} | {preset.batch} | {pipeline} | {workers} | "
+              f"{loaded:,.0f} | {full:,.0f} | {raw:,.0f} | {full / raw:.2f} |")
+    if args.tools:
+        print()
+        print("| augmentation alone, one batch on the device | images/s |")
+        print("| --- | --- |")
+        first = next(iter(presets.values()))
+        for label, rate in tool_rates(first, torch.device(args.device), steps):
+            print(f"| {label} | {rate if isinstance(rate, str) else f'{rate:,.0f}'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
