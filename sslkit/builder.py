@@ -20,7 +20,7 @@ import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.config.compose import ConfigError
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
-from sslkit.data.device_augment import DeviceAugment, device_augment_for
+from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
@@ -131,24 +131,21 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
     return _limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
 
 
-def _unaugmented(image: torch.Tensor) -> list[torch.Tensor]:
-    """The image as it was read (uint8 ``[C, H, W]``), one view: ``data.augment_on=device`` augments the batch."""
-    return [image]
-
-
 def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
-            workers: int, pin: bool, device_augment: bool = False) -> Any:
+            workers: int, pin: bool, device_augment: DeviceAugment | None = None) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
     used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read
-    (and the batches of images of many sizes come packed, :func:`~sslkit.data.device_decode.collate_raw`)."""
-    ds = SSLDataset(source, _unaugmented if device_augment else build_transform(transform.name, **_kwargs(transform)),
-                    seed=cfg.seed)
+    and draw each sample's augmentation parameters (:class:`~sslkit.data.device_augment.ReadForDevice`); batches
+    of images of many sizes come packed (:func:`~sslkit.data.device_decode.collate_raw`)."""
+    made = ReadForDevice(device_augment.num_views) if device_augment is not None else \
+        build_transform(transform.name, **_kwargs(transform))
+    ds = SSLDataset(source, made, seed=cfg.seed)
     sampler = StatefulDistributedSampler(
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
     )
     ignores = tuple(int(getattr(signal, name)) for name in cfg.reliability.preemption_signals)
-    collate = functools.partial(collate_views, stack=collate_raw) if device_augment else collate_views
+    collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
                         drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores,
                         collate_fn=collate)
@@ -225,7 +222,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
         device_augment.compile(cfg.machine.compile_backend, None if cfg.machine.compile_mode == "default"
                                else cfg.machine.compile_mode)
     train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
-                           workers=workers, pin=pin, device_augment=device_augment is not None)
+                           workers=workers, pin=pin, device_augment=device_augment)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate

@@ -24,8 +24,8 @@ from torchvision.ops import roi_align
 from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps
 
 __all__ = [
-    "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "crop_and_resize",
-    "crop_boxes", "device_augment_for", "pack",
+    "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "ReadForDevice",
+    "crop_and_resize", "crop_boxes", "device_augment_for", "pack",
 ]
 
 #: Uniforms one view consumes, in :class:`SimCLRTransform`'s layout.
@@ -348,6 +348,11 @@ class DeviceSimCLRAugment:
                                               device=device))
                 for _ in range(self.spec.num_views)]
 
+    @property
+    def num_views(self) -> int:
+        """Views per image."""
+        return self.spec.num_views
+
 
 class DeviceAugment:
     """Groups of :class:`DeviceSimCLRAugment` applied in order: the device version of a multi-crop transform
@@ -363,10 +368,46 @@ class DeviceAugment:
         for group in self.groups:
             group.compile(backend, mode)
 
+    @property
+    def num_views(self) -> int:
+        """Views per image, all groups together."""
+        return sum(group.num_views for group in self.groups)
+
     def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
         """Every group's ``num_views`` views of the batch, drawn from ``generator`` (the batch packed once)."""
         images = pack(images)
         return [view for group in self.groups for view in group(images, generator)]
+
+    def apply(self, images: Images, uniforms: torch.Tensor) -> list[torch.Tensor]:
+        """Every view of the batch from given uniforms ``[N, num_views, UNIFORMS_PER_VIEW]`` (view after view, in
+        the per-image transform's order): with the uniforms :class:`ReadForDevice` draws per sample, the views
+        of the per-image transform for the same (seed, epoch, index)."""
+        if uniforms.shape[1:] != (self.num_views, UNIFORMS_PER_VIEW):
+            raise ValueError(f"uniforms of shape {tuple(uniforms.shape)} for {self.num_views} views of "
+                             f"{UNIFORMS_PER_VIEW}")
+        images = pack(images)
+        views, k = [], 0
+        for group in self.groups:
+            for _ in range(group.num_views):
+                views.append(group.views(images, uniforms[:, k]))
+                k += 1
+        return views
+
+
+class ReadForDevice:
+    """The loader workers' "transform" under ``data.augment_on=device``: the image as read (uint8 ``[C, H, W]``,
+    or a JPEG's bytes) and the uniforms of its ``num_views`` views ``[num_views, UNIFORMS_PER_VIEW]``, drawn as
+    the per-image transform draws them. :class:`~sslkit.data.SSLDataset` seeds the draw from (seed, epoch,
+    index), so a sample's augmentation does not depend on its batch, the number of processes or a resume, and
+    equals the workers pipeline's, parameter for parameter."""
+
+    def __init__(self, num_views: int) -> None:
+        """Draw the uniforms of ``num_views`` views per image."""
+        self.num_views = num_views
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """``[image, uniforms]``."""
+        return [image, torch.rand(self.num_views, UNIFORMS_PER_VIEW, dtype=torch.float64)]
 
 
 def device_augment_for(transform: object) -> DeviceAugment:

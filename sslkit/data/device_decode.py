@@ -52,9 +52,9 @@ class RawImages:
 
 
 def collate_raw(images: Sequence[torch.Tensor]) -> torch.Tensor | RawImages:
-    """One view of a batch under ``data.augment_on=device``: a ``[N, C, H, W]`` stack if the images have one
-    size, else :class:`RawImages` (1-D tensors are JPEG bytes)."""
-    if all(t.dim() == 3 for t in images) and len({tuple(t.shape) for t in images}) == 1:
+    """One view of a batch under ``data.augment_on=device``: a stack if the tensors have one shape (images of one
+    size, the uniforms of the augmentation), else :class:`RawImages` (1-D tensors are JPEG bytes)."""
+    if all(t.dim() != 1 for t in images) and len({tuple(t.shape) for t in images}) == 1:
         return torch.stack(list(images))
     decoded_at = [i for i, t in enumerate(images) if t.dim() == 3]
     encoded_at = [i for i, t in enumerate(images) if t.dim() != 3]

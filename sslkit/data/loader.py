@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,16 +70,37 @@ def signals_blocked(signals: tuple[int, ...]) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+#: Iterators of :class:`SignalSafeLoader` with worker processes, shut down at exit (:func:`_shutdown_at_exit`).
+_LIVE_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Stop the workers of every loader iterator still alive at interpreter exit. Workers ignore SIGTERM (the
+    pre-emption signals), and multiprocessing's own exit handler (registered earlier, so it runs after this
+    one) would terminate them with it and then wait for them forever: an iterator kept alive by a reference
+    cycle, or a script that never closed its task, would hang the exit."""
+    for iterator in list(_LIVE_ITERATORS):
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            with contextlib.suppress(Exception):
+                shutdown()
+
+
 class SignalSafeLoader(DataLoader):
     """A DataLoader whose worker processes start with the pre-emption signals blocked (they inherit the
-    mask), so no worker dies of a group signal before :func:`ignore_signals_in_worker` has run."""
+    mask), so no worker dies of a group signal before :func:`ignore_signals_in_worker` has run; their
+    iterators are stopped at interpreter exit if nothing stopped them before."""
 
     worker_ignores: tuple[int, ...] = ()
 
     def __iter__(self) -> Any:
         """Start (or reuse) the workers with :attr:`worker_ignores` blocked in this process meanwhile."""
         with signals_blocked(self.worker_ignores if self.num_workers > 0 else ()):
-            return super().__iter__()
+            iterator = super().__iter__()
+        if self.num_workers > 0:
+            _LIVE_ITERATORS.add(iterator)
+        return iterator
 
 
 def build_loader(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,6 @@ from sslkit.clock import call_loss
 from sslkit.data.device_augment import Images
 from sslkit.data.device_decode import DeviceDecoder, RawImages
 from sslkit.data.prefetch import Prefetcher
-from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
 from sslkit.optim import set_lr, set_weight_decay
@@ -85,8 +85,10 @@ def read_sample(task: SSLTask) -> dict[str, Any]:
         return sample
     position = _position(task)
     if not isinstance(task.data_iterator, Prefetcher):  # the phase's first batch
-        task.data_iterator = Prefetcher(task.data_iterator, functools.partial(prepare_sample, task), task.device,
-                                        start=position)
+        # a weak reference: the task holds the prefetcher, which must not hold the task (a cycle would keep the
+        # loader's iterator, and its worker processes, alive until a garbage collection)
+        prepare = functools.partial(prepare_sample, weakref.proxy(task))
+        task.data_iterator = Prefetcher(task.data_iterator, prepare, task.device, start=position)
     with task.perf_stats.timer("read_sample"):
         sample = next(task.data_iterator)
     if task.data_iterator.position - 1 != position:
@@ -104,33 +106,29 @@ def _position(task: SSLTask) -> int:
     return clock.step_in_epoch * clock.micro_batches + clock.micro_batch
 
 
-def prepare_sample(task: SSLTask, batch: dict[str, Any], position: int) -> dict[str, Any]:
+def prepare_sample(task: SSLTask, batch: dict[str, Any], position: int = 0) -> dict[str, Any]:
     """A train batch made the model's sample: copied to the device (non-blocking from pinned memory) and, with
-    ``data.augment_on=device``, decoded and augmented there (seeded by its ``position`` in the epoch)."""
+    ``data.augment_on=device``, decoded and augmented there. ``position`` (the micro-batch of the epoch) is
+    the prefetcher's count; the augmentation does not depend on it (each sample brings its own uniforms)."""
     device_side = task.data.device_augment is not None
     sample = to_sample(batch, task.device, task.channels_last and not device_side)
     if device_side:
-        images = sample["input"][0]
+        images, uniforms = sample["input"]
         if isinstance(images, RawImages):  # images of many sizes, JPEGs as bytes
             with task.perf_stats.timer("decode"):
                 decoder = task.data.device_decoder or _PACK_ONLY
                 images = decoder(images, sample, task.device)
         with task.perf_stats.timer("augment"):
-            sample["input"] = augment_on_device(task, images, position)
+            sample["input"] = augment_on_device(task, images, uniforms)
     return sample
 
 
-def augment_on_device(task: SSLTask, images: Images, position: int | None = None) -> list[torch.Tensor]:
-    """``data.augment_on=device``: the views of a batch of images as read, augmented on the task's device.
-
-    The generator is seeded from (seed, rank, epoch, ``position``: the micro-batch of the epoch, the clock's
-    by default): the augmentation of a batch follows from its place in the run alone, so a resumed run draws
-    what the uninterrupted one drew (nothing to checkpoint) and every rank and micro-batch draws its own."""
-    clock = task.clock
-    position = _position(task) if position is None else position
-    generator = torch.Generator(device=task.device)
-    generator.manual_seed(mix_seed(task.seed, task.rank, clock.epoch, position))
-    views = task.data.device_augment(images, generator)
+def augment_on_device(task: SSLTask, images: Images, uniforms: torch.Tensor) -> list[torch.Tensor]:
+    """``data.augment_on=device``: the views of a batch of images as read, augmented on the task's device with
+    each sample's uniforms ``[N, views, 54]``, which the loader workers drew from (seed, epoch, index) as the
+    per-image transform draws them: a sample's views do not depend on its batch, the number of processes or a
+    resume (nothing to checkpoint), and match the workers pipeline's parameter for parameter."""
+    views = task.data.device_augment.apply(images, uniforms)
     if task.channels_last:
         views = [v.contiguous(memory_format=torch.channels_last) for v in views]
     return views

@@ -235,3 +235,28 @@ def test_skipped_samples_follow_batch_device_and_state_roundtrip() -> None:
     assert fresh.totals() == SkipTotals(2, 3, 1)
     counter.reset()
     assert counter.totals() == SkipTotals(0, 0, 0)
+
+
+def test_a_process_exits_with_a_worker_iterator_left_alive(tmp_path) -> None:
+    """Workers ignore SIGTERM (the pre-emption signals); an iterator kept alive by a reference cycle at exit is
+    still shut down, so the interpreter ends instead of waiting for its workers forever."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    script = tmp_path / "leak.py"
+    script.write_text(
+        "import signal, torch\n"
+        "from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader\n"
+        "from sslkit.data.sources import build_synthetic\n"
+        "ds = SSLDataset(build_synthetic('train', num_samples=64, image_size=8), lambda x: [x.float()])\n"
+        "loader = build_loader(ds, 4, StatefulDistributedSampler(64, 1, 0), num_workers=1, persistent_workers=True,\n"
+        "                      worker_ignores=(int(signal.SIGTERM), int(signal.SIGINT)))\n"
+        "class Holder: pass\n"
+        "h = Holder(); h.it = iter(loader); h.me = h; next(h.it)\n"
+        "del h, loader\n"
+        "print('done', flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]

@@ -160,3 +160,27 @@ def test_device_augmentation_resumes_bit_identically(tmp_path, recipe: str) -> N
     expected, got = reliability_helpers.latest_state(ref), reliability_helpers.latest_state(out)
     assert expected["position"]["iteration"] == 8
     reliability_helpers.assert_identical(got, expected)
+
+
+def test_device_pipeline_gives_each_sample_the_workers_augmentation() -> None:
+    """Each sample's uniforms are drawn in the worker from (seed, epoch, index) as the per-image transform draws
+    them: with the crop geometry fixed to the whole image (no resampling), the device views of a batch are the
+    workers pipeline's views of the same samples, whatever batch they land in."""
+    from sslkit.data import SSLDataset
+    from sslkit.data.device_augment import ReadForDevice
+    from sslkit.data.device_decode import collate_raw
+    from sslkit.data.loader import collate_views
+    from sslkit.data.sources import build_synthetic
+
+    source = build_synthetic("train", num_samples=16, image_size=24)
+    transform = SimCLRTransform(24, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), **ALL_ON)
+    augment = device_augment_for(transform)
+    workers = SSLDataset(source, transform, seed=7)
+    device = SSLDataset(source, ReadForDevice(augment.num_views), seed=7)
+    for indices in ([3, 0, 9, 12], [12, 5]):  # sample 12 in two different batches
+        batch = collate_views([device[(2, i)] for i in indices], stack=collate_raw)
+        views = augment.apply(batch["input"][0], batch["input"][1])
+        for row, i in enumerate(indices):
+            expected = workers[(2, i)]["views"]
+            for v, view in enumerate(views):
+                torch.testing.assert_close(view[row], expected[v], rtol=0, atol=2e-5)
