@@ -13,7 +13,7 @@ setup(
     package_data={"sslkit": ["config/*.yaml"]},
     install_requires=[
         "torch>=2.2",
-        "torchvision>=0.17",
+        "torchvision>=0.19",  # decode_jpeg of a list of images on the device (data.decode_on=device)
         "fvcore>=0.1.5",
         "iopath>=0.1.9",
         "hydra-core>=1.3",
@@ -23,6 +23,10 @@ setup(
         "numpy>=1.23",
         "pillow>=9.0",
     ],
-    extras_require={"test": ["pytest>=7.0", "ruff>=0.4"]},
+    extras_require={
+        "test": ["pytest>=7.0", "ruff>=0.4"],
+        # benchmarks/throughput.py --tools times kornia's augmentation against sslkit's (docs/data.md)
+        "bench": ["kornia>=0.8"],
+    },
     entry_points={"console_scripts": ["sslkit = sslkit.cli:console"]},
 )

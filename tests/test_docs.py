@@ -271,7 +271,7 @@ def plan(command: str) -> Plan:
             return Plan("refusal", names=m.expand(names), timeout=90.0 if argv[0] == "torchrun" else 30.0)
     if argv[:2] == ["sslkit", "list"] or "--help" in argv or argv[:2] == ["python", "tools/audit.py"]:
         return Plan("quick")
-    if argv[:2] == ["python", "benchmarks/overhead.py"]:
+    if argv[:2] in (["python", "benchmarks/overhead.py"], ["python", "benchmarks/throughput.py"]):
         # Both loops run in one process with no signal handling of their own (Ctrl-C is a KeyboardInterrupt
         # traceback), for minutes: check that it gets through its start (config, build_task, the refusals,
         # the header line "machine: ...") and kill it there.

