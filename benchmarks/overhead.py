@@ -8,7 +8,8 @@ the same batches. Overrides (``data.batch_size=128``, ``amp.enabled=true``, ``co
 to both. The plain loop mirrors what sslkit's standard step does to the numbers:
 
 * the same device, model (channels_last as configured), loss, optimizer and GradScaler, all from
-  ``build_task``;
+  ``build_task``, and the same batches (``prepare_sample``: on the device, augmented there under
+  ``data.augment_on=device``);
 * the same precision: forward and loss under ``torch.autocast(device_type, dtype)`` when
   ``amp.enabled=true``; with float16, ``scaler.scale(loss).backward()``, ``scaler.step``,
   ``scaler.update``;
@@ -70,7 +71,7 @@ from sslkit.hooks.base import Event, SSLHook  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
 from sslkit.reliability import PreemptionHook  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
-from sslkit.train_steps.sample import to_sample  # noqa: E402
+from sslkit.train_steps.stages import prepare_sample  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
 from sslkit.trainer import train  # noqa: E402
 
@@ -282,7 +283,8 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                 task.clock.micro_batches = accumulate
                 for micro in range(accumulate):
                     task.clock.micro_batch = micro
-                    sample = to_sample(next(batches), device, task.channels_last)
+                    # on the device, augmented there under data.augment_on=device, as sslkit's sample stage
+                    sample = prepare_sample(task, next(batches))
                     task.last_batch = LastBatch(sample=sample)
                     with precision():
                         output = model(sample["input"])

@@ -152,11 +152,11 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
 
 
 def _device_augment(cfg: DictConfig, device: torch.device) -> DeviceAugment | None:
-    """``data.augment_on``: the batch augmentation, or None where the workers augment. ``auto`` is ``device`` on
-    CUDA when the training transform has a device version (else workers, said in the log), and ``workers`` on
-    the CPU (docs/data.md: what each pipeline measured there)."""
+    """``data.augment_on``: the batch augmentation, or None where the workers augment. ``auto`` is ``device``
+    wherever the training transform has a device version (else workers, said in the log): on CUDA, where the
+    worker pipeline starves the GPU, and on the CPU, where it measured faster too (docs/data.md)."""
     choice = cfg.data.augment_on
-    if choice == "workers" or (choice == "auto" and device.type != "cuda"):
+    if choice == "workers":
         return None
     try:
         augment = device_augment_for(build_transform(cfg.data.transform.name, **_kwargs(cfg.data.transform)))
@@ -174,10 +174,10 @@ def _device_decoder(cfg: DictConfig, source: Dataset, device: torch.device, augm
     cores for it). Tells the source to give its JPEGs as bytes."""
     choice = cfg.data.decode_on
     if augment is None:
-        if choice == "device":  # augment_on=auto resolved to workers here
+        if choice == "device":  # augment_on=auto fell back to the workers (a transform without a device version)
             raise ConfigError("data.decode_on=device needs the augmentation on the device too, and data.augment_on="
-                              f"{cfg.data.augment_on} augments in the loader workers on {device.type}: set "
-                              "data.augment_on=device, or data.decode_on=auto")
+                              f"{cfg.data.augment_on} augments in the loader workers here ({cfg.data.transform.name} "
+                              "has no device version): use data.decode_on=auto")
         return None
     files = source.dataset if isinstance(source, Subset) else source
     if not hasattr(files, "jpeg_bytes"):

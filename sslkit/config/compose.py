@@ -625,9 +625,9 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"'distributed.node_rank' must be in [0, num_nodes={d.num_nodes}), got {d.node_rank}")
     if cfg.optim.epochs == 0 and cfg.optim.max_steps == 0:
         errors.append("'optim.epochs' and 'optim.max_steps' are both 0: set one of them > 0")
-    if cfg.data.decode_on == "device" and cfg.data.augment_on != "device":
-        errors.append(f"'data.decode_on' = device needs the augmentation on the device too (data.augment_on="
-                      f"{cfg.data.augment_on}): set data.augment_on=device, or data.decode_on=auto")
+    if cfg.data.decode_on == "device" and cfg.data.augment_on == "workers":
+        errors.append("'data.decode_on' = device needs the augmentation on the device too (data.augment_on="
+                      "workers): set data.augment_on=device or auto, or data.decode_on=auto")
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1:
         _check_steps(cfg, errors)
     _check_folder_paths(cfg, errors)
