@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import pickle
 import re
 from typing import Any
 
@@ -119,6 +120,33 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, found[-1][1]) if found else None
 
 
+def _numpy_array_globals() -> list[Any]:
+    """What a pickled numpy array needs (data, not code): checkpoints written before 2026-11-23 hold numpy's RNG
+    state as an array."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read one checkpoint file without running code: ``torch.load(weights_only=True)`` takes tensors, numbers,
+    strings and plain containers only (and numpy arrays, for older checkpoints). A file that holds anything
+    else (a pickled object whose loading would call a function) raises :class:`CheckpointError` naming it."""
+    with g_pathmgr.open(path, "rb") as f, torch.serialization.safe_globals(_numpy_array_globals()):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"GLOBAL (\S+)", str(exc))
+            if found is None:
+                raise  # not a refused object: a damaged file, which the caller treats as such
+            raise CheckpointError(
+                f"checkpoint {path} holds {found.group(1)}, which loading would call: sslkit loads only tensors and "
+                "plain data (torch.load(weights_only=True)), so it refuses this file. A checkpoint sslkit wrote never "
+                "holds one: if you did not make this file yourself, do not load it."
+            ) from None
+
+
 def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], str] | None:
     """Load the latest readable checkpoint in ``ckpt_dir``: ``(state, path)``, or None if none exists.
 
@@ -133,9 +161,9 @@ def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> 
     ]
     for path in candidates:
         try:
-            with g_pathmgr.open(path, "rb") as f:
-                state = torch.load(f, map_location=map_location, weights_only=False)
-            return state, path
+            return read_checkpoint(path, map_location), path
+        except CheckpointError:
+            raise  # not a damaged file: one that would run code
         except Exception as exc:  # a truncated or corrupt file: fall back to an older one
             logger.error("checkpoint %s is unreadable (%s: %s); trying an older one", path,
                          type(exc).__name__, exc)

@@ -495,10 +495,12 @@ class SSLTask:
 
 
 def rng_state() -> dict[str, Any]:
-    """The RNG states of python, numpy, torch (CPU) and CUDA on this process."""
+    """The RNG states of python, numpy, torch (CPU) and CUDA on this process, as plain containers, numbers and
+    tensors only, so that a checkpoint loads with ``torch.load(weights_only=True)`` (no pickled numpy array)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -509,7 +511,10 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state`'s output."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    if isinstance(keys, torch.Tensor):  # stored as a tensor (checkpoints before 2026-11-23 hold the array itself)
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -47,3 +47,55 @@ def test_no_checkpoint_returns_none_and_all_corrupt_raises(tmp_path) -> None:
         f.write(b"garbage")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be read \(1 tried.*auto_resume=false"):
         load_checkpoint(d)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path) -> None:
+    """A checkpoint file carrying a pickled call (here: create a file) is refused by name, and the call never
+    runs; the run's own checkpoints, numpy RNG state included, load with weights_only=True."""
+    import glob
+
+    from helpers import SMALL, run_main
+
+    from sslkit.checkpoint import read_checkpoint
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    run_main(*SMALL, "config=simclr", "optim.max_steps=2", "eval.knn.enabled=false", f"output_dir={tmp_path / 'run'}")
+    ckpts = tmp_path / "run" / "checkpoints"
+    good = sorted(glob.glob(str(ckpts / "checkpoint_*.pt")))[-1]
+    state = torch.load(good, weights_only=True)  # plain torch, the safe way: no error
+    assert isinstance(state["rng"][0]["numpy"][1], torch.Tensor)
+    evil = ckpts / "checkpoint_000000099.pt"
+    torch.save({**state, "extra": Payload()}, evil)
+    (ckpts / "latest.txt").write_text(evil.name)
+    with pytest.raises(CheckpointError, match=r"holds .*open.*which loading would call"):
+        load_checkpoint(str(ckpts))
+    with pytest.raises(CheckpointError):
+        read_checkpoint(str(evil))
+    assert not marker.exists()
+    proc = run_main(*SMALL, "config=simclr", "optim.max_steps=4", "eval.knn.enabled=false",
+                    f"output_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode != 0 and "which loading would call" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_numpy_rng_state_round_trips_through_the_plain_form() -> None:
+    """The numpy RNG state is stored as a tensor and restored exactly (the next draws are the same); the older
+    form with the array itself is still accepted."""
+    import numpy as np
+
+    from sslkit.task import rng_state, set_rng_state
+
+    np.random.seed(3)
+    np.random.standard_normal()  # a cached gaussian in the state too
+    state = rng_state()
+    expected = np.random.random(5)
+    set_rng_state(state)
+    assert np.array_equal(np.random.random(5), expected)
+    old = dict(state, numpy=(state["numpy"][0], state["numpy"][1].numpy().astype(np.uint32), *state["numpy"][2:]))
+    set_rng_state(old)
+    assert np.array_equal(np.random.random(5), expected)
