@@ -203,7 +203,7 @@ def loader_rate(task: SSLTask, steps: int, warmup: int) -> float:
         if i == warmup:
             _sync(device)
             start = time.perf_counter()
-        sample = prepare_sample(task, next(batches), i)
+        sample = prepare_sample(task, next(batches))
         if i >= warmup:
             images += len(sample["data_idx"])
     _sync(device)

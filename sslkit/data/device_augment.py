@@ -1,12 +1,13 @@
 """SimCLR-style augmentation of a whole batch on its device: per-sample random parameters, a few batched kernels.
 
-The first building block of ``data.augment_on=device`` (issue 13; not wired into the loader yet). It
-computes what :class:`sslkit.data.transforms.SimCLRTransform` computes for one image, for a batch of
-images at once, on the batch's device (CPU or CUDA), with no Python loop over images and no host-device
-sync: the uniforms of every view are drawn in one call from a seeded generator, in the same layout as the
-per-image transform (54 per view: 40 for the crop, then flip, jitter, grayscale, blur, solarize), so that
-given the same uniforms both pipelines draw the same crop boxes, flips, jitter factors and order, grayscale,
-blur sigmas and solarisation. The crop and resize is one ``torchvision.ops.roi_align`` over all boxes
+The augmentation of ``data.augment_on=device`` (docs/data.md). It computes what
+:class:`sslkit.data.transforms.SimCLRTransform` computes for one image, for a batch of images at once, on
+the batch's device (CPU or CUDA), with no Python loop over images and no host-device sync. It takes the
+uniforms in the per-image transform's layout (54 per view: 40 for the crop, then flip, jitter, grayscale,
+blur, solarize): each sample's, drawn in the loader workers (:class:`ReadForDevice`, for
+:meth:`DeviceAugment.apply`), or drawn for the batch from a generator (``__call__``). Given the same
+uniforms both pipelines draw the same crop boxes, flips, jitter factors and order, grayscale, blur sigmas
+and solarisation. The crop and resize is one ``torchvision.ops.roi_align`` over all boxes
 (bilinear, averaging several samples per output pixel where it shrinks a crop), which differs from the per-image
 antialiased ``F.interpolate`` in the last digits of a resized crop (tests/data/test_device_augment.py
 measures how much); every other operation gives the per-image result up to float rounding.

@@ -102,9 +102,11 @@ class DeviceDecoder:
 
     def __call__(self, raw: RawImages, sample: dict[str, Any], device: torch.device) -> PackedImages:
         """The batch's images on ``device``, packed (:class:`PackedImages`) in batch order."""
+        pixels = raw.pixels.to(device, non_blocking=True) if raw.decoded_at else raw.pixels
+        if not raw.encoded_at:  # all decoded by the workers: already packed in batch order, no copy to repeat
+            return PackedImages(pixels, raw.shapes)
         images: list[torch.Tensor | None] = [None] * len(raw)
         if raw.decoded_at:
-            pixels = raw.pixels.to(device, non_blocking=True)
             offset = 0
             for at, shape in zip(raw.decoded_at, raw.shapes, strict=True):
                 size = shape[0] * shape[1] * shape[2]

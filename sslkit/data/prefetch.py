@@ -9,8 +9,9 @@ for the side stream's event before it reads the batch, and the batch's tensors a
 while the step still reads them. On the CPU the same object prepares one batch ahead in line: the
 order of work and the results are those of CUDA, and the tests run this code.
 
-Each batch is prepared with its position in the epoch (the micro-batch count from the phase's start),
-which seeds its augmentation: the prefetch changes when a batch is prepared, never what it is.
+The prefetcher counts the batches it hands over (:attr:`Prefetcher.position`, from the phase's start), so
+the sample stage can check that a step reads one batch per micro-batch. It changes when a batch is
+prepared, never what it is: each sample brings its own augmentation parameters.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ def _record(x: Any, stream: torch.cuda.Stream) -> None:
 
 
 class Prefetcher:
-    """An iterator of prepared samples: ``prepare(batch, position)`` of each batch of ``batches``, one ahead.
+    """An iterator of prepared samples: ``prepare(batch)`` of each batch of ``batches``, one ahead.
 
-    ``position`` counts the batches from ``start`` (the phase's first micro-batch after a resume). On a
+    :attr:`position` counts the batches handed over from ``start`` (the phase's first micro-batch after a
+    resume). On a
     CUDA ``device`` the preparation runs on a side stream; elsewhere in line. ``StopIteration`` comes when
     the batch after the last is asked for, as from the wrapped iterator.
     """
 
-    def __init__(self, batches: Iterator[Any], prepare: Callable[[Any, int], Any], device: torch.device,
+    def __init__(self, batches: Iterator[Any], prepare: Callable[[Any], Any], device: torch.device,
                  start: int = 0) -> None:
         """Wrap ``batches``; nothing is read before the first ``next()``."""
         self.batches = batches
@@ -59,7 +61,7 @@ class Prefetcher:
         """Itself."""
         return self
 
-    def _prepare_next(self, position: int) -> None:
+    def _prepare_next(self) -> None:
         """Read the next batch and queue its preparation (on the side stream on CUDA)."""
         try:
             batch = next(self.batches)
@@ -67,10 +69,10 @@ class Prefetcher:
             self._ahead, self._exhausted = None, True
             return
         if self.stream is None:
-            self._ahead = (self.prepare(batch, position), None)
+            self._ahead = (self.prepare(batch), None)
             return
         with torch.cuda.stream(self.stream):
-            sample = self.prepare(batch, position)
+            sample = self.prepare(batch)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._ahead = (sample, event)
@@ -79,7 +81,7 @@ class Prefetcher:
         """The prepared batch at :attr:`position`; queues the next one's preparation before returning."""
         if not self._started:
             self._started = True
-            self._prepare_next(self.position)
+            self._prepare_next()
         if self._exhausted or self._ahead is None:
             raise StopIteration
         sample, event = self._ahead
@@ -88,5 +90,5 @@ class Prefetcher:
             current.wait_event(event)
             _record(sample, current)
         self.position += 1
-        self._prepare_next(self.position)
+        self._prepare_next()
         return sample

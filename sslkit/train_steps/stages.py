@@ -106,10 +106,9 @@ def _position(task: SSLTask) -> int:
     return clock.step_in_epoch * clock.micro_batches + clock.micro_batch
 
 
-def prepare_sample(task: SSLTask, batch: dict[str, Any], position: int = 0) -> dict[str, Any]:
+def prepare_sample(task: SSLTask, batch: dict[str, Any]) -> dict[str, Any]:
     """A train batch made the model's sample: copied to the device (non-blocking from pinned memory) and, with
-    ``data.augment_on=device``, decoded and augmented there. ``position`` (the micro-batch of the epoch) is
-    the prefetcher's count; the augmentation does not depend on it (each sample brings its own uniforms)."""
+    ``data.augment_on=device``, decoded and augmented there (each sample brings its own uniforms)."""
     device_side = task.data.device_augment is not None
     sample = to_sample(batch, task.device, task.channels_last and not device_side)
     if device_side:

@@ -10,20 +10,20 @@ from sslkit.registry import register_train_step
 from sslkit.train_steps import stages
 
 
-def test_batches_are_prepared_one_ahead_with_their_position() -> None:
-    calls: list[tuple[int, int]] = []
+def test_batches_are_prepared_one_ahead_and_counted() -> None:
+    calls: list[int] = []
 
-    def prepare(batch: int, position: int) -> dict:
-        calls.append((batch, position))
-        return {"input": [torch.full((2,), float(batch))], "position": position}
+    def prepare(batch: int) -> dict:
+        calls.append(batch)
+        return {"input": [torch.full((2,), float(batch))]}
 
     prefetcher = Prefetcher(iter([10, 11, 12]), prepare, torch.device("cpu"), start=5)
     assert calls == []  # nothing is read before the first batch is asked for
     first = next(prefetcher)
-    assert first["position"] == 5 and first["input"][0].tolist() == [10.0, 10.0]
-    assert calls == [(10, 5), (11, 6)]  # the next batch is already prepared while this one is used
-    assert [s["position"] for s in prefetcher] == [6, 7]
-    assert prefetcher.position == 8 and calls[-1] == (12, 7)
+    assert prefetcher.position == 6 and first["input"][0].tolist() == [10.0, 10.0]
+    assert calls == [10, 11]  # the next batch is already prepared while this one is used
+    assert [s["input"][0][0].item() for s in prefetcher] == [11.0, 12.0]
+    assert prefetcher.position == 8 and calls == [10, 11, 12]
     with pytest.raises(StopIteration):
         next(prefetcher)
 
