@@ -22,6 +22,7 @@ setup(
         "tqdm>=4.60",
         "numpy>=1.23",
         "pillow>=9.0",
+        "safetensors>=0.4",  # sslkit export: the weights format model libraries load without running code
     ],
     extras_require={
         "test": ["pytest>=7.0", "ruff>=0.4"],

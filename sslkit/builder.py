@@ -23,6 +23,7 @@ from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, bu
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
+from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
 from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
@@ -38,7 +39,8 @@ from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.reliability import PreemptionHook
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
-__all__ = ["build_task", "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism"]
+__all__ = ["build_task", "eval_sources", "eval_specs", "resolve_device", "resolve_num_workers", "seed_everything",
+           "set_determinism"]
 
 logger = logging.getLogger("sslkit")
 
@@ -339,18 +341,63 @@ def build_task(cfg: DictConfig) -> SSLTask:
     return task
 
 
-def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool) -> KNNHook | None:
-    num_classes = getattr(train_source, "num_classes", 0)
+#: Sources whose test split is a path of its own (the others find their test files next to the train ones).
+_OWN_TEST_PATH = ("folder", "filelist")
+
+
+def eval_specs(cfg: DictConfig) -> dict[str, tuple[str, str | None, dict[str, Any], str]]:
+    """Where the labelled evaluation sets come from, per split: ``(source, path, kwargs, where)``, ``where`` the
+    config section that set it. ``eval.data.*`` when given (a run on unlabelled images is measured on those),
+    else the training data's own splits (``data.train``, ``data.test``)."""
+    e, d = cfg.eval.data, cfg.data
+    if e.train.source is None and e.train.path is None:
+        if e.test.source is not None or e.test.path is not None:
+            raise ConfigError("eval.data.test is set but eval.data.train is not: kNN and the linear probe need both "
+                              "a labelled training set (eval.data.train.path=...) and a test set")
+        train_source = d.train.source
+        test_source = d.test.source or train_source
+        test_path = d.test.path if d.test.path is not None else (None if test_source in _OWN_TEST_PATH
+                                                                   else d.train.path)
+        return {"train": (train_source, d.train.path, _kwargs(d.train.kwargs, ()), "data.train"),
+                "test": (test_source, test_path, _kwargs(d.test.kwargs, ()), "data.test")}
+    train_source = e.train.source or d.train.source
+    test_source = e.test.source or train_source
+    test_path = e.test.path if e.test.path is not None else (None if test_source in _OWN_TEST_PATH else e.train.path)
+    test_kwargs = _kwargs(e.test.kwargs, ()) or _kwargs(e.train.kwargs, ())
+    return {"train": (train_source, e.train.path, _kwargs(e.train.kwargs, ()), "eval.data.train"),
+            "test": (test_source, test_path, test_kwargs, "eval.data.test")}
+
+
+def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[Dataset, Dataset, int]:
+    """The labelled train and test sets of kNN and the linear probe (:func:`eval_specs`), and their number of
+    classes; ``train_source``, the training data already built, is used again when it is the train set. Raises
+    :class:`DataSourceError` when they have no labels or no test split, saying what to set."""
+    specs = eval_specs(cfg)
+    sets: list[Dataset] = []
+    for split in ("train", "test"):
+        source, path, kwargs, where = specs[split]
+        if split == "train" and where == "data.train" and train_source is not None:
+            sets.append(train_source)
+            continue
+        if path is None and source in _OWN_TEST_PATH:
+            raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
+                                  f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
+                                  "sets of their own)")
+        sets.append(_limited(build_source(source, split, path, **kwargs), cfg.data.limit))
+    num_classes = int(getattr(sets[0], "num_classes", 0))
     if num_classes <= 0:
-        logger.warning("kNN evaluation skipped: the training data has no labels (num_classes=0)")
-        return None
-    if (cfg.data.test.source or cfg.data.train.source) == "folder" and cfg.data.test.path is None:
-        logger.warning("kNN evaluation skipped: a folder dataset needs data.test.path for its test split")
-        return None
+        source, path, _, where = specs["train"]
+        raise DataSourceError(f"{where} ({source}{', ' + str(path) if path else ''}) has no labels, and kNN and the "
+                              "linear probe need them: give labelled sets with eval.data.train.path=... and "
+                              "eval.data.test.path=... (a folder of class folders, or a file list with labels)")
+    return sets[0], sets[1], num_classes
+
+
+def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool) -> KNNHook | None:
     try:
-        test_source = _source(cfg, "test")
-    except Exception as exc:  # e.g. a folder source without data.test.path
-        logger.warning("kNN evaluation skipped: no test split (%s). Set data.test.path.", exc)
+        train_source, test_source, num_classes = eval_sources(cfg, train_source)
+    except (DataSourceError, ConfigError) as exc:
+        logger.warning("kNN evaluation skipped: %s", exc)
         return None
     k = cfg.eval.knn
     channels = getattr(train_source, "channels", 3)

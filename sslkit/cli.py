@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -22,7 +23,7 @@ from sslkit.errors import (
     storage_error,
 )
 from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
-from sslkit.runfolder import FolderPlan, prepare_output_dir, write_config
+from sslkit.runfolder import FolderPlan, prepare_output_dir, write_command, write_config
 from sslkit.task import SSLTask
 
 __all__ = ["console", "main", "run", "setup_logging"]
@@ -49,11 +50,13 @@ def setup_logging(output_dir: str | None, rank: int = 0) -> None:
         logger.addHandler(file)
 
 
-def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = None) -> SSLTask:
-    """Train with a composed config: write config.yaml, build the task, auto-resume, train.
+def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = None,
+        argv: list[str] | None = None) -> SSLTask:
+    """Train with a composed config: write config.yaml (and command.json), build the task, auto-resume, train.
 
     ``plan`` is what :func:`~sslkit.runfolder.prepare_output_dir` decided for the folder (made by
-    :func:`main` before any worker starts); ``summary`` the config as a diff against its recipe.
+    :func:`main` before any worker starts); ``summary`` the config as a diff against its recipe; ``argv``
+    the command-line arguments, kept in the folder for the run's report.
     """
     from sslkit.builder import build_task
     from sslkit.trainer import train
@@ -64,6 +67,8 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
         if plan is not None:
             plan.log()
         write_config(cfg)
+        if argv is not None:
+            write_command(cfg.output_dir, argv)
         logger.info("%s", summary or f"config: {cfg.name}; the full config is in "
                     f"{os.path.join(cfg.output_dir, 'config.yaml')}")
     task = build_task(cfg)
@@ -159,13 +164,13 @@ def _main(args: list[str]) -> int:
     if torchrun:
         init_process_group(d.backend, d.timeout_s, cfg.machine.device)
         try:
-            run(cfg, plan, summary)
+            run(cfg, plan, summary, args)
         finally:
             shutdown()
     elif d.nproc_per_node > 1 or d.num_nodes > 1:
         return _launch_workers(args, cfg, plan, summary)
     else:
-        run(cfg, plan, summary)
+        run(cfg, plan, summary, args)
     return 0
 
 
@@ -202,7 +207,7 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
     error is printed by rank 0 and ends the worker with its exit code, without a traceback.
     """
     try:
-        run(compose_config(args), plan if get_rank() == 0 else None, summary)
+        run(compose_config(args), plan if get_rank() == 0 else None, summary, args)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)
     except KeyboardInterrupt:
@@ -218,16 +223,56 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
         sys.exit(EXIT_STOPPED)
 
 
-def console(argv: list[str] | None = None) -> int:
-    """The ``sslkit`` command: ``sslkit list`` (what can be named in a config), ``sslkit train ARGS``
-    (the same as ``python tools/run.py ARGS``)."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] == "list":
-        from sslkit.catalog import catalog_text
+#: ``sslkit <command>``: what each does (the tools also run as ``python tools/<name>.py``).
+COMMANDS = {
+    "train": "train a model (= python tools/run.py): sslkit train config=simclr [key=value ...]",
+    "knn": "weighted kNN of a checkpoint's features (= tools/eval_knn.py): sslkit knn checkpoint=RUN_DIR",
+    "linear": "linear probe on the frozen trunk (= tools/eval_linear.py): sslkit linear checkpoint=RUN_DIR",
+    "extract": "features and labels to a file (= tools/extract_features.py): sslkit extract checkpoint=RUN_DIR "
+               "split=test output=feats.npz",
+    "export": "the trunk for torchvision, as safetensors (= tools/export.py): sslkit export checkpoint=RUN_DIR "
+              "output=encoder.safetensors",
+    "report": "a finished run's summary and plots: sslkit report RUN_DIR",
+    "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
+}
 
-        _print(catalog_text())
-        return 0
-    if args and args[0] == "train":
-        return main(args[1:])
-    _print("usage: sslkit list | sslkit train [config=NAME] [data=NAME] [key=value ...]\n\n" + _usage())
-    return 0 if args and args[0] in ("-h", "--help") else EXIT_BAD_INPUT
+
+def _command(name: str) -> Any:
+    """The entry point of ``sslkit <name>``."""
+    if name == "train":
+        return main
+    if name == "list":
+        def listing(_args: list[str]) -> int:
+            from sslkit.catalog import catalog_text
+
+            _print(catalog_text())
+            return 0
+        return listing
+    if name == "export":
+        from sslkit.evaluation.export import export_main
+
+        return export_main
+    if name == "report":
+        from sslkit.report import main as report_main
+
+        return report_main
+    from sslkit.evaluation import tools
+
+    return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]
+
+
+def console(argv: list[str] | None = None) -> int:
+    """The ``sslkit`` command: ``sslkit <command> [key=value ...]``, one of :data:`COMMANDS`."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in COMMANDS:
+        return int(_command(args[0])(args[1:]))
+    lines = "\n".join(f"  {name:8s} {what}" for name, what in COMMANDS.items())
+    text = f"usage: sslkit <command> [key=value ...]\n\ncommands:\n{lines}\n\nsslkit <command> --help says more."
+    if args and args[0] not in ("-h", "--help"):
+        from sslkit.suggest import did_you_mean
+
+        print(f"sslkit: unknown command '{args[0]}'.{did_you_mean(args[0], list(COMMANDS))}\n\n{text}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    _print(text)
+    return 0 if args else EXIT_BAD_INPUT

@@ -22,6 +22,7 @@ __all__ = [
     "RunFolderError",
     "config_changes",
     "prepare_output_dir",
+    "write_command",
     "write_config",
 ]
 
@@ -29,10 +30,14 @@ logger = logging.getLogger("sslkit")
 
 #: The resolved config of the run that owns the folder (written at every start, after the check).
 CONFIG_FILE = "config.yaml"
+#: The command-line arguments of the run's latest start (``sslkit report`` shows the config as a diff
+#: against the recipe they name).
+COMMAND_FILE = "command.json"
 #: Where an older run's files go when a fresh run starts in its folder.
 PREVIOUS = "previous"
 #: What a run writes into its folder; a fresh start moves these aside.
-RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard")
+RUN_FILES = ("config.yaml", "command.json", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "eval",
+             "report.md", "plots")
 
 #: Keys that do not change what is computed, only where, how fast or how it is reported: a run
 #: resumes with new values of these without a word. (Prefixes end with a dot.)
@@ -186,3 +191,14 @@ def write_config(cfg: DictConfig) -> str:
     path = os.path.join(str(cfg.output_dir), CONFIG_FILE)
     atomic_write(path, lambda f: f.write(text.encode()))
     return text
+
+
+def write_command(output_dir: str, argv: list[str]) -> str:
+    """Write ``<output_dir>/command.json``: the arguments of this start (``config=simclr a.b=c ...``), which
+    the run report turns into the config's difference from its recipe; returns the path."""
+    import json
+
+    path = os.path.join(output_dir, COMMAND_FILE)
+    text = json.dumps({"argv": list(argv)}, indent=1)
+    atomic_write(path, lambda f: f.write(text.encode()))
+    return path

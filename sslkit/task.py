@@ -439,6 +439,9 @@ class SSLTask:
             },
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
             "rank_local": self._rank_local_state(gather_rng),
+            # the resolved config as YAML text (plain data: weights_only loading reads it), so a checkpoint file
+            # copied out of its run folder still says how to rebuild its model (sslkit knn/linear/export)
+            "config": _config_text(self.config),
         }
 
     def hook_states(self) -> dict[str, Any]:
@@ -518,3 +521,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _config_text(config: Any) -> str | None:
+    """The resolved config as YAML text (None when the task was built without one)."""
+    if config is None:
+        return None
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_yaml(config, resolve=True) if isinstance(config, DictConfig) else None

@@ -45,7 +45,7 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 #: Keys whose contents are builder arguments, checked against the builder's signature.
 FREE_FORM = {
     "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
-    "model.trunk_kwargs", "model.head", "model.kwargs", "loss",
+    "model.trunk_kwargs", "model.head", "model.kwargs", "loss", "eval.data.train.kwargs", "eval.data.test.kwargs",
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
@@ -372,6 +372,14 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.keep_last": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "eval.linear.epochs": (lambda v: v >= 1, ">= 1"),
+    "eval.linear.batch_size": (lambda v: v >= 1, ">= 1"),
+    "eval.linear.batch_size_features": (lambda v: v >= 1, ">= 1"),
+    "eval.linear.lr": (lambda v: v > 0 and _finite(v), "> 0"),
+    "eval.linear.momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "eval.linear.weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0"),
+    "eval.linear.crop_scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
+                               "[low, high] with 0 < low <= high <= 1"),
     "eval.knn.k": (lambda v: v > 0, "> 0"),
     "eval.knn.temperature": (lambda v: v > 0 and _finite(v), "> 0"),
     "eval.knn.batch_size": (lambda v: v > 0, "> 0"),
