@@ -85,7 +85,23 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
         train(task, step)
     finally:
         task.close()
+    if rank == 0:
+        _write_report(cfg.output_dir)
     return task
+
+
+def _write_report(output_dir: str) -> None:
+    """The finished run's summary (report.md) and plots (sslkit/report.py); a failure there is logged, never
+    raised: the run's work is done and saved."""
+    try:
+        from sslkit.report import write_report
+
+        text = write_report(output_dir)
+        logger.info("%s\nsummary and plots: %s (again at any time: sslkit report %s)", text.rstrip(),
+                    os.path.join(output_dir, "report.md"), output_dir)
+    except Exception as exc:  # a plot library problem must not turn a finished run into a failed one
+        logger.warning("the run's report was not written (%s: %s); sslkit report %s tries again",
+                       type(exc).__name__, exc, output_dir)
 
 
 def _debug(args: list[str]) -> tuple[list[str], bool]:

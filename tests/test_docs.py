@@ -248,7 +248,8 @@ class Plan:
 
     #: ``ci``: not run, must be in .ci/run; ``refusal``: exit 2 with a message naming ``names``; ``quick``:
     #: exit 0; ``train``: SIGINT once training started, exit 75 with a checkpoint; ``start``: gets through
-    #: its start, then killed; ``skip``: not run (``reason``).
+    #: its start, then killed; ``tool``: an evaluation tool (``names``) on a tiny trained run put where the
+    #: command's checkpoint= points, exit 0 with the files it promises; ``skip``: not run (``reason``).
     kind: str
     names: str = ""
     reason: str = ""
@@ -271,6 +272,10 @@ def plan(command: str) -> Plan:
             return Plan("refusal", names=m.expand(names), timeout=90.0 if argv[0] == "torchrun" else 30.0)
     if argv[:2] == ["sslkit", "list"] or "--help" in argv or argv[:2] == ["python", "tools/audit.py"]:
         return Plan("quick")
+    if _tool(argv) is not None:
+        if _tool(argv) == "export" and "twin=none" not in argv:  # the tiny run's small CNN has no torchvision twin
+            return Plan("refusal", names="no torchvision twin", timeout=60.0)
+        return Plan("tool", names=_tool(argv) or "", timeout=90.0)
     if argv[:2] in (["python", "benchmarks/overhead.py"], ["python", "benchmarks/throughput.py"]):
         # Both loops run in one process with no signal handling of their own (Ctrl-C is a KeyboardInterrupt
         # traceback), for minutes: check that it gets through its start (config, build_task, the refusals,
@@ -279,6 +284,35 @@ def plan(command: str) -> Plan:
     if argv[:2] in (["python", "tools/run.py"], ["sslkit", "train"]) or argv[0] == "torchrun":
         return Plan("train", stop_within=STOP_WITHIN_S * _processes(command))
     raise AssertionError(f"no rule in tests/test_docs.py says how to run the doc command {command!r}")
+
+
+#: The tools run on a trained run: ``sslkit <sub>`` or ``python tools/<script>`` -> the subcommand.
+TOOLS = {"eval_knn.py": "knn", "eval_linear.py": "linear", "extract_features.py": "extract", "export.py": "export"}
+
+
+def _tool(argv: list[str]) -> str | None:
+    """The evaluation tool ``argv`` runs (knn, linear, extract, export, report), or None."""
+    if argv[0] == "sslkit" and len(argv) > 1 and argv[1] in (*TOOLS.values(), "report"):
+        return argv[1]
+    if argv[0] == "python" and len(argv) > 1 and argv[1].startswith("tools/"):
+        return TOOLS.get(argv[1][len("tools/"):])
+    return None
+
+
+#: The run folder the docs' tool commands name; the test puts a tiny trained run there.
+DOC_RUN = "runs/simclr-fashion_mnist"
+_TINY_RUN: list[Path] = []
+
+
+def _tiny_run(factory: pytest.TempPathFactory) -> Path:
+    """A tiny finished SimCLR run (small CNN, synthetic data, 2 steps), trained once for the tool commands."""
+    if not _TINY_RUN:
+        from helpers import run_main
+
+        out = factory.mktemp("doc_tiny_run") / "run"
+        run_main("config=simclr", *SMALL, "optim.max_steps=2", "log.tensorboard=false", f"output_dir={out}")
+        _TINY_RUN.append(out)
+    return _TINY_RUN[0]
 
 
 def _processes(command: str) -> int:
@@ -326,11 +360,13 @@ def _argv(command: str) -> list[str]:
     return [found, *argv[1:]]
 
 
-def _workdir(tmp_path: Path, command: str) -> Path:
+def _workdir(tmp_path: Path, command: str, run: Path | None = None) -> Path:
     """A folder to run ``command`` in: links to the repo's tools/, benchmarks/ and configs/ (so runs/ lands
     here), and my_ssl/ with the docs' example when the command imports it."""
     for name in ("tools", "benchmarks", "configs"):
         (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+    if run is not None and DOC_RUN in command:
+        shutil.copytree(run, tmp_path / DOC_RUN)
     for module, (file, doc) in MY_SSL.items():
         if f"imports=[{module}]" in command:
             (tmp_path / "my_ssl").mkdir(exist_ok=True)
@@ -349,6 +385,8 @@ class Outcome:
     stderr: str
     run_dir: str | None = None
     checkpoint: bool = False
+    #: The folder the command ran in.
+    cwd: Path = Path(".")
 
 
 #: Process groups of the commands still running: killed at the end of the module, whatever happened.
@@ -399,7 +437,7 @@ def _run(command: str, cwd: Path, p: Plan) -> Outcome:
         _RUNNING.discard(proc.pid)
     checkpoint = run_dir is not None and (cwd / run_dir / "checkpoints" / "latest.txt").exists()
     return Outcome(proc.returncode, out_file.read_text(errors="replace"), err_file.read_text(errors="replace"),
-                   run_dir, checkpoint)
+                   run_dir, checkpoint, cwd)
 
 
 #: Output folders under /tmp that doc commands name (output_dir=/tmp/...): removed before and after the run, so
@@ -459,7 +497,8 @@ def _start_all(request: pytest.FixtureRequest, factory: pytest.TempPathFactory) 
     selected = [item.callspec.params["command"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_doc_command" and hasattr(item, "callspec")]
     for command in sorted((c for c in selected if _runs(c)), key=_expected_seconds, reverse=True):
-        cwd = _workdir(factory.mktemp("doc_command"), command)
+        tool = _tool(shlex.split(command)) is not None
+        cwd = _workdir(factory.mktemp("doc_command"), command, _tiny_run(factory) if tool else None)
         _STARTED[command] = _POOL.submit(_execute, command, cwd, plan(command))
 
 
@@ -524,7 +563,14 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
     elif p.kind == "refusal":
         message = got.stderr.strip()
         assert got.returncode == 2, context
-        assert message.startswith("sslkit:") and "\n\n" not in message and p.names in message, context
+        assert re.match(r"sslkit( \w+)?:", message) and "\n\n" not in message and p.names in message, context
+    elif p.kind == "tool":  # ran on the tiny run and wrote what the docs say
+        assert got.returncode == 0, context
+        written = {"knn": "eval/knn.json", "linear": "eval/linear.json", "report": "report.md"}
+        if p.names in written:
+            assert (got.cwd / DOC_RUN / written[p.names]).exists(), context
+        for path in re.findall(r"(?<!\S)output=(\S+)", command):
+            assert (got.cwd / path).exists(), context
     else:  # train
         assert got.run_dir is not None, f"training never started: {context}"
         assert got.returncode == PREEMPTED, context

@@ -74,6 +74,12 @@ def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[d
         else:
             raise ToolError(f"sslkit {tool}: unknown argument '{key}'.{did_you_mean(key, [*keys, *top_level])} "
                             f"It takes {', '.join(f'{k}=' for k in keys)} and config overrides (a.b=c).")
+    if overrides:  # a mistyped key is said before the checkpoint is read (values are checked with the run's config)
+        from sslkit.config.compose import _apply_overrides
+
+        probe = schema()
+        OmegaConf.set_struct(probe, False)
+        _apply_overrides(probe, overrides)
     return opts, overrides
 
 

@@ -296,3 +296,24 @@ def test_tools_scripts_and_console_share_one_grammar() -> None:
     assert code == 2 and "Did you mean 'linear'" in err
     code, out, _ = sslkit("linear", "--help")
     assert code == 0 and "eval.linear" in out
+
+
+def test_a_run_on_unlabelled_images_is_measured_on_eval_data(tmp_path: Path) -> None:
+    """Training data without labels: kNN at the end of training uses eval.data.*; without them it is skipped with
+    the keys to set, and the tools say the same."""
+    unlabelled = ("config=simclr", *TINY, "data.train.kwargs.num_classes=0")
+    out = tmp_path / "with"
+    run_main(*unlabelled, "eval.data.train.source=synthetic", "eval.data.train.kwargs={num_samples: 48}",
+             f"output_dir={out}")
+    final = [r for r in metrics(out) if "knn_top1" in r]
+    assert len(final) == 1 and 0 <= final[0]["knn_top1"] <= 1
+    code, _, err = sslkit("knn", f"checkpoint={out}")
+    assert code == 0, err
+    result = json.loads((out / "eval" / "knn.json").read_text())
+    assert result["num_train"] == 48 and result["config"]["data"]["train"]["from"] == "eval.data.train"
+    assert result["top1"] == pytest.approx(final[0]["knn_top1"])
+
+    out = tmp_path / "without"
+    proc = run_main(*unlabelled, f"output_dir={out}")
+    assert "kNN evaluation skipped" in proc.stdout and "eval.data.train.path" in proc.stdout
+    assert not [r for r in metrics(out) if "knn_top1" in r]
