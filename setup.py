@@ -23,6 +23,7 @@ setup(
         "numpy>=1.23",
         "pillow>=9.0",
         "safetensors>=0.4",  # sslkit export: the weights format model libraries load without running code
+        "matplotlib>=3.7",  # sslkit report's PNG plots (the Agg backend: no display needed)
     ],
     extras_require={
         "test": ["pytest>=7.0", "ruff>=0.4"],

@@ -85,7 +85,7 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
         train(task, step)
     finally:
         task.close()
-    if rank == 0:
+    if rank == 0 and cfg.log.report:
         _write_report(cfg.output_dir)
     return task
 

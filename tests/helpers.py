@@ -55,7 +55,7 @@ SMALL = [
     "machine.device=cpu", "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16",
     "data.num_workers=0",
     "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
-    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5",
+    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5", "log.report=false",
 ]
 
 

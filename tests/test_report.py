@@ -1,0 +1,91 @@
+"""sslkit report: the summary of a run folder (figures computed here from the records) and its PNG plots."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from sslkit.config.compose import compose_config
+from sslkit.report import ReportError, main, summarize, write_report
+from sslkit.runfolder import write_command, write_config
+from tests.helpers import SMALL, run_main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _folder(tmp_path: Path, argv: list[str], torn: bool = False) -> tuple[Path, list[dict]]:
+    """A run folder written by hand: config.yaml and command.json of ``argv``, metrics of a resumed run (steps
+    20-30 logged twice), a kNN record and eval/linear.json."""
+    out = tmp_path / "run"
+    cfg = compose_config([*argv, f"output_dir={out}"])
+    out.mkdir()
+    write_config(cfg)
+    write_command(str(out), argv)
+    records = []
+    for step in (10, 20, 30, 20, 30, 40):  # a resume from step 10 logs 20 and 30 again
+        resumed = len(records) >= 3
+        records.append({"step": step, "epoch": 0, "phase": "train", "loss": 5.0 - step / 10 + (0.5 if resumed else 0),
+                        "lr": 0.1 * step, "img_per_s": 100.0 + step + (7 if resumed else 0), "elapsed_s": step * 2.0,
+                        "eta_s": 0.0 if step == 40 else 10.0, "rankme_features": 3.0 + step})
+    records.append({"step": 40, "epoch": 0, "phase": "eval", "knn_top1": 0.71, "knn_top5": 0.95})
+    text = "".join(json.dumps(r) + "\n" for r in records) + ('{"step": 50, "lo' if torn else "")
+    (out / "metrics.jsonl").write_text(text)
+    (out / "eval").mkdir()
+    (out / "eval" / "linear.json").write_text(json.dumps({
+        "top1": 0.8, "top5": 0.97, "step": 40, "done": True, "epochs_done": 2,
+        "epochs": [{"epoch": 1, "top1": 0.75}, {"epoch": 2, "top1": 0.8}]}))
+    return out, records
+
+
+def test_summary_figures_match_the_records(tmp_path: Path) -> None:
+    out, records = _folder(tmp_path, ["config=simclr", "data=synthetic", "optim.lr=0.7"], torn=True)
+    info = summarize(str(out))
+    train = [r for r in records if r["phase"] == "train"]
+    assert info["median_img_per_s"] == pytest.approx(statistics.median(r["img_per_s"] for r in train))
+    # the last value per step: 10 -> 4.0, 20 -> 3.5 (resumed), 30 -> 2.5 (resumed), 40 -> 1.5 (resumed)
+    assert info["final_loss"] == pytest.approx((4.0 + 3.5 + 2.5 + 1.5) / 4)
+    assert info["finished"] and info["steps"] == 40 and info["wall_s"] == pytest.approx(80.0)
+    assert info["knn"]["top1"] == 0.71 and info["linear"]["top1"] == 0.8
+    assert info["monitors"]["rankme_features"] == 43.0
+    assert info["recipe_diff"] == ["optim.lr: 0.3 -> 0.7"]
+
+    text = write_report(str(out))
+    assert (out / "report.md").read_text() == text
+    for needle in ("finished at step 40", "final loss 2.8750", "kNN top-1 0.7100", "linear probe top-1 0.8000",
+                   "optim.lr: 0.3 -> 0.7", "![loss](plots/loss.png)"):
+        assert needle in text
+    for name in ("loss.png", "lr.png", "eval.png"):
+        data = (out / "plots" / name).read_bytes()
+        assert data.startswith(PNG)
+        with Image.open(out / "plots" / name) as image:
+            assert image.size[0] >= 300 and image.size[1] >= 200
+
+
+def test_a_run_without_command_json_or_evaluations(tmp_path: Path) -> None:
+    out, _ = _folder(tmp_path, ["config=simclr", "data=synthetic"])
+    (out / "command.json").unlink()
+    (out / "eval" / "linear.json").unlink()
+    text = write_report(str(out))
+    assert "command that started the run is unknown" in text and "linear probe: not run" in text
+
+
+def test_wrong_folders_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ReportError, match="no such folder"):
+        summarize(str(tmp_path / "missing"))
+    assert main([str(tmp_path)]) == 2
+    assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "real"
+    proc = run_main("config=simclr", *SMALL, "optim.max_steps=2", "log.tensorboard=false", "optim.lr=0.2",
+                    "log.report=true", f"output_dir={out}")
+    assert "summary and plots" in proc.stdout
+    text = (out / "report.md").read_text()
+    assert "finished at step 2" in text and "optim.lr: 0.3 -> 0.2" in text and "kNN top-1" in text
+    assert "log.report" not in text  # SMALL turns it off, this run on: as its recipe
+    assert (out / "plots" / "loss.png").read_bytes().startswith(PNG)
