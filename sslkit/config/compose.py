@@ -481,9 +481,17 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
     copy); the ``folder`` source needs the train path."""
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
+        path = cfg.data[split].path
+        if source == "filelist":
+            if path is None and split == "train":
+                errors.append("'data.train.path' must be set for the filelist source: the file listing the images "
+                              "(lines 'path' or 'path,label'), e.g. data.train.path=/data/train.csv")
+            elif path is not None and not Path(str(path)).expanduser().is_file():
+                what = "is a folder, not a file" if Path(str(path)).expanduser().exists() else "does not exist"
+                errors.append(f"'data.{split}.path' = {path}: {what}; the filelist source needs the list file")
+            continue
         if source not in _PATH_SOURCES:
             continue
-        path = cfg.data[split].path
         if path is None:
             if source == "folder" and split == "train":
                 errors.append("'data.train.path' must be set for the folder source: the folder of images "

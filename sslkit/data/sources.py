@@ -22,6 +22,7 @@ __all__ = [
     "DEBIAN_FASHION_MNIST",
     "IMAGE_EXTENSIONS",
     "DataSourceError",
+    "FileListDataset",
     "FolderDataset",
     "SourceShape",
     "SyntheticDataset",
@@ -30,6 +31,7 @@ __all__ = [
     "build_cifar10",
     "build_cifar100",
     "build_fashion_mnist",
+    "build_filelist",
     "build_folder",
     "build_source",
     "build_synthetic",
@@ -408,6 +410,99 @@ class FolderDataset(Dataset):
         return t, label
 
 
+class FileListDataset(FolderDataset):
+    """Images named in a list file, decoded lazily like :class:`FolderDataset` (its probe, errors and device decode).
+
+    One image per line: ``path`` or ``path,label`` (CSV, an optional header ``path,label``), or ``path label``
+    (whitespace). Blank lines and lines starting with ``#`` are skipped. Relative paths are relative to the list
+    file's folder. Labels are all integers (used as they are; ``num_classes`` = largest + 1), all names (indexed
+    in sorted order, ``classes``), or absent on every line (label -1, ``num_classes`` 0: pretraining data).
+    """
+
+    def __init__(self, list_file: str | Path, channels: int = 3, probe: int = 32) -> None:
+        """Read ``list_file``; raise :class:`DataSourceError` for a missing list, an empty one, listed files that
+        do not exist (counted, the first named with their line), or lines that mix labelled and unlabelled."""
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        self.jpeg_bytes = False
+        path = Path(list_file).expanduser()
+        if not path.exists():
+            raise DataSourceError(f"file list {path} does not exist")
+        if path.is_dir():
+            raise DataSourceError(f"{path} is a folder: the filelist source takes a file listing the images (the "
+                                  "folder source takes a folder)")
+        self.root = path
+        self.channels = channels
+        entries = _read_list(path)
+        if not entries:
+            raise DataSourceError(f"file list {path} names no image (lines are 'path' or 'path,label')")
+        missing = [(n, f) for n, f, _ in entries if not os.path.isfile(f)]
+        if missing:
+            shown = "".join(f"\n  {path}:{n}: {f}" for n, f in missing[:5])
+            raise DataSourceError(f"{len(missing)} of the {len(entries)} files listed in {path} do not exist, e.g.:"
+                                  f"{shown}\nRelative paths are read from the list's folder ({path.parent}).")
+        labelled = [e for e in entries if e[2] is not None]
+        if labelled and len(labelled) != len(entries):
+            line = next(n for n, _, label in entries if label is None)
+            raise DataSourceError(f"{path}:{line}: no label, but other lines have one: give every line a label, or "
+                                  "none (unlabelled pretraining data)")
+        if not labelled:
+            self.classes: list[str] = []
+            self.samples = [(f, -1) for _, f, _ in entries]
+            self.num_classes = 0
+        elif all(label.lstrip("-").isdigit() for _, _, label in labelled):  # type: ignore[union-attr]
+            ints = [int(label) for _, _, label in labelled]  # type: ignore[arg-type]
+            if min(ints) < 0:
+                n = next(n for n, _, label in labelled if int(label) < 0)  # type: ignore[arg-type]
+                raise DataSourceError(f"{path}:{n}: negative label; labels are 0, 1, ... or class names")
+            self.classes = [str(i) for i in range(max(ints) + 1)]
+            self.samples = [(f, int(label)) for _, f, label in labelled]  # type: ignore[arg-type]
+            self.num_classes = max(ints) + 1
+        else:
+            self.classes = sorted({str(label) for _, _, label in labelled})
+            index = {name: i for i, name in enumerate(self.classes)}
+            self.samples = [(f, index[str(label)]) for _, f, label in labelled]
+            self.num_classes = len(self.classes)
+        if probe > 0:
+            self._probe(probe)
+
+
+#: First lines of a file list that are a CSV header, not an image.
+_HEADERS = (["path"], ["path", "label"], ["file", "label"], ["filename", "label"], ["image", "label"])
+
+
+def _read_list(path: Path) -> list[tuple[int, str, str | None]]:
+    """``(line number, absolute file, label or None)`` of each entry of a file list (see :class:`FileListDataset`)."""
+    entries: list[tuple[int, str, str | None]] = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for n, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [p.strip() for p in line.split(",")] if "," in line else line.split()
+        if not entries and [p.lower() for p in parts] in _HEADERS:
+            continue  # a CSV header
+        if len(parts) > 2:
+            raise DataSourceError(f"{path}:{n}: {len(parts)} fields; a line is 'path' or 'path,label' (a path with a "
+                                  "comma or spaces: quote-free CSV cannot hold it, rename the file)")
+        file = parts[0] if os.path.isabs(parts[0]) else os.path.normpath(os.path.join(path.parent, parts[0]))
+        entries.append((n, file, parts[1] if len(parts) == 2 and parts[1] != "" else None))
+    return entries
+
+
+@register_dataset("filelist")
+def build_filelist(split: str, path: str | None = None, channels: int = 3) -> FileListDataset:
+    """Images named in a list file (CSV or text: ``path[,label]``); the caller passes the split's own list."""
+    _check_split(split)
+    if not path:
+        raise DataSourceError(f"the 'filelist' source needs a list file: set data.{split}.path")
+    try:
+        return FileListDataset(path, channels=channels)
+    except DataSourceError as e:
+        raise DataSourceError(f"data.{split}.path: {e}") from None
+
+
 @register_dataset("folder")
 def build_folder(split: str, path: str | None = None, channels: int = 3) -> FolderDataset:
     """Images under ``path`` (ImageFolder tree or flat folder); the caller passes the split's own path."""
@@ -510,10 +605,10 @@ def source_shape(name: str, kwargs: Mapping[str, Any] | None = None) -> SourceSh
     if name in _FIXED_SHAPES:
         channels, size = _FIXED_SHAPES[name]
         return SourceShape(channels, size, None)
-    if name in ("synthetic", "folder"):
+    if name in ("synthetic", "folder", "filelist"):
         params = inspect.signature(build_synthetic if name == "synthetic" else build_folder).parameters
         value = {k: kwargs.get(k, p.default) for k, p in params.items()}
-        if name == "folder":
+        if name in ("folder", "filelist"):
             return SourceShape(int(value["channels"]), None, None)
         return SourceShape(int(value["channels"]), int(value["image_size"]), int(value["num_samples"]))
     return SourceShape(None, None, None)
