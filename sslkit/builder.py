@@ -321,6 +321,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     if cfg.distributed.consistency_check_every_n_steps > 0:
         hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
+    hooks += _monitor_hooks(cfg, device, trunk, train_source, sinks, workers, pin, amp_dtype)
     if cfg.eval.knn.enabled:
         knn = _knn_hook(cfg, train_source, sinks, workers, pin)
         if knn is not None:
@@ -339,6 +340,32 @@ def build_task(cfg: DictConfig) -> SSLTask:
         guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )
     return task
+
+
+def _monitor_hooks(cfg: DictConfig, device: torch.device, trunk: torch.nn.Module, train_source: Dataset,
+                   sinks: list[Any], workers: int, pin: bool, amp_dtype: torch.dtype | None) -> list[SSLHook]:
+    """``eval.monitors``: RankMe and the online linear probe (:class:`~sslkit.hooks.online.OnlineMonitorHook`);
+    ``auto`` turns them on with CUDA only, where they cost little next to the step."""
+    m = cfg.eval.monitors
+    on = device.type == "cuda" if m.enabled == "auto" else bool(m.enabled)
+    if not on:
+        return []
+    from sslkit.hooks.online import OnlineMonitorHook
+
+    num_classes = int(getattr(train_source, "num_classes", 0))
+    test_loader = None
+    if m.online_linear and m.online_linear_test and num_classes > 0:
+        try:
+            _, test_source, _ = eval_sources(cfg, train_source)
+            test_loader = _loader(cfg, test_source, cfg.data.eval_transform, train=False,
+                                  batch_size=cfg.eval.knn.batch_size, workers=workers, pin=pin)
+        except (DataSourceError, ConfigError) as exc:
+            logger.warning("online linear probe: no test top-1 (%s)", exc)
+    logger.info("online monitors on (eval.monitors.enabled=%s): RankMe every %d steps%s", m.enabled,
+                cfg.log.every_n_steps, ", an online linear probe" if m.online_linear and num_classes > 0 else "")
+    return [OnlineMonitorHook(int(getattr(trunk, "out_dim", 0)), num_classes, device, cfg.log.every_n_steps,
+                              m.rankme_samples, bool(m.online_linear), float(m.online_linear_lr), test_loader, sinks,
+                              amp_dtype)]
 
 
 #: Sources whose test split is a path of its own (the others find their test files next to the train ones).

@@ -49,7 +49,7 @@ FREE_FORM = {
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
-_VALUE_RULES_ONLY = {"log.progress_bar", "data.num_workers", "data.pin_memory"}
+_VALUE_RULES_ONLY = {"log.progress_bar", "data.num_workers", "data.pin_memory", "eval.monitors.enabled"}
 
 
 class ConfigError(UserError, ValueError):
@@ -380,6 +380,9 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.linear.weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0"),
     "eval.linear.crop_scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
                                "[low, high] with 0 < low <= high <= 1"),
+    "eval.monitors.enabled": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "eval.monitors.rankme_samples": (lambda v: v >= 2, ">= 2"),
+    "eval.monitors.online_linear_lr": (lambda v: v > 0 and _finite(v), "> 0"),
     "eval.knn.k": (lambda v: v > 0, "> 0"),
     "eval.knn.temperature": (lambda v: v > 0 and _finite(v), "> 0"),
     "eval.knn.batch_size": (lambda v: v > 0, "> 0"),

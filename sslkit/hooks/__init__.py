@@ -7,6 +7,7 @@ from sslkit.hooks.ema import MomentumTeacherHook
 from sslkit.hooks.knn import KNNHook
 from sslkit.hooks.logging import JsonlSink, LogHook
 from sslkit.hooks.monitor import CollapseMonitorHook
+from sslkit.hooks.online import OnlineMonitorHook
 from sslkit.hooks.tensorboard import TensorboardSink
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "KNNHook",
     "LogHook",
     "MomentumTeacherHook",
+    "OnlineMonitorHook",
     "SSLHook",
     "TensorboardSink",
 ]
