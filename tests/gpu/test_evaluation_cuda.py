@@ -1,0 +1,55 @@
+"""On CUDA: the online monitors, and the tools (knn, linear, extract, export) on a checkpoint trained on the GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SMALL, metrics, run_main
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+GPU = ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16", "machine.channels_last=true"]
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SimCLR run on the GPU with a torchvision ResNet-18 (ImageNet stem): monitors on by auto."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    out = tmp_path_factory.mktemp("gpu_eval") / "run"
+    run_main("config=simclr", *SMALL, *GPU, "model.trunk=resnet18", "model.trunk_kwargs={}", "optim.epochs=2",
+             f"output_dir={out}")
+    return out
+
+
+def test_monitors_are_on_by_default_on_cuda(gpu_run: Path) -> None:
+    records = metrics(gpu_run)
+    assert any("rankme_features" in r for r in records)
+    assert [r["epoch"] for r in records if "online_linear_test_top1" in r] == [0, 1]
+
+
+def test_tools_on_cuda_and_the_export_loads_on_the_cpu(gpu_run: Path, tmp_path: Path) -> None:
+    import torchvision
+    from safetensors.torch import load_file
+
+    from sslkit.evaluation.pretrained import load_pretrained
+    from sslkit.evaluation.tools import extract_main, knn_main, linear_main
+
+    assert knn_main([f"checkpoint={gpu_run}"]) == 0
+    trained = [r for r in metrics(gpu_run) if "knn_top1" in r][-1]["knn_top1"]
+    assert json.loads((gpu_run / "eval" / "knn.json").read_text())["top1"] == pytest.approx(trained, abs=0.02)
+    assert linear_main([f"checkpoint={gpu_run}", "eval.linear.epochs=2", "eval.linear.augment=true"]) == 0
+    assert extract_main([f"checkpoint={gpu_run}", f"output={tmp_path / 'f.pt'}"]) == 0
+    from sslkit.evaluation.export import export_main
+
+    assert export_main([f"checkpoint={gpu_run}", f"output={tmp_path / 'e.safetensors'}"]) == 0
+    model = torchvision.models.resnet18()
+    model.fc = torch.nn.Identity()
+    model.load_state_dict(load_file(str(tmp_path / "e.safetensors")), strict=True)  # CPU tensors
+    pre = load_pretrained(str(gpu_run), ["machine.device=cpu"])  # a GPU checkpoint read on the CPU
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x), pre.trunk(x), atol=1e-5)
