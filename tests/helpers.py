@@ -91,12 +91,22 @@ def run_main(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]
     environment, working directory, spawned workers)."""
     import contextlib
     import io
+    import logging
 
     from sslkit.cli import main
 
+    logger = logging.getLogger("sslkit")  # put the logger back as it was (module fixtures run outside conftest's)
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for handler in list(logger.handlers):
+            if handler not in handlers:
+                logger.removeHandler(handler)
+                handler.close()
+        logger.propagate, logger.level = propagate, level
     proc = subprocess.CompletedProcess(["sslkit", *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"exit {code}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
