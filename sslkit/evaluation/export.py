@@ -49,8 +49,9 @@ def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
     ``torch.compile`` (``_orig_mod.``) or DDP (``module.``) may add."""
     out: dict[str, torch.Tensor] = {}
     for key, value in module.state_dict().items():
-        for prefix in ("_orig_mod.", "module."):
-            key = key.replace(prefix, "")
+        key = key.replace("_orig_mod.", "")  # torch.compile's wrapper, at any depth
+        if key.startswith("module."):  # a DDP wrapper, at the top only ("submodule." must stay)
+            key = key[len("module."):]
         out[key] = value.detach().to("cpu").contiguous().clone()
     return out
 

@@ -382,7 +382,10 @@ def _extract(args: list[str]) -> int:
 
 def _extract_worker(args: list[str]) -> None:
     """A spawned extraction process: its share of the samples, written by rank 0 in dataset order."""
-    _setup_logging()
+    from sslkit.cli import setup_logging
+    from sslkit.distributed import get_rank
+
+    setup_logging(None, get_rank())  # rank 0 speaks, the others only warn
     opts, overrides = parse_tool_args("extract", args, TOOL_KEYS["extract"])
     _extract_rank(opts, overrides, opts.get("split", "test"))
 
