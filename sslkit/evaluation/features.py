@@ -30,10 +30,13 @@ def _collect(
 ) -> tuple[Tensor, Tensor]:
     """Apply ``fn`` to the first view of every batch; float32 CPU ``[N, D]`` features and ``[N]`` labels.
 
-    In a distributed run the per-rank results are gathered so every rank returns all of them.
+    In a distributed run the per-rank results are gathered so every rank returns all of them: in dataset order with
+    each sample once when the batches carry ``data_idx`` (sslkit's loaders; the sampler pads the last ranks by
+    repeating samples), else rank after rank.
     """
     feats: list[Tensor] = []
     labels: list[Tensor] = []
+    indices: list[Tensor] = []
     for batch in loader:
         x = _first_view(batch).to(device, non_blocking=True)
         out = fn(x)
@@ -44,6 +47,8 @@ def _collect(
             out = F.normalize(out, dim=1)
         feats.append(out.cpu())
         labels.append(torch.as_tensor(batch["target"]).reshape(-1).long().cpu())
+        if "data_idx" in batch:
+            indices.append(torch.as_tensor(batch["data_idx"]).reshape(-1).long().cpu())
 
     if feats:
         features, targets = torch.cat(feats), torch.cat(labels)
@@ -52,6 +57,17 @@ def _collect(
     if features.shape[0] != targets.shape[0]:
         raise ValueError(f"{features.shape[0]} features but {targets.shape[0]} labels")
     if is_distributed():
+        if len(indices) == len(feats) and feats:
+            # the sampler pads the last ranks by repeating samples: gather the dataset indices too, keep each
+            # sample once, in dataset order, so N processes evaluate exactly what one does
+            keyed = torch.stack([targets, torch.cat(indices)], dim=1)
+            features, keyed = _gather_unequal(features, keyed, device)
+            order = torch.argsort(keyed[:, 1], stable=True)
+            index = keyed[order, 1]
+            first = torch.ones_like(index, dtype=torch.bool)
+            first[1:] = index[1:] != index[:-1]
+            order = order[first]
+            return features[order], keyed[order, 0]
         features, targets = _gather_unequal(features, targets, device)
     return features, targets
 
@@ -74,11 +90,11 @@ def _gather_unequal(features: Tensor, labels: Tensor, device: torch.device) -> t
     max_n = max(counts)
     world = len(counts)
     if max_n == 0:
-        return torch.zeros(0, dim), torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dim), torch.zeros(0, *labels.shape[1:], dtype=torch.long)
 
     padded = torch.zeros(max_n, dim, dtype=torch.float32)
     padded[:n] = features.reshape(n, dim)
-    padded_labels = torch.full((max_n,), -1, dtype=torch.long)
+    padded_labels = torch.full((max_n, *labels.shape[1:]), -1, dtype=torch.long)
     padded_labels[:n] = labels
 
     per_rank_feats: list[list[Tensor]] = [[] for _ in range(world)]
@@ -113,7 +129,8 @@ def extract_features(
     ``amp_dtype`` is given. Outputs are flattened to ``[B, D]``, cast to float32 and, if
     ``normalize``, L2-normalised. Returns float32 ``[N, D]`` features and int64 ``[N]`` labels on
     the CPU. With ``torch.distributed`` initialised and more than one process, every rank returns
-    the features of all ranks (rank order; unequal per-rank sizes are handled).
+    the features of all ranks (dataset order without the sampler's repeats when batches carry ``data_idx``, else
+    rank order; unequal per-rank sizes are handled).
     """
     modes = [(m, m.training) for m in encoder.modules()]
     encoder.eval()

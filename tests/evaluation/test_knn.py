@@ -291,6 +291,16 @@ def _rank_loader(rank: int, sizes: list[int]) -> list[dict]:
     return batches
 
 
+#: A sampler's shards of 5 samples over 2 ranks: rank 1 is padded with sample 0 again.
+_PADDED_SHARDS = [[0, 2, 4], [1, 3, 0]]
+
+
+def _padded_loader(rank: int) -> list[dict]:
+    idx = torch.tensor(_PADDED_SHARDS[rank])
+    x = (idx.float()[:, None] + torch.arange(48).float()).view(-1, 3, 4, 4)
+    return [{"input": [x], "target": idx % 3, "data_idx": idx}]
+
+
 _RANK_SIZES = {  # name -> per-rank batch sizes
     "unequal": [[2, 2, 1], [2, 1]],
     "empty_rank": [[2, 1], []],
@@ -306,6 +316,7 @@ def _dist_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         results = {}
         for name, sizes in _RANK_SIZES.items():
             results[name] = pixel_features(_rank_loader(rank, sizes[rank]))
+        results["padded"] = pixel_features(_padded_loader(rank))
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -324,3 +335,9 @@ def test_distributed_gather_unequal_sizes(tmp_path) -> None:
             feats, labels = torch.load(tmp_path / f"rank{rank}.pt")[name]
             assert labels.tolist() == expected_labels.tolist(), (name, rank)
             torch.testing.assert_close(feats, F.normalize(pixels, dim=1))
+    # with data_idx: each sample once, in dataset order, as one process would see them
+    whole = (torch.arange(5).float()[:, None] + torch.arange(48).float())
+    for rank in range(2):
+        feats, labels = torch.load(tmp_path / f"rank{rank}.pt")["padded"]
+        assert labels.tolist() == [i % 3 for i in range(5)]
+        torch.testing.assert_close(feats, F.normalize(whole, dim=1))
