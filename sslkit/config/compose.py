@@ -481,7 +481,7 @@ _PATH_SOURCES = {
 def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
     """Sources that read a folder (``folder``, ``fashion_mnist``): a ``data.<split>.path`` that is set must be an
     existing folder (so a typo stops here, before the output folder is made, and never falls back to another
-    copy); the ``folder`` source needs the train path."""
+    copy); the ``folder`` source needs the train path. The ``filelist`` source likewise, with a file."""
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
         path = cfg.data[split].path
@@ -490,8 +490,10 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
                 errors.append("'data.train.path' must be set for the filelist source: the file listing the images "
                               "(lines 'path' or 'path,label'), e.g. data.train.path=/data/train.csv")
             elif path is not None and not Path(str(path)).expanduser().is_file():
-                what = "is a folder, not a file" if Path(str(path)).expanduser().exists() else "does not exist"
-                errors.append(f"'data.{split}.path' = {path}: {what}; the filelist source needs the list file")
+                what = ("is a folder, not a file (data=folder reads a folder of images)"
+                        if Path(str(path)).expanduser().exists() else "does not exist")
+                errors.append(f"'data.{split}.path' = {path}: {what}; the filelist source needs the file listing "
+                              "the images, one 'path' or 'path,label' a line")
             continue
         if source not in _PATH_SOURCES:
             continue

@@ -8,6 +8,7 @@ from sslkit.data.sampler import StatefulDistributedSampler
 from sslkit.data.seeding import mix_seed
 from sslkit.data.sources import (
     DataSourceError,
+    FileListDataset,
     FolderDataset,
     SyntheticDataset,
     TensorImageDataset,
@@ -19,6 +20,7 @@ from sslkit.data.transforms import EvalTransform, SimCLRTransform, build_transfo
 __all__ = [
     "DataSourceError",
     "EvalTransform",
+    "FileListDataset",
     "FolderDataset",
     "SSLDataset",
     "SimCLRTransform",

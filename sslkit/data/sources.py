@@ -427,7 +427,8 @@ class FileListDataset(FolderDataset):
         self.jpeg_bytes = False
         path = Path(list_file).expanduser()
         if not path.exists():
-            raise DataSourceError(f"file list {path} does not exist")
+            raise DataSourceError(f"file list {path} does not exist: give the CSV or text file that lists the "
+                                  "images, one 'path' or 'path,label' a line")
         if path.is_dir():
             raise DataSourceError(f"{path} is a folder: the filelist source takes a file listing the images (the "
                                   "folder source takes a folder)")
@@ -439,8 +440,12 @@ class FileListDataset(FolderDataset):
         missing = [(n, f) for n, f, _ in entries if not os.path.isfile(f)]
         if missing:
             shown = "".join(f"\n  {path}:{n}: {f}" for n, f in missing[:5])
+            header = ""
+            if missing[0][0] == entries[0][0] and not _has_image_ext(os.path.basename(missing[0][1])):
+                header = " If line 1 is a header, it must read 'path' or 'path,label'."
             raise DataSourceError(f"{len(missing)} of the {len(entries)} files listed in {path} do not exist, e.g.:"
-                                  f"{shown}\nRelative paths are read from the list's folder ({path.parent}).")
+                                  f"{shown}\nRelative paths are read from the list's folder ({path.parent}): fix "
+                                  f"the paths or copy the files there.{header}")
         labelled = [e for e in entries if e[2] is not None]
         if labelled and len(labelled) != len(entries):
             line = next(n for n, _, label in entries if label is None)
@@ -474,8 +479,16 @@ _HEADERS = (["path"], ["path", "label"], ["file", "label"], ["filename", "label"
 def _read_list(path: Path) -> list[tuple[int, str, str | None]]:
     """``(line number, absolute file, label or None)`` of each entry of a file list (see :class:`FileListDataset`)."""
     entries: list[tuple[int, str, str | None]] = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a spreadsheet's CSV may start with a byte-order mark
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        what = ("it is an image: give a file listing the images (or data=folder for a folder of them)"
+                if _has_image_ext(path.name) else "save the list as UTF-8 text, one 'path' or 'path,label' a line")
+        raise DataSourceError(f"{path}:{line}: not UTF-8 text ({e.reason}); {what}") from None
+    except OSError as e:
+        raise DataSourceError(f"cannot read file list {path}: {e.strerror or e}") from None
     for n, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -599,7 +612,8 @@ _FIXED_SHAPES = {"fashion_mnist": (1, 28), "cifar10": (3, 32), "cifar100": (3, 3
 def source_shape(name: str, kwargs: Mapping[str, Any] | None = None) -> SourceShape:
     """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as
     they are known without reading data (for config checks): Fashion-MNIST is 1x28x28, CIFAR 3x32x32,
-    ``synthetic`` follows its arguments, ``folder`` its ``channels`` (sizes vary); other sources: unknown.
+    ``synthetic`` follows its arguments, ``folder`` and ``filelist`` their ``channels`` (sizes vary); other
+    sources: unknown.
     """
     kwargs = dict(kwargs or {})
     if name in _FIXED_SHAPES:

@@ -65,6 +65,24 @@ def test_bad_lists_say_what_and_where(tmp_path: Path, content: str, words: list[
     assert all(w in str(exc.value) for w in words), str(exc.value)
 
 
+def test_a_spreadsheet_csv_with_a_byte_order_mark_keeps_its_header(tmp_path: Path) -> None:
+    files = _images(tmp_path / "imgs", 2)
+    lst = tmp_path / "train.csv"
+    lst.write_text("path,label\n" + "".join(f"imgs/{f.name},cat\n" for f in files), encoding="utf-8-sig")
+    ds = build_source("filelist", "train", str(lst))
+    assert len(ds) == 2 and ds.classes == ["cat"]
+
+
+def test_a_list_that_is_not_text_or_has_an_unknown_header_says_so(tmp_path: Path) -> None:
+    files = _images(tmp_path / "imgs", 2)
+    with pytest.raises(DataSourceError, match=r"img1\.jpg:1: not UTF-8 text.*data=folder"):
+        build_source("filelist", "train", str(files[1]))  # an image given as the list
+    lst = tmp_path / "train.csv"
+    lst.write_text("filepath,class\n" + "".join(f"imgs/{f.name},0\n" for f in files))
+    with pytest.raises(DataSourceError, match=r"(?s)train\.csv:1: .*filepath.*header, it must read 'path'"):
+        build_source("filelist", "train", str(lst))
+
+
 def test_a_corrupt_listed_image_is_unreadable_when_read(tmp_path: Path) -> None:
     files = _images(tmp_path / "imgs", 2)
     bad = tmp_path / "imgs" / "bad.jpg"
@@ -98,3 +116,7 @@ def test_config_check_names_a_missing_list(tmp_path: Path) -> None:
     proc = run_main("config=simclr", *SMALL, "data=filelist", f"data.train.path={tmp_path / 'nope.csv'}",
                     f"output_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2 and "nope.csv" in proc.stderr and "does not exist" in proc.stderr
+    proc = run_main("config=simclr", *SMALL, "data=filelist", f"data.train.path={tmp_path}",
+                    f"output_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "is a folder" in proc.stderr and "data=folder" in proc.stderr
+    assert "Traceback" not in proc.stderr
