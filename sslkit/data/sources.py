@@ -504,28 +504,27 @@ def _read_list(path: Path) -> list[tuple[int, str, str | None]]:
     return entries
 
 
+def _path_source(cls: Any, source: str, needs: str, split: str, path: str | None, channels: int) -> Any:
+    """Build a dataset read from ``data.<split>.path``; a missing or bad path names the key to set."""
+    _check_split(split)
+    if not path:
+        raise DataSourceError(f"the '{source}' source needs {needs}: set data.{split}.path")
+    try:
+        return cls(path, channels=channels)
+    except DataSourceError as e:
+        raise DataSourceError(f"data.{split}.path: {e}") from None
+
+
 @register_dataset("filelist")
 def build_filelist(split: str, path: str | None = None, channels: int = 3) -> FileListDataset:
     """Images named in a list file (CSV or text: ``path[,label]``); the caller passes the split's own list."""
-    _check_split(split)
-    if not path:
-        raise DataSourceError(f"the 'filelist' source needs a list file: set data.{split}.path")
-    try:
-        return FileListDataset(path, channels=channels)
-    except DataSourceError as e:
-        raise DataSourceError(f"data.{split}.path: {e}") from None
+    return _path_source(FileListDataset, "filelist", "a list file", split, path, channels)
 
 
 @register_dataset("folder")
 def build_folder(split: str, path: str | None = None, channels: int = 3) -> FolderDataset:
     """Images under ``path`` (ImageFolder tree or flat folder); the caller passes the split's own path."""
-    _check_split(split)
-    if not path:
-        raise DataSourceError(f"the 'folder' source needs a path: set data.{split}.path")
-    try:
-        return FolderDataset(path, channels=channels)
-    except DataSourceError as e:
-        raise DataSourceError(f"data.{split}.path: {e}") from None
+    return _path_source(FolderDataset, "folder", "a path", split, path, channels)
 
 
 # ----------------------------------------------------------------------------------------------------
