@@ -210,8 +210,10 @@ def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary:
         print(f"sslkit: a worker died ({exc}); all workers were stopped. Running the same command resumes "
               "from the last checkpoint.", file=sys.stderr)
         return EXIT_STOPPED
-    except ProcessRaisedException as exc:
-        print(f"sslkit: a worker failed; all workers were stopped.\n{exc}", file=sys.stderr)
+    except ProcessRaisedException:  # each failed worker printed its own traceback (distributed._worker)
+        print("sslkit: a worker failed, so all workers were stopped; each failed worker's traceback is above, "
+              "the first one is the cause. Running the same command resumes from the last checkpoint.",
+              file=sys.stderr)
         return EXIT_STOPPED
     return 0
 

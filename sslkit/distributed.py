@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import socket
+import sys
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -235,6 +237,13 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], npro
     init_process_group(backend, timeout_s, device)
     try:
         fn(*args)
+    except Exception:
+        # Printed here, before this process leaves the group: the parent re-raises only the error of
+        # the first worker to exit, and that is often a peer that saw this one's sockets close
+        # ("remote worker crashing"), not the cause. The cause is then always on stderr, first.
+        sys.stderr.write(f"sslkit: worker of rank {os.environ['RANK']} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        raise
     finally:
         shutdown()
 
@@ -255,7 +264,8 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: i
     Multi-node: start the same command on every node with its ``node_rank`` and the same
     ``master_addr`` / ``master_port`` (port 0 picks a free one, single node only). If any worker
     raises, the others are terminated and the error is re-raised here (torch.multiprocessing
-    ``ProcessRaisedException``), so a failure never leaves a hanging run. ``backend`` and ``device``
+    ``ProcessRaisedException``), so a failure never leaves a hanging run. Each worker that raises prints
+    its traceback to stderr first, since the re-raised error may be a peer's echo of it. ``backend`` and ``device``
     as in :func:`init_process_group`.
     """
     if master_port == 0:
