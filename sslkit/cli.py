@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -26,7 +26,7 @@ from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
 from sslkit.runfolder import FolderPlan, prepare_output_dir, write_command, write_config
 from sslkit.task import SSLTask
 
-__all__ = ["console", "main", "run", "setup_logging"]
+__all__ = ["console", "end_worker", "launch_workers", "main", "run", "setup_logging"]
 
 logger = logging.getLogger("sslkit")
 
@@ -191,31 +191,52 @@ def _main(args: list[str]) -> int:
 
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:
-    """Spawn this node's workers and turn their failures into a message and an exit status."""
+    """Spawn this node's training workers; their failures become a message and an exit status."""
+    d = cfg.distributed
+    return launch_workers(_worker_main, (args, plan, summary), "sslkit", RESUMES, nproc_per_node=d.nproc_per_node,
+                          num_nodes=d.num_nodes, node_rank=d.node_rank, master_addr=d.master_addr,
+                          master_port=d.master_port, backend=d.backend, timeout_s=d.timeout_s,
+                          device=cfg.machine.device)
+
+
+#: What a training run's failure message ends with.
+RESUMES = " Running the same command resumes from the last checkpoint."
+
+
+def launch_workers(fn: Any, fn_args: tuple[Any, ...], who: str = "sslkit", then: str = "", **launch_kwargs: Any) -> int:
+    """Run ``fn(*fn_args)`` in spawned workers (:func:`sslkit.distributed.launch` with ``launch_kwargs``) and
+    turn a worker's failure into a line on stderr from ``who`` (ending with ``then``) and an exit status:
+    a worker that ended itself on a user's error (:func:`end_worker`) passes its status on, with its message
+    already printed by rank 0; a worker that raised printed its traceback itself."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    d = cfg.distributed
     try:
-        launch(_worker_main, (args, plan, summary), d.nproc_per_node, d.num_nodes, d.node_rank, d.master_addr,
-               d.master_port, d.backend, d.timeout_s, cfg.machine.device)
+        launch(fn, fn_args, **launch_kwargs)
     except ProcessExitedException as exc:
         if exc.exit_code == PREEMPTED_EXIT_CODE:
-            print("sslkit: pre-empted; the checkpoint was written. Run the same command again to resume.",
+            print(f"{who}: pre-empted; the checkpoint was written. Run the same command again to resume.",
                   file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         if exc.exit_code in (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED):  # the worker printed why
-            print(f"sslkit: worker {exc.error_index} stopped (exit {exc.exit_code}, its message is above); all "
+            print(f"{who}: worker {exc.error_index} stopped (exit {exc.exit_code}, its message is above); all "
                   "workers were stopped.", file=sys.stderr)
             return exc.exit_code
-        print(f"sslkit: a worker died ({exc}); all workers were stopped. Running the same command resumes "
-              "from the last checkpoint.", file=sys.stderr)
+        print(f"{who}: a worker died ({exc}); all workers were stopped.{then}", file=sys.stderr)
         return EXIT_STOPPED
     except ProcessRaisedException:  # each failed worker printed its own traceback (distributed._worker)
-        print("sslkit: a worker failed, so all workers were stopped; each failed worker's traceback is above, "
-              "the first one is the cause. Running the same command resumes from the last checkpoint.",
-              file=sys.stderr)
+        print(f"{who}: a worker failed, so all workers were stopped; each failed worker's traceback is above, "
+              f"the first one is the cause.{then}", file=sys.stderr)
         return EXIT_STOPPED
     return 0
+
+
+def end_worker(exc: BaseException, who: str = "sslkit", what: str = "error") -> NoReturn:
+    """End a spawned worker on a user's error (or a halt) without a traceback: rank 0 prints
+    ``"<who>: <what>: <exc>"``, and every rank exits with the error's status, which
+    :func:`launch_workers` passes on."""
+    if get_rank() == 0:
+        print(f"{who}: {what}: {exc}", file=sys.stderr)
+    sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
 
 
 def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str | None = None) -> None:
@@ -231,9 +252,7 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     except (UserError, TrainingHalted) as exc:
-        if get_rank() == 0:
-            print(f"sslkit: {'stopped' if isinstance(exc, TrainingHalted) else 'error'}: {exc}", file=sys.stderr)
-        sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
+        end_worker(exc, "sslkit", "stopped" if isinstance(exc, TrainingHalted) else "error")
     except OSError as exc:
         if exc.errno not in STORAGE_ERRNOS:
             raise

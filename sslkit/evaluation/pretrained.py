@@ -14,7 +14,7 @@ from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint
 from sslkit.config.compose import ConfigError, _apply_overrides, import_modules, schema, validate
 from sslkit.errors import UserError
 
-__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "resolve_checkpoint"]
+__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint"]
 
 
 @dataclass
@@ -93,10 +93,13 @@ def _saved_config(state: dict[str, Any], path: str, run_dir: str) -> DictConfig:
 def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's config, completed with today's defaults for keys it predates, with ``overrides`` applied
     (``eval.knn.k=20``, ``machine.device=cpu``, ...) and validated like a training config: an unknown key is an
-    error naming the closest one."""
+    error naming the closest one. ``distributed.*`` starts from the defaults (one process), not the run's."""
     cfg = OmegaConf.merge(schema(), saved)
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, False)
+    # How the training run spread over processes says nothing of this evaluation's: one process unless an override
+    # says otherwise. (Kept, a run from 4 GPUs or 2 nodes would fail the device check on a 1-GPU machine.)
+    cfg.distributed = schema().distributed
     _apply_overrides(cfg, overrides)
     import_modules(cfg)
     validate(cfg)
@@ -129,12 +132,8 @@ def build_model(cfg: DictConfig, in_channels: int) -> nn.Module:
     return R.get(R.MODELS, cfg.model.name, "model.name")(trunk=trunk, head=head, **kwargs(cfg.model.kwargs))
 
 
-def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained:
-    """Read ``spec`` (a checkpoint file or a run folder) without running code (``weights_only``), rebuild its
-    model from the config stored with it, load the weights (strictly: every key must match) onto
-    ``machine.device`` and put it in eval mode."""
-    from sslkit.builder import resolve_device
-
+def _read(spec: str, overrides: list[str] | None) -> tuple[str, str, dict[str, Any], DictConfig]:
+    """The checkpoint ``spec`` names: its file, run folder, contents and validated evaluation config."""
     path, run_dir = resolve_checkpoint(spec)
     try:
         state = read_checkpoint(path, map_location="cpu")
@@ -146,7 +145,22 @@ def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained
                               "one: give the run folder instead.") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an sslkit checkpoint (no 'model' entry)")
-    cfg = eval_config(_saved_config(state, path, run_dir), list(overrides or []))
+    return path, run_dir, state, eval_config(_saved_config(state, path, run_dir), list(overrides or []))
+
+
+def pretrained_config(spec: str, overrides: list[str] | None = None) -> DictConfig:
+    """The validated evaluation config of the checkpoint ``spec`` names, without building its model: what a
+    tool checks before it spawns processes (a bad checkpoint, key or device is then said once, up front)."""
+    return _read(spec, overrides)[3]
+
+
+def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained:
+    """Read ``spec`` (a checkpoint file or a run folder) without running code (``weights_only``), rebuild its
+    model from the config stored with it, load the weights (strictly: every key must match) onto
+    ``machine.device`` and put it in eval mode."""
+    from sslkit.builder import resolve_device
+
+    path, run_dir, state, cfg = _read(spec, overrides)
     try:
         device = resolve_device(cfg.machine.device)
     except RuntimeError as exc:

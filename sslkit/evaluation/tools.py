@@ -372,22 +372,30 @@ def _extract(args: list[str]) -> int:
     nproc = int(_O.from_dotlist([o for o in overrides if o.startswith("distributed.nproc_per_node=")] or
                                 ["distributed.nproc_per_node=1"]).distributed.nproc_per_node)
     if nproc > 1:
-        from sslkit.distributed import launch
+        from sslkit.cli import launch_workers
+        from sslkit.evaluation.pretrained import pretrained_config
 
-        launch(_extract_worker, (args,), nproc, device="cpu" if "machine.device=cpu" in overrides else "auto")
-        return 0
+        # Checked here, once, before any process starts: the checkpoint, the keys, and one GPU per process.
+        cfg = pretrained_config(opts["checkpoint"], overrides)
+        d = cfg.distributed
+        return launch_workers(_extract_worker, (args,), "sslkit extract", nproc_per_node=nproc, backend=d.backend,
+                              timeout_s=d.timeout_s, device=cfg.machine.device)
     _extract_rank(opts, overrides, split)
     return 0
 
 
 def _extract_worker(args: list[str]) -> None:
-    """A spawned extraction process: its share of the samples, written by rank 0 in dataset order."""
-    from sslkit.cli import setup_logging
+    """A spawned extraction process: its share of the samples, written by rank 0 in dataset order. A user's
+    error (a bad checkpoint, a missing dataset) is said once, by rank 0, as ``sslkit extract`` says it."""
+    from sslkit.cli import end_worker, setup_logging
     from sslkit.distributed import get_rank
 
     setup_logging(None, get_rank())  # rank 0 speaks, the others only warn
     opts, overrides = parse_tool_args("extract", args, TOOL_KEYS["extract"])
-    _extract_rank(opts, overrides, opts.get("split", "test"))
+    try:
+        _extract_rank(opts, overrides, opts.get("split", "test"))
+    except UserError as exc:
+        end_worker(exc, "sslkit extract")
 
 
 def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -229,6 +230,38 @@ def test_extract_with_two_processes_equals_one(run: Path, tmp_path: Path) -> Non
     assert two["indices"].tolist() == list(range(63))
     np.testing.assert_allclose(two["features"], one["features"], atol=1e-6)
     assert two["labels"].tolist() == one["labels"].tolist()
+
+
+def test_the_runs_process_layout_does_not_carry_into_an_evaluation(run: Path) -> None:
+    """A checkpoint trained over 4 processes on 2 nodes with NCCL is evaluated in one process here (its layout,
+    kept, fails the device check: NCCL on a CPU, or 4 processes on a 1-GPU machine); an override still applies."""
+    from sslkit.evaluation.pretrained import eval_config
+
+    saved = OmegaConf.load(run / "config.yaml")
+    saved.distributed.update(nproc_per_node=4, num_nodes=2, node_rank=1, backend="nccl", master_port=29500)
+    cfg = eval_config(saved, [])
+    assert (cfg.distributed.nproc_per_node, cfg.distributed.num_nodes, cfg.distributed.node_rank) == (1, 1, 0)
+    assert cfg.distributed.backend == "auto" and cfg.distributed.master_port == 0
+    assert eval_config(saved, ["distributed.nproc_per_node=2"]).distributed.nproc_per_node == 2
+
+
+def test_extract_over_two_processes_says_a_user_error_once_without_a_traceback(run: Path, tmp_path: Path,
+                                                                               capfd: pytest.CaptureFixture) -> None:
+    """A bad checkpoint is refused before any process starts; an error inside the workers (here the evaluation
+    set's folder is missing, found when each worker builds it) is said once, by rank 0, with exit 2."""
+    out = tmp_path / "f.npz"
+    code, _, err = sslkit("extract", f"checkpoint={tmp_path / 'nowhere'}", "distributed.nproc_per_node=2",
+                          f"output={out}")
+    assert code == 2 and "sslkit extract: error: checkpoint=" in err and "no such file or folder" in err
+    code, _, err = sslkit("extract", f"checkpoint={run}", "distributed.nproc_per_node=2", f"output={out}",
+                          "eval.data.train.source=folder", f"eval.data.train.path={tmp_path / 'missing'}",
+                          f"eval.data.test.path={tmp_path / 'missing'}")
+    said = capfd.readouterr().err + err
+    assert code == 2, said
+    assert said.count("sslkit extract: error:") == 1 and str(tmp_path / "missing") in said, said
+    assert "Traceback" not in said
+    assert re.search(r"sslkit extract: worker [01] stopped \(exit 2, its message is above\)", said), said
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,3 +53,31 @@ def test_tools_on_cuda_and_the_export_loads_on_the_cpu(gpu_run: Path, tmp_path: 
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(model.eval()(x), pre.trunk(x), atol=1e-5)
+
+
+def test_a_multi_gpu_checkpoint_evaluates_on_this_gpu_and_too_many_extract_processes_are_refused_up_front(
+        gpu_run: Path, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """The run's config says it trained over more processes than this machine has GPUs: kNN still runs, in one
+    process (the evaluation does not inherit the run's process layout). ``sslkit extract`` over more processes than
+    GPUs is refused before any process starts (NCCL would refuse two ranks on one GPU), with exit 2 and what to set."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from sslkit.cli import console
+
+    n = torch.cuda.device_count() + 1
+    copy = tmp_path / "run"
+    shutil.copytree(gpu_run, copy)
+    for ckpt in (copy / "checkpoints").glob("checkpoint_*.pt"):  # the stored config, as a 4-GPU run writes it
+        state = torch.load(ckpt, weights_only=True)
+        saved = OmegaConf.create(state["config"])
+        saved.distributed.nproc_per_node = n
+        state["config"] = OmegaConf.to_yaml(saved)
+        torch.save(state, ckpt)
+    assert console(["knn", f"checkpoint={copy}"]) == 0
+    out = tmp_path / "f.npz"
+    assert console(["extract", f"checkpoint={copy}", f"distributed.nproc_per_node={n}", f"output={out}"]) == 2
+    said = capfd.readouterr().err
+    assert f"Set distributed.nproc_per_node={n - 1}, or machine.device=cpu" in said, said
+    assert "Traceback" not in said and not out.exists()
