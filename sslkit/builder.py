@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import inspect
 import logging
 import math
 import os
@@ -18,7 +20,7 @@ from torch.utils.data import Dataset, Subset
 
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
-from sslkit.config.compose import ConfigError
+from sslkit.config.compose import ConfigError, freeze_entries
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
@@ -29,18 +31,20 @@ from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
     CheckpointHook,
     ConsistencyCheckHook,
+    FreezeParametersHook,
     JsonlSink,
     KNNHook,
     LogHook,
     SSLHook,
     TensorboardSink,
 )
+from sslkit.masking import MaskPlan
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.reliability import PreemptionHook
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
-__all__ = ["build_task", "eval_sources", "eval_specs", "resolve_device", "resolve_num_workers", "seed_everything",
-           "set_determinism"]
+__all__ = ["build_model", "build_task", "eval_sources", "eval_specs", "freeze_parameters", "mask_plan",
+           "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism", "trunk_arguments"]
 
 logger = logging.getLogger("sslkit")
 
@@ -247,17 +251,15 @@ def build_task(cfg: DictConfig) -> SSLTask:
         epochs = cfg.optim.epochs
         max_iterations = epochs * steps_per_epoch
 
-    trunk = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")(
-        in_channels=getattr(train_source, "channels", 3), **_kwargs(cfg.model.trunk_kwargs, ())
-    )
-    head = R.get(R.HEADS, cfg.model.head.name, "model.head.name")(in_dim=trunk.out_dim, **_kwargs(cfg.model.head))
-    model: torch.nn.Module = R.get(R.MODELS, cfg.model.name, "model.name")(
-        trunk=trunk, head=head, **_kwargs(cfg.model.kwargs, ())
-    ).to(device)
+    model: torch.nn.Module = build_model(cfg, getattr(train_source, "channels", 3))
+    trunk, head = model.trunk, getattr(model, "head", None)
+    frozen_now, frozen_later = freeze_parameters(model, freeze_entries(cfg.model.freeze))
+    model = model.to(device)
     if cfg.machine.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.machine.compile:
-        compile_parts(model, (type(trunk), type(head)), cfg.machine.compile_backend, cfg.machine.compile_mode)
+        kinds = tuple(t for t in (type(trunk), type(head)) if t not in (type(None), torch.nn.Identity))
+        compile_parts(model, kinds, cfg.machine.compile_backend, cfg.machine.compile_mode)
     if cfg.distributed.sync_bn and world > 1:
         from sslkit.models.sync_batchnorm import convert_sync_batchnorm
 
@@ -266,9 +268,13 @@ def build_task(cfg: DictConfig) -> SSLTask:
 
     o = cfg.optim
     lr = scaled_lr(o.lr, global_batch, o.lr_scaling)
-    optimizer = build_optimizer(model, o.name, lr, weight_decay=o.weight_decay, momentum=o.momentum,
-                                nesterov=o.nesterov, betas=tuple(o.betas), eta=o.eta,
-                                exclude_bias_and_norm=o.exclude_bias_and_norm)
+    try:
+        optimizer = build_optimizer(model, o.name, lr, weight_decay=o.weight_decay, momentum=o.momentum,
+                                    nesterov=o.nesterov, betas=tuple(o.betas), eta=o.eta,
+                                    exclude_bias_and_norm=o.exclude_bias_and_norm, layer_decay=o.layer_decay,
+                                    patch_embed_lr_mult=o.patch_embed_lr_mult)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     warmup = min(o.warmup_epochs * steps_per_epoch / max_iterations, 0.999)
     lr_schedule = build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup)
     # a constant weight decay is a schedule too: it is set and logged at every update like the others
@@ -305,6 +311,11 @@ def build_task(cfg: DictConfig) -> SSLTask:
         for name, kwargs in cfg.method.hooks.items() if kwargs is not None
     ]
     hooks += [R.get(R.HOOKS, spec.name, f"hooks[{i}].name")(**_kwargs(spec)) for i, spec in enumerate(cfg.hooks)]
+    if frozen_later:
+        hooks.append(FreezeParametersHook(frozen_later))
+    if frozen_now:
+        logger.info("model.freeze: %d parameter tensor(s) frozen for the whole run (%s)", len(frozen_now),
+                    ", ".join(frozen_now[:4]) + (", ..." if len(frozen_now) > 4 else ""))
     hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last))
@@ -331,15 +342,75 @@ def build_task(cfg: DictConfig) -> SSLTask:
         Training(model=model, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule, wd_schedule=wd_schedule,
                  scaler=scaler, amp_dtype=amp_dtype, accumulate_steps=accumulate, global_batch_size=global_batch,
                  manual_gradient_reduction=manual_reduction, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-                 channels_last=cfg.machine.channels_last),
+                 channels_last=cfg.machine.channels_last, clip_grad=float(o.clip_grad),
+                 clip_grad_mode=str(o.clip_grad_mode)),
         DataPlan(loaders=loaders, phases=[Phase(train=True, epoch=e) for e in range(epochs)],
-                 device_augment=device_augment, device_decoder=device_decoder),
+                 device_augment=device_augment, device_decoder=device_decoder, masking=mask_plan(cfg, trunk)),
         hooks,
         run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=out, config=cfg),
         max_iterations=max_iterations,
         guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )
     return task
+
+
+def trunk_arguments(cfg: DictConfig, builder: Any, in_channels: int) -> dict[str, Any]:
+    """The trunk builder's arguments: ``model.trunk_kwargs``, and for a builder that takes them the image and patch
+    size of the data preset (``data.image_size``, ``data.patch_size``) unless the kwargs give their own."""
+    kwargs = {"in_channels": in_channels, **_kwargs(cfg.model.trunk_kwargs, ())}
+    takes = inspect.signature(builder).parameters
+    if "img_size" in takes:
+        kwargs.setdefault("img_size", int(cfg.data.image_size))
+    if "patch_size" in takes:
+        kwargs.setdefault("patch_size", int(cfg.data.patch_size))
+    return kwargs
+
+
+def build_model(cfg: DictConfig, in_channels: int) -> torch.nn.Module:
+    """The SSL model the config describes: trunk (``model.trunk``), head (``model.head``) and the method's wiring
+    (``model.name``), with fresh weights on the current default device (what training and the evaluation tools
+    both build)."""
+    import sslkit.methods  # noqa: F401  (registrations)
+
+    builder = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")
+    trunk = builder(**trunk_arguments(cfg, builder, in_channels))
+    head = R.get(R.HEADS, cfg.model.head.name, "model.head.name")(in_dim=trunk.out_dim, **_kwargs(cfg.model.head))
+    return R.get(R.MODELS, cfg.model.name, "model.name")(trunk=trunk, head=head, **_kwargs(cfg.model.kwargs, ()))
+
+
+def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | None, int]]
+                      ) -> tuple[list[str], list[tuple[list[str], str, int]]]:
+    """``model.freeze``: the parameters an entry freezes for the whole run get ``requires_grad=False`` now (so no
+    optimizer, weight decay or DDP reduction sees them); those frozen for the first N updates or epochs are
+    returned for :class:`~sslkit.hooks.freeze.FreezeParametersHook`. Returns ``(frozen names, [(names, unit, n)])``."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    now: list[str] = []
+    later: list[tuple[list[str], str, int]] = []
+    params = dict(model.named_parameters())
+    for glob, unit, n in entries:
+        matched = fnmatch.filter(names, glob)
+        if not matched:
+            raise ConfigError(f"model.freeze: {glob} matches no trainable parameter of the model; they are named like "
+                              f"{', '.join(names[:6])}")
+        if unit is None:
+            for name in matched:
+                params[name].requires_grad_(False)
+            now += matched
+        elif n > 0:
+            later.append((matched, unit, n))
+    return now, later
+
+
+def mask_plan(cfg: DictConfig, trunk: torch.nn.Module) -> MaskPlan | None:
+    """``masking``: the mask stage of the run (:class:`~sslkit.masking.MaskPlan`), or None without masks."""
+    m = cfg.masking
+    if m.name in (None, "none"):
+        return None
+    generator = R.get(R.MASKINGS, m.name, "masking.name")(**_kwargs(m, ("name", "views")))
+    views = list(m.views) if m.views is not None else None
+    plan = MaskPlan(generator, int(trunk.patch_size), int(cfg.seed), views)  # type: ignore[arg-type]
+    logger.info("masking: %s (%s), drawn on the device per sample", m.name, plan)
+    return plan
 
 
 def _monitor_hooks(cfg: DictConfig, device: torch.device, trunk: torch.nn.Module, train_source: Dataset,

@@ -24,6 +24,9 @@ class Method:
       move, prototypes that must stay normalised). The recipe gives their settings under
       ``method.hooks.<name>``; a config that drops one is an error naming it;
     * ``transform``: the default augmentation (``data.transform.name`` defaults to it);
+    * ``masking``: the mask generator the method trains with (``masking.name`` defaults to it; a method
+      with one cannot train with ``masking.name=none``); None for methods without masks;
+    * ``patch_tokens``: the method reads a ViT's patch tokens (a CNN trunk is then a config error);
     * ``summary``: one line for ``sslkit list``.
 
     The keys the method accepts are those of its builders: ``model.kwargs`` for the model's,
@@ -35,6 +38,8 @@ class Method:
     loss: str
     required_hooks: tuple[str, ...] = ()
     transform: str = "simclr"
+    masking: str | None = None
+    patch_tokens: bool = False
     summary: str = ""
 
     def accepted_keys(self) -> dict[str, list[str]]:

@@ -14,6 +14,7 @@ __all__ = [
     "HEADS",
     "HOOKS",
     "LOSSES",
+    "MASKINGS",
     "METHODS",
     "MODELS",
     "REGISTRIES",
@@ -26,6 +27,7 @@ __all__ = [
     "register_head",
     "register_hook",
     "register_loss",
+    "register_masking",
     "register_model",
     "register_train_step",
     "register_transform",
@@ -55,12 +57,15 @@ DATASETS = Registry("dataset")
 DATASETS.__doc__ = "Data sources: ``build(split=..., path=..., **kwargs) -> Dataset`` of (image, label)."
 TRANSFORMS = Registry("transform")
 TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(uint8 image) -> list of views``."
+MASKINGS = Registry("masking")
+MASKINGS.__doc__ = ("Mask generators (:mod:`sslkit.masking`): ``build(**kwargs) -> generator``, called with a batch's "
+                    "sample keys and a patch grid; picked by ``masking.name``.")
 METHODS = Registry("method")
 METHODS.__doc__ = ("SSL methods (:class:`sslkit.method.Method`): model wiring, loss, required hooks, default "
                    "augmentation; picked by ``method.name``.")
 
 REGISTRIES: dict[str, Registry] = {
-    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, MODELS, DATASETS, TRANSFORMS, METHODS)
+    r._name: r for r in (TRAIN_STEPS, HOOKS, LOSSES, TRUNKS, HEADS, MODELS, DATASETS, TRANSFORMS, MASKINGS, METHODS)
 }
 
 
@@ -107,3 +112,4 @@ register_head = _decorator(HEADS)
 register_model = _decorator(MODELS)
 register_dataset = _decorator(DATASETS)
 register_transform = _decorator(TRANSFORMS)
+register_masking = _decorator(MASKINGS)

@@ -153,6 +153,10 @@ class Training:
     bucket_cap_mb: float = 25.0
     #: Inputs are converted to channels_last memory format.
     channels_last: bool = False
+    #: Clip the gradients to this norm before each optimizer update (0: off); the pre-clip norm is logged.
+    clip_grad: float = 0.0
+    #: ``global`` (one norm over every parameter) or ``per_parameter`` (each gradient on its own, as DINO).
+    clip_grad_mode: str = "global"
 
     def __post_init__(self) -> None:
         self.accumulate_steps = max(1, self.accumulate_steps)
@@ -173,6 +177,9 @@ class DataPlan:
     #: ``data.decode_on=device``: decodes the JPEG bytes of a train batch on the device before that
     #: (:class:`~sslkit.data.device_decode.DeviceDecoder`); None when the workers decode.
     device_decoder: Any = None
+    #: ``masking``: draws each train batch's masks on the device (:class:`~sslkit.masking.MaskPlan`), handed to the
+    #: model as ``model(views, masks=sample["masks"])``; None for methods without masks.
+    masking: Any = None
 
 
 @dataclass

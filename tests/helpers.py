@@ -59,6 +59,9 @@ SMALL = [
 ]
 
 
+#: A small ViT for the synthetic data's 32 px crops (4 x 4 patches; 16 px local crops 2 x 2), replacing SMALL's CNN.
+VIT = ["model.trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2}"]
+
 #: Every recipe, with the overrides (on top of SMALL) that make it small: tests that run all of them.
 RECIPES: dict[str, list[str]] = {
     "simclr": [],
@@ -71,6 +74,12 @@ RECIPES: dict[str, list[str]] = {
     "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
     "barlow_twins": [],
     "vicreg": [],
+    "mae": [*VIT, "model.head.hidden_dim=null", "model.head.out_dim=null", "model.kwargs.decoder_dim=32",
+            "model.kwargs.decoder_depth=1", "model.kwargs.decoder_heads=2"],
+    "lejepa": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "loss.num_slices=16"],
+    "dino_vit": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
+    "mocov3_vit": [*VIT, "model.kwargs.predictor_hidden_dim=32"],
+    "simclr_vit": [*VIT],
 }
 
 

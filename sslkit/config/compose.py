@@ -30,6 +30,7 @@ __all__ = [
     "compose_config",
     "flatten_config",
     "format_recipe_diff",
+    "freeze_entries",
     "group_choices",
     "import_modules",
     "recipe_diff",
@@ -46,6 +47,7 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 FREE_FORM = {
     "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
     "model.trunk_kwargs", "model.head", "model.kwargs", "loss", "eval.data.train.kwargs", "eval.data.test.kwargs",
+    "masking", "model.freeze",
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
@@ -133,7 +135,9 @@ def resolve_method(cfg: DictConfig) -> None:
     if not isinstance(name, str) or name not in dict(R.METHODS):
         return
     method = R.METHODS.get(name)
-    for section, value in ((cfg.model, method.model), (cfg.loss, method.loss), (cfg.data.transform, method.transform)):
+    masking = cfg.get("masking")
+    for section, value in ((cfg.model, method.model), (cfg.loss, method.loss), (cfg.data.transform, method.transform),
+                           (masking, method.masking or "none")):
         if isinstance(section, DictConfig) and section.get("name") is None:
             section.name = value
 
@@ -260,7 +264,10 @@ def _check_kwargs(where: str, builder: Callable[..., Any], kwargs: dict[str, Any
         param = params[key]
         hint = param.annotation
         annotation = hint if isinstance(hint, str) else hint.__name__ if isinstance(hint, type) else str(hint)
-        if _annotation_accepts(annotation, value, none_ok=param.default is None) is False:
+        if annotation == "None" and value is not None:
+            errors.append(f"'{where}.{key}' = {value!r}: {getattr(builder, '__name__', builder)} has no use for it "
+                          f"(it is there for the other builders of {where}): set {where}.{key}=null")
+        elif _annotation_accepts(annotation, value, none_ok=param.default is None) is False:
             errors.append(f"'{where}.{key}' must be {annotation}, got {_type_name(value)} {value!r}")
 
 
@@ -347,6 +354,14 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),
     "data.min_crop_scale": (lambda v: 0 < v <= 1, "in (0, 1] (an area fraction)"),
     "data.blur_p": (_probability, "a probability in [0, 1]"),
+    "data.patch_size": (lambda v: v > 0, "> 0 (a ViT patch's side in pixels)"),
+    "optim.layer_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+    "optim.patch_embed_lr_mult": (lambda v: v > 0 and _finite(v), "> 0 (1 = off)"),
+    "optim.clip_grad": (lambda v: v >= 0 and _finite(v), ">= 0 (0 = off)"),
+    "optim.clip_grad_mode": (lambda v: v in ("global", "per_parameter"), "global or per_parameter"),
+    "eval.vit_features": (lambda v: v in ("pool", "cls", "avg", "cls+avg", "cls_last_n"),
+                          "pool, cls, avg, cls+avg or cls_last_n"),
+    "eval.vit_last_n": (lambda v: v >= 1, ">= 1"),
     "machine.num_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
     "machine.compile_mode": (lambda v: v in _COMPILE_MODES, " | ".join(_COMPILE_MODES)),
     "machine.compile_backend": (lambda v: v in _compile_backends(), "a torch.compile backend: inductor, aot_eager "
@@ -685,14 +700,152 @@ def validate(cfg: DictConfig) -> None:
     trunk = _registered(errors, R.TRUNKS, cfg.model.trunk, "model.trunk")
     if trunk is not None:
         _check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)
+        _check_trunk(cfg, trunk, errors)
+    _check_masking(cfg, trunk, errors)
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
         builder = _registered(errors, R.DATASETS, source, f"data.{split}.source")
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
     _check_hooks(cfg, errors)
+    if not errors:
+        _check_freeze(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+def _crop_sizes(cfg: DictConfig) -> list[tuple[str, int]]:
+    """Every crop size the run feeds its trunk, with the key to set to change it: the training transform's
+    sizes (``image_size``, a multi-crop's ``small_size`` when it has small crops) and the evaluation's."""
+    sizes: list[tuple[str, int]] = []
+    for where in ("data.transform", "data.eval_transform"):
+        section = OmegaConf.select(cfg, where)
+        if not isinstance(section, DictConfig):
+            continue
+        for key in ("image_size", "small_size"):
+            if key == "small_size" and section.get("num_small", 1) == 0:
+                continue
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                sizes.append((_origin(section, key, f"{where}.{key}"), value))
+    return list(dict.fromkeys(sizes))
+
+
+def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
+    """A trunk's own checks (a ViT's kwargs against timm's), and for a patch trunk that every crop is a whole
+    number of patches."""
+    check = getattr(trunk, "check_kwargs", None)
+    if callable(check):
+        errors.extend(check(dict(cfg.model.trunk_kwargs)))
+    if getattr(trunk, "patch_tokens", False):
+        from sslkit.models.vit import patch_grid_errors
+
+        patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
+        if isinstance(patch, int) and patch > 0:
+            errors.extend(patch_grid_errors(patch, _crop_sizes(cfg)))
+    elif cfg.eval.vit_features != "pool":
+        errors.append(f"'eval.vit_features' = {cfg.eval.vit_features} reads tokens of a ViT, and model.trunk="
+                      f"{cfg.model.trunk} has none: use eval.vit_features=pool (the trunk's features)")
+
+
+def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
+    """``masking``: a registered generator with valid arguments, on a trunk with patches, for a method that uses
+    masks; a method that needs masks or patch tokens gets them."""
+    section = cfg.masking
+    if not isinstance(section, DictConfig):
+        errors.append(f"'masking' must be a section (dict) with a name, got {section!r}")
+        return
+    name = section.get("name") or "none"
+    method = R.METHODS.get(cfg.method.name) if cfg.method.name in dict(R.METHODS) else None
+    patches = trunk is not None and bool(getattr(trunk, "patch_tokens", False))
+    cnn = f"model.trunk={cfg.model.trunk} has no patches: use a ViT (model.trunk=vit_tiny, vit_small, ...)"
+    if method is not None and method.patch_tokens and trunk is not None and not patches:
+        errors.append(f"'model.trunk': method {method.name} reads a ViT's patch tokens, and {cnn}")
+    if name == "none":
+        if method is not None and method.masking is not None:
+            errors.append(f"'masking.name' = none, but method {method.name} trains on masked patches: keep "
+                          f"masking.name={method.masking} (or another generator) and tune its keys (docs/vit.md)")
+        return
+    if method is not None and method.masking is None:
+        errors.append(f"'masking.name' = {name}, but method {method.name} does not use masks (its model takes none): "
+                      "set masking.name=none, or use a masked method (mae, ...)")
+    if trunk is not None and not patches:
+        errors.append(f"'masking.name' = {name} hides patches, and {cnn}")
+    builder = _registered(errors, R.MASKINGS, name, "masking.name")
+    if builder is None:
+        return
+    kwargs = {k: v for k, v in section.items() if k not in ("name", "views")}
+    before = len(errors)
+    _check_kwargs("masking", builder, kwargs, errors)
+    if len(errors) == before:
+        try:
+            builder(**OmegaConf.to_container(OmegaConf.create(kwargs), resolve=True))  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            errors.append(f"'masking' ({name}): {exc}")
+    views = section.get("views")
+    if views is not None and (not isinstance(views, ListConfig) or not all(isinstance(v, int) and v >= 0
+                                                                           for v in views)):
+        errors.append(f"'masking.views' must be a list of view indices (like [0, 1]) or null, got {views!r}")
+
+
+def freeze_entries(spec: Any) -> list[tuple[str, str | None, int]]:
+    """``model.freeze`` as ``(glob, unit, n)``: unit None (the whole run), ``updates`` or ``epochs``. Raises
+    :class:`ConfigError` for an entry that is neither a glob nor ``{params: GLOB, updates|epochs: N}``."""
+    entries: list[tuple[str, str | None, int]] = []
+    if spec is None:
+        return entries
+    if not isinstance(spec, ListConfig | list):
+        raise ConfigError(f"'model.freeze' must be a list of parameter globs (like [trunk.patch_embed.*]), got "
+                          f"{spec!r}")
+    for i, item in enumerate(spec):
+        where = f"model.freeze[{i}]"
+        if isinstance(item, str) and item:
+            entries.append((item, None, 0))
+            continue
+        if not isinstance(item, DictConfig | dict) or not isinstance(item.get("params"), str):
+            raise ConfigError(f"'{where}' must be a glob (like trunk.patch_embed.*) or {{params: GLOB, updates: N}} / "
+                              f"{{params: GLOB, epochs: N}}, got {item!r}")
+        extra = set(item.keys()) - {"params", "updates", "epochs"}
+        units = [u for u in ("updates", "epochs") if u in item]
+        if extra or len(units) > 1:
+            raise ConfigError(f"'{where}' takes params and one of updates / epochs, got {sorted(item.keys())}")
+        if not units:
+            entries.append((item["params"], None, 0))
+            continue
+        n = item[units[0]]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"'{where}.{units[0]}' must be an integer >= 0, got {n!r}")
+        entries.append((item["params"], units[0], int(n)))
+    return entries
+
+
+def _check_freeze(cfg: DictConfig, errors: list[str]) -> None:
+    """Every ``model.freeze`` entry is well formed and its glob names at least one parameter of the model (built on
+    the ``meta`` device: no memory, no weights)."""
+    try:
+        entries = freeze_entries(cfg.model.freeze)
+    except ConfigError as exc:
+        errors.append(str(exc))
+        return
+    if not entries:
+        return
+    import fnmatch
+
+    import torch
+
+    from sslkit.builder import build_model
+
+    try:
+        with torch.device("meta"):
+            names = [n for n, p in build_model(cfg, 3).named_parameters() if p.requires_grad]
+    except Exception:  # a model that cannot be built on meta is checked when it is built for real
+        return
+    for i, (glob, _, _) in enumerate(entries):
+        if not fnmatch.filter(names, glob):
+            prefix = glob.split("*")[0].rsplit(".", 1)[0]
+            near = [n for n in names if n.startswith(prefix)][:6] or names[:6]
+            errors.append(f"'model.freeze[{i}]' = {glob} matches no parameter of the model.{_nearest(glob, names)} "
+                          f"Parameters are named like {', '.join(near)} (model.named_parameters())")
 
 
 def _check_hooks(cfg: DictConfig, errors: list[str]) -> None:

@@ -116,20 +116,11 @@ def _in_channels(model_state: dict[str, torch.Tensor]) -> int:
 
 
 def build_model(cfg: DictConfig, in_channels: int) -> nn.Module:
-    """The SSL model the config describes (trunk, head, the method's wiring), with fresh weights on the CPU."""
-    import sslkit.methods
-    import sslkit.models  # noqa: F401  (registrations)
-    from sslkit import registry as R
+    """The SSL model the config describes (trunk, head, the method's wiring), with fresh weights on the CPU:
+    :func:`sslkit.builder.build_model`, as training builds it."""
+    from sslkit.builder import build_model as build
 
-    def kwargs(section: DictConfig, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-        plain = OmegaConf.to_container(section, resolve=True)
-        assert isinstance(plain, dict)
-        return {k: v for k, v in plain.items() if k not in skip}
-
-    trunk = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")(in_channels=in_channels, **kwargs(cfg.model.trunk_kwargs))
-    head = R.get(R.HEADS, cfg.model.head.name, "model.head.name")(in_dim=trunk.out_dim,
-                                                                  **kwargs(cfg.model.head, ("name",)))
-    return R.get(R.MODELS, cfg.model.name, "model.name")(trunk=trunk, head=head, **kwargs(cfg.model.kwargs))
+    return build(cfg, in_channels)
 
 
 def _read(spec: str, overrides: list[str] | None) -> tuple[str, str, dict[str, Any], DictConfig]:

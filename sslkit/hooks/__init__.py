@@ -4,6 +4,7 @@ from sslkit.hooks.base import Event, SSLHook
 from sslkit.hooks.checkpoint import CheckpointHook
 from sslkit.hooks.consistency import ConsistencyCheckHook
 from sslkit.hooks.ema import MomentumTeacherHook
+from sslkit.hooks.freeze import FreezeParametersHook
 from sslkit.hooks.knn import KNNHook
 from sslkit.hooks.logging import JsonlSink, LogHook
 from sslkit.hooks.monitor import CollapseMonitorHook
@@ -15,6 +16,7 @@ __all__ = [
     "CollapseMonitorHook",
     "ConsistencyCheckHook",
     "Event",
+    "FreezeParametersHook",
     "JsonlSink",
     "KNNHook",
     "LogHook",

@@ -2,7 +2,7 @@
 
 import importlib
 
-METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg")
+METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg", "mae", "lejepa")
 
 for _name in METHODS:
     importlib.import_module(f"sslkit.methods.{_name}")

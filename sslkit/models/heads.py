@@ -7,7 +7,7 @@ from torch import nn
 
 from sslkit.registry import register_head
 
-__all__ = ["MLPHead"]
+__all__ = ["MLPHead", "build_mlp", "build_no_head"]
 
 
 class MLPHead(nn.Module):
@@ -59,3 +59,13 @@ def build_mlp(
 ) -> MLPHead:
     """An :class:`MLPHead`."""
     return MLPHead(in_dim, hidden_dim, out_dim, num_layers, batch_norm, last_bn)
+
+
+@register_head("none")
+def build_no_head(in_dim: int, hidden_dim: None = None, out_dim: None = None, num_layers: None = None) -> nn.Module:
+    """No projector (MAE): the trunk's features pass through (``nn.Identity`` with ``out_dim = in_dim``). The MLP
+    keys of the defaults must be null (``model.head={name: none, hidden_dim: null, out_dim: null, num_layers:
+    null}``): a value for them would be ignored silently otherwise."""
+    head = nn.Identity()
+    head.out_dim = in_dim  # type: ignore[assignment]
+    return head

@@ -21,7 +21,11 @@ class ModelOutput:
       the other view's target projection (BYOL, SimSiam), the positive key (MoCo v2, MoCo v3), the
       teacher's logits of the global crops (DINO);
     * ``scores``: prototype scores (SwAV);
-    * ``prototypes``: the prototype matrix, detached (SwAV).
+    * ``prototypes``: the prototype matrix, detached (SwAV);
+    * ``tokens``: per view, a ViT trunk's output tokens (:class:`~sslkit.models.vit.Tokens`: CLS, registers,
+      patches), so dense and masked methods read patch features without hooks into the trunk; None for CNNs;
+    * ``masks``: per view, the :class:`~sslkit.masking.Masks` the model applied (None for a view left whole):
+      which patches a masked loss is computed on.
 
     Fields a method does not produce are None. A loss or hook may index it by field name
     (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
@@ -35,6 +39,8 @@ class ModelOutput:
     targets: list[torch.Tensor] | None = None
     scores: list[torch.Tensor] | None = None
     prototypes: torch.Tensor | None = None
+    tokens: list[Any] | None = None
+    masks: list[Any] | None = None
 
     def given(self) -> list[str]:
         """The fields this output holds (not None)."""

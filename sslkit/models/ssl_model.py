@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from sslkit.models.output import ModelOutput
 from sslkit.registry import register_model
 
-__all__ = ["SSLModel", "build_ssl_model", "check_two_views", "forward_views"]
+__all__ = ["SSLModel", "build_ssl_model", "check_two_views", "encode_views", "forward_views"]
 
 
 def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -30,6 +31,33 @@ def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torc
         outputs.extend(out.chunk(len(group)) if len(group) > 1 else [out])
         start = end
     return outputs
+
+
+def encode_views(trunk: nn.Module, views: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any] | None]:
+    """The trunk's features of each view and, for a ViT (a trunk with ``forward_tokens``), its tokens too.
+
+    Views of equal shape go through one forward, as :func:`forward_views`. A ViT's features are its pooled
+    tokens (:meth:`~sslkit.models.vit.ViTTrunk.pool_tokens`), the very tensors of the tokens returned
+    (:class:`~sslkit.models.vit.Tokens`, one per view), so the model output carries both for one forward.
+    """
+    if not hasattr(trunk, "forward_tokens"):
+        return forward_views(trunk, views), None
+    features: list[torch.Tensor] = []
+    tokens: list[Any] = []
+    start = 0
+    while start < len(views):
+        end = start + 1
+        while end < len(views) and views[end].shape[1:] == views[start].shape[1:]:
+            end += 1
+        group = views[start:end]
+        t = trunk.forward_tokens(torch.cat(list(group)) if len(group) > 1 else group[0])
+        pooled = trunk.pool_tokens(t)
+        n = len(group)
+        for c, r, p, f in zip(t.cls.chunk(n), t.registers.chunk(n), t.patches.chunk(n), pooled.chunk(n)):
+            tokens.append(type(t)(cls=c, registers=r, patches=p, grid=t.grid))
+            features.append(f)
+        start = end
+    return features, tokens
 
 
 def check_two_views(views: Sequence[torch.Tensor] | torch.Tensor, method: str) -> list[torch.Tensor]:
@@ -61,10 +89,10 @@ class SSLModel(nn.Module):
         """Trunk features and head projections for each view."""
         if isinstance(views, torch.Tensor):
             views = [views]
-        feats = forward_views(self.trunk, views)
+        feats, tokens = encode_views(self.trunk, views)
         sizes = [f.shape[0] for f in feats]
         proj = self.head(torch.cat(feats)) if len(feats) > 1 else self.head(feats[0])
-        return ModelOutput(features=feats, projections=list(proj.split(sizes)))
+        return ModelOutput(features=feats, projections=list(proj.split(sizes)), tokens=tokens)
 
 
 @register_model("ssl_model")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sslkit.optim.lars import LARS
-from sslkit.optim.param_groups import param_groups
+from sslkit.optim.param_groups import has_layers, param_groups
 from sslkit.suggest import did_you_mean
 
 __all__ = ["OPTIMIZER_NAMES", "build_optimizer", "set_lr", "set_weight_decay"]
@@ -24,11 +24,15 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eta: float = 0.001,
     exclude_bias_and_norm: bool = True,
+    layer_decay: float = 1.0,
+    patch_embed_lr_mult: float = 1.0,
 ) -> torch.optim.Optimizer:
     """Build optimizer ``name`` over ``model``'s trainable parameters.
 
-    Parameters are split by :func:`~sslkit.optim.param_groups` (biases and norm weights get no
-    weight decay and no LARS adaptation when ``exclude_bias_and_norm``). ``momentum`` and
+    Parameters are split by :func:`~sslkit.optim.param_groups` (biases, norm weights, a ViT's position
+    embeddings and tokens get no weight decay and no LARS adaptation when ``exclude_bias_and_norm``;
+    ``layer_decay`` < 1 scales the learning rate of a ViT's layers, ``layer_decay ** (num_layers - layer)``,
+    and ``patch_embed_lr_mult`` its patch embedding's). ``momentum`` and
     ``nesterov`` apply to ``"sgd"`` / ``"lars"``, ``betas`` to ``"adam"`` / ``"adamw"``, ``eta`` to
     ``"lars"``. For ``"adam"`` the weight decay is the coupled L2 penalty of ``torch.optim.Adam``;
     ``"adamw"`` decouples it.
@@ -39,14 +43,20 @@ def build_optimizer(
     :func:`set_weight_decay`) and may carry ``"lr_scale"`` (default 1.0).
 
     Raises:
-        ValueError: unknown ``name`` (the message names the closest valid one), or the model has
-            no trainable parameters.
+        ValueError: unknown ``name`` (the message names the closest valid one), the model has
+            no trainable parameters, or ``layer_decay`` / ``patch_embed_lr_mult`` is set for a model without
+            a layered trunk (a ViT).
     """
     if name not in OPTIMIZER_NAMES:
         raise ValueError(f"unknown optimizer '{name}'.{did_you_mean(name, OPTIMIZER_NAMES)} "
                          f"Valid: {', '.join(OPTIMIZER_NAMES)}.")
 
-    groups = param_groups(model, weight_decay, exclude_bias_and_norm=exclude_bias_and_norm)
+    if (layer_decay != 1.0 or patch_embed_lr_mult != 1.0) and not has_layers(model):
+        raise ValueError(f"optim.layer_decay={layer_decay} / optim.patch_embed_lr_mult={patch_embed_lr_mult} need a "
+                         f"trunk with layers and a patch embedding (a ViT: model.trunk=vit_small, ...); "
+                         f"{type(model).__name__} has none. Set them to 1.0.")
+    groups = param_groups(model, weight_decay, exclude_bias_and_norm=exclude_bias_and_norm, layer_decay=layer_decay,
+                          patch_embed_lr_mult=patch_embed_lr_mult)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no parameters with requires_grad=True to optimize")
 

@@ -1,4 +1,4 @@
-"""Split a model's trainable parameters into weight-decay and no-decay (bias / norm) optimizer groups."""
+"""Split a model's trainable parameters into optimizer groups: weight decay or not, and a learning-rate scale."""
 
 from __future__ import annotations
 
@@ -6,61 +6,97 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["param_groups"]
+__all__ = ["layer_scales", "no_decay_names", "param_groups"]
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Full names of the parameters that get no weight decay whatever their shape: those a submodule lists in
+    ``no_weight_decay_names()`` (a ViT trunk: position embeddings, CLS, register and mask tokens)."""
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        listed = getattr(module, "no_weight_decay_names", None)
+        if callable(listed):
+            names |= {f"{prefix}.{n}" if prefix else n for n in listed()}
+    return names
+
+
+def layer_scales(model: nn.Module, layer_decay: float = 1.0, patch_embed_lr_mult: float = 1.0) -> dict[str, float]:
+    """The learning-rate scale of each parameter (by full name) under layer-wise decay.
+
+    A submodule with ``layer_id(name)`` and ``num_layers`` (a ViT trunk) places its parameters in layers:
+    the embedding 0, block ``i`` ``i + 1``, its top ``num_layers`` (BEiT, MAE ``util/lr_decay.py``, DINOv2).
+    A parameter of layer ``l`` gets ``layer_decay ** (num_layers - l)``; every parameter outside such a
+    module (heads, predictors, decoders) is above the top and gets 1. The parameters of its
+    ``patch_embed`` are further multiplied by ``patch_embed_lr_mult`` (DINOv2's ``patch_embed_lr_mult``).
+    Parameters not listed have scale 1.
+    """
+    scales: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        layer_id = getattr(module, "layer_id", None)
+        if not callable(layer_id) or not hasattr(module, "num_layers"):
+            continue
+        top = int(module.num_layers)  # type: ignore[arg-type]
+        for name, _ in module.named_parameters():
+            full = f"{prefix}.{name}" if prefix else name
+            scale = layer_decay ** (top - layer_id(name))
+            if name.startswith("patch_embed."):
+                scale *= patch_embed_lr_mult
+            scales[full] = scale
+    return scales
+
+
+def has_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds a module with layers for layer-wise lr decay (a ViT trunk)."""
+    return any(callable(getattr(m, "layer_id", None)) and hasattr(m, "num_layers") for m in model.modules())
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, exclude_bias_and_norm: bool = True
+    model: nn.Module,
+    weight_decay: float,
+    exclude_bias_and_norm: bool = True,
+    layer_decay: float = 1.0,
+    patch_embed_lr_mult: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Return optimizer parameter groups for ``model``'s trainable parameters.
 
-    With ``exclude_bias_and_norm`` (the SimCLR / BYOL / MoCo v3 convention), every parameter with
-    ``ndim <= 1`` -- biases and the affine weights of BatchNorm / LayerNorm / GroupNorm, also
-    1-d tokens such as scalar temperatures -- goes to a ``"no_decay"`` group with ``weight_decay``
-    0.0 and ``lars_exclude=True`` (LARS then skips the trust-ratio adaptation for it); all other
-    parameters go to a ``"decay"`` group with ``weight_decay``. Without it, one ``"decay"`` group
-    holds everything.
+    With ``exclude_bias_and_norm`` (the SimCLR / BYOL / MoCo v3 / DINO convention), a parameter with
+    ``ndim <= 1`` -- biases, the affine weights of BatchNorm / LayerNorm / GroupNorm, LayerScale gammas,
+    1-d tokens such as scalar temperatures -- or named by a submodule's ``no_weight_decay_names()`` (a
+    ViT's position embeddings, CLS, register and mask tokens) goes to a ``no_decay`` group with
+    ``weight_decay`` 0.0 and ``lars_exclude=True`` (LARS then skips the trust-ratio adaptation for it);
+    every other parameter to a ``decay`` group. Without it, every parameter decays.
 
-    Only parameters with ``requires_grad`` are included; each appears exactly once (shared
-    parameters are de-duplicated by ``model.named_parameters``). Empty groups are dropped.
+    ``layer_decay`` < 1 and ``patch_embed_lr_mult`` give parameters learning-rate scales
+    (:func:`layer_scales`); parameters are then grouped by (decay, scale), each group named
+    ``decay@<scale>`` / ``no_decay@<scale>`` and carrying ``"lr_scale"``, which :func:`~sslkit.optim.set_lr`
+    multiplies the scheduled learning rate by. With neither, the groups are ``decay`` and ``no_decay``.
 
-    Every group carries:
-
-    * ``"name"``: ``"decay"`` or ``"no_decay"``, for logging;
-    * ``"weight_decay"``;
-    * ``"lars_exclude"``: whether :class:`~sslkit.optim.LARS` skips adaptation for the group;
-    * ``"apply_wd"``: whether a weight-decay schedule (:func:`~sslkit.optim.set_weight_decay`)
-      may change the group's weight decay -- True for the decay group, False for the no-decay one.
+    Only parameters with ``requires_grad`` are included (a frozen parameter gets no update, no weight
+    decay and no optimizer state); each appears exactly once. Empty groups are dropped. Every group
+    carries ``"name"``, ``"weight_decay"``, ``"lars_exclude"``, ``"apply_wd"`` (whether a weight-decay
+    schedule, :func:`~sslkit.optim.set_weight_decay`, may change it: True for decay groups) and
+    ``"lr_scale"``.
     """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for _, p in model.named_parameters():
+    skip = no_decay_names(model) if exclude_bias_and_norm else set()
+    scales = layer_scales(model, layer_decay, patch_embed_lr_mult) if (layer_decay != 1.0 or
+                                                                         patch_embed_lr_mult != 1.0) else {}
+    buckets: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if exclude_bias_and_norm and p.ndim <= 1:
-            no_decay.append(p)
-        else:
-            decay.append(p)
+        decays = not (exclude_bias_and_norm and (p.ndim <= 1 or name in skip))
+        buckets.setdefault((decays, scales.get(name, 1.0)), []).append(p)
 
+    scaled = bool(scales)
     groups: list[dict[str, Any]] = []
-    if decay:
-        groups.append(
-            {
-                "name": "decay",
-                "params": decay,
-                "weight_decay": float(weight_decay),
-                "lars_exclude": False,
-                "apply_wd": True,
-            }
-        )
-    if no_decay:
-        groups.append(
-            {
-                "name": "no_decay",
-                "params": no_decay,
-                "weight_decay": 0.0,
-                "lars_exclude": True,
-                "apply_wd": False,
-            }
-        )
+    for (decays, scale), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], -kv[0][1])):
+        name = "decay" if decays else "no_decay"
+        groups.append({
+            "name": f"{name}@{scale:.6g}" if scaled else name,
+            "params": params,
+            "weight_decay": float(weight_decay) if decays else 0.0,
+            "lars_exclude": not decays,
+            "apply_wd": decays,
+            "lr_scale": float(scale),
+        })
     return groups

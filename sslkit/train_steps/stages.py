@@ -38,6 +38,7 @@ from sslkit.train_steps.sample import to_sample
 __all__ = [
     "augment_on_device",
     "backward",
+    "clip_gradients",
     "forward_and_loss",
     "forward_backward",
     "precision",
@@ -108,7 +109,9 @@ def _position(task: SSLTask) -> int:
 
 def prepare_sample(task: SSLTask, batch: dict[str, Any]) -> dict[str, Any]:
     """A train batch made the model's sample: copied to the device (non-blocking from pinned memory) and, with
-    ``data.augment_on=device``, decoded and augmented there (each sample brings its own uniforms)."""
+    ``data.augment_on=device``, decoded and augmented there (each sample brings its own uniforms); with
+    ``masking``, each view's masks drawn there too (``sample["masks"]``: from every sample's seed, epoch and
+    index, :class:`~sslkit.masking.MaskPlan`)."""
     device_side = task.data.device_augment is not None
     sample = to_sample(batch, task.device, task.channels_last and not device_side)
     if device_side:
@@ -119,6 +122,9 @@ def prepare_sample(task: SSLTask, batch: dict[str, Any]) -> dict[str, Any]:
                 images = decoder(images, sample, task.device)
         with task.perf_stats.timer("augment"):
             sample["input"] = augment_on_device(task, images, uniforms)
+    if task.data.masking is not None:
+        with task.perf_stats.timer("mask"):
+            sample["masks"] = task.data.masking(sample["input"], sample["data_idx"], task.epoch)
     return sample
 
 
@@ -141,7 +147,8 @@ def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:
     timer = task.perf_stats.timer
     with precision(task):
         with timer("forward"):
-            output = task.model(sample["input"])
+            masks = sample.get("masks")
+            output = task.model(sample["input"]) if masks is None else task.model(sample["input"], masks=masks)
         task.last_batch.model_output = output
         task.run_hooks(Event.ON_FORWARD)
         with timer("loss"):
@@ -252,6 +259,34 @@ def unscale_gradients(task: SSLTask) -> None:
         task.last_batch.unscaled = True
 
 
+def clip_gradients(task: SSLTask) -> torch.Tensor:
+    """Clip the gradients to ``task.training.clip_grad`` and log the norm they had (``grad_norm``, on the device).
+
+    Runs in :func:`update` just before the optimizer step: after the step's last micro-batch (the accumulated
+    gradients), after the gradient reduction and ``on_backward`` (a parameter whose gradient a hook dropped
+    is left out), and after unscaling under float16 (:func:`unscale_gradients`). ``global`` mode scales
+    every gradient by ``min(1, clip / total norm)`` (``torch.nn.utils.clip_grad_norm_``: fairseq, MAE,
+    DINOv2); ``per_parameter`` scales each parameter's gradient by ``min(1, clip / (its norm + 1e-6))``
+    (DINO's ``utils.clip_gradients``). The logged norm is the global one before clipping, either way. No
+    host-device synchronisation."""
+    unscale_gradients(task)
+    params = [p for group in task.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    clip = task.training.clip_grad
+    with task.perf_stats.timer("clip_grad"):
+        if not params:
+            return torch.zeros((), device=task.device)
+        if task.training.clip_grad_mode == "per_parameter":
+            grads = [p.grad for p in params]
+            norms = torch._foreach_norm(grads)
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            torch._foreach_mul_(grads, [(clip / (n + 1e-6)).clamp(max=1.0) for n in norms])
+        else:
+            total = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    if task.last_batch is not None:
+        task.last_batch.metrics["grad_norm"] = total.detach()
+    return total
+
+
 def update(task: SSLTask) -> None:
     """Stage *update* (train phases; nothing in eval phases): ask the update guard, then either drop the update
     or set every schedule at ``clock.where`` (lr, weight decay; recorded for the log), step the optimizer (through
@@ -267,6 +302,8 @@ def update(task: SSLTask) -> None:
         clock.update += 1
         return
     task.guard.applied()
+    if task.training.clip_grad > 0:
+        clip_gradients(task)
     with task.perf_stats.timer("optimizer_step"):
         lr = task.lr_schedule(clock.where)
         set_lr(task.optimizer, lr)

@@ -19,7 +19,9 @@ QUICK = [*SMALL, "log.tensorboard=false", "eval.knn.enabled=false"]
 
 def test_every_method_names_registered_parts_and_its_recipe_keeps_its_required_hooks() -> None:
     methods = dict(R.METHODS)
-    assert set(methods) == set(RECIPES)  # one recipe per method
+    assert set(methods) <= set(RECIPES)  # a recipe per method, named after it
+    for recipe in set(RECIPES) - set(methods):  # the others (dino_vit, ...) train a registered method
+        assert compose_config([f"config={recipe}", "machine.device=cpu"]).method.name in methods, recipe
     for name, method in methods.items():
         assert method.model in dict(R.MODELS) and method.loss in dict(R.LOSSES)
         assert method.transform in dict(R.TRANSFORMS)
@@ -27,6 +29,8 @@ def test_every_method_names_registered_parts_and_its_recipe_keeps_its_required_h
         cfg = compose_config([f"config={name}", "machine.device=cpu"])
         assert (cfg.model.name, cfg.loss.name, cfg.data.transform.name) == (method.model, method.loss, method.transform)
         assert set(method.required_hooks) <= set(cfg.method.hooks)
+    assert (methods["mae"].masking, methods["mae"].patch_tokens) == ("random", True)
+    assert all(m.masking is None for n, m in methods.items() if n != "mae")
     assert methods["byol"].required_hooks == ("momentum_teacher",)
     assert methods["swav"].required_hooks == ("swav_prototypes",) and methods["swav"].transform == "multicrop"
     assert methods["dino"].accepted_keys() == {

@@ -1,0 +1,393 @@
+"""Masking for masked and JEPA methods: per-sample random numbers on the device, mask generators, the mask stage.
+
+One component serves every method that hides patches (MAE, LeJEPA's variants, iBOT, DINOv2, I-JEPA):
+
+* :class:`SampleKeys` gives each sample of a batch its own random numbers, a counter-based hash of
+  ``(seed, epoch, sample index, view)`` computed with integer operations on the training device. The
+  same sample gets the same numbers on any device, with 1 or N processes, in any batch and after a
+  resume, so masks need no checkpoint and no host-device synchronisation (the augmentation's
+  per-sample uniforms, sslkit/data/dataset.py, are drawn from the same tuple);
+* generators turn them into :class:`Masks` of fixed shapes: :class:`RandomMasking` (MAE: a fixed number
+  of kept patches), :class:`BlockMasking` (BEiT, iBOT, DINOv2: a fraction of the images masked with a
+  per-image ratio in a range, blocks of bounded aspect ratio) and :class:`MultiBlockMasking` (I-JEPA:
+  target blocks and a context block without them);
+* :class:`MaskPlan` is the mask stage of a train step: ``sample["masks"]``, one :class:`Masks` (or None)
+  per view, which the step hands to the model as ``model(views, masks=...)``.
+
+A ViT applies a mask by dropping patches (``Masks.keep``: MAE, I-JEPA's context) or by replacing them
+with its mask token (``Masks.mask``: iBOT, DINOv2), :meth:`sslkit.models.vit.ViTTrunk.forward_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sslkit.data.seeding import mix_seed
+from sslkit.registry import register_masking
+
+__all__ = [
+    "BlockMasking",
+    "MaskGenerator",
+    "MaskPlan",
+    "Masks",
+    "MultiBlockMasking",
+    "RandomMasking",
+    "SampleKeys",
+    "hash32",
+]
+
+_M32 = 0xFFFFFFFF
+#: Salt of the masking streams: their numbers are independent of the augmentation's for the same sample.
+_MASK_SALT = 0x6D61736B  # "mask"
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, without overflowing int64 (c split in 16-bit
+    halves): the same bits on every device."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 values in ``[0, 2**32)``: a bijection with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+@dataclass
+class SampleKeys:
+    """The identity of each sample of one view of a batch, and the random numbers that belong to it.
+
+    ``index`` ``[B]`` (int64, on the training device) holds the samples' dataset indices; ``seed``,
+    ``epoch`` and ``view`` are the same for the batch. :meth:`bits` and :meth:`uniforms` are pure
+    functions of ``(seed, epoch, index[b], view, tag, j)`` for the ``j``-th number of sample ``b``:
+    integer hashing on the device (no generator state, nothing to checkpoint, no sync), identical on
+    the CPU and CUDA. ``tag`` separates independent streams of one generator.
+    """
+
+    seed: int
+    epoch: int
+    index: torch.Tensor
+    view: int = 0
+
+    def bits(self, count: int, tag: int = 0) -> torch.Tensor:
+        """``[B, count]`` int64 hash values in ``[0, 2**32)``: sort keys (ties have probability ~ count**2 / 2**33)."""
+        key = mix_seed(_MASK_SALT, self.seed, self.epoch, self.view, tag)
+        k0, k1 = key & _M32, (key >> 32) & _M32
+        index = self.index.to(torch.int64)
+        base = hash32((index & _M32) ^ k0)
+        base = hash32(base ^ ((index >> 32) & _M32) ^ k1)
+        counter = torch.arange(count, device=index.device, dtype=torch.int64)
+        counter = hash32(_mul32(counter, 0x9E3779B9) ^ k1)
+        return hash32(base[:, None] ^ counter[None, :])
+
+    def uniforms(self, count: int, tag: int = 0) -> torch.Tensor:
+        """``[B, count]`` float32 in ``[0, 1)``: the top 24 bits of :meth:`bits`, exactly representable."""
+        return (self.bits(count, tag) >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass
+class Masks:
+    """The mask of one view of a batch over its ``grid`` of ``N = h * w`` patches (raster order).
+
+    * ``mask`` ``[B, N]`` bool: True where the patch is hidden from the encoder (dropped, or replaced by
+      the mask token): what a masked method predicts;
+    * ``keep`` ``[B, K]`` int64, ascending: the patches the encoder sees when it drops the others (MAE,
+      I-JEPA's context), ``K`` fixed by the config; None for generators that replace;
+    * ``keep_valid`` ``[B, K]`` bool: which entries of ``keep`` are real (None: all of them). A generator
+      whose visible count varies per image pads ``keep`` to its fixed ``K``; the ViT masks the padding out of
+      attention, so the encoder computes what it would on the real patches alone;
+    * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise).
+
+    Losses over a varying number of masked patches use ``mask`` as weights (dense sums), never as an
+    index (a boolean index has a size only the host learns: a sync).
+    """
+
+    grid: tuple[int, int]
+    mask: torch.Tensor
+    keep: torch.Tensor | None = None
+    keep_valid: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``mask`` as float ``[B, N]`` weights (1 on hidden patches)."""
+        return self.mask.float()
+
+    def restore_order(self) -> torch.Tensor:
+        """``[B, N]`` indices that put ``cat([kept tokens, hidden tokens], 1)`` back in raster order, where the
+        kept tokens come in ``keep`` order and the hidden ones in raster order (MAE's ``ids_restore``)."""
+        order = torch.argsort(self.mask.to(torch.int32), dim=1, stable=True)  # visible ascending, then hidden
+        return torch.argsort(order, dim=1)
+
+
+class MaskGenerator(Protocol):
+    """What the mask stage needs of a generator: masks of a view's grid from the samples' keys."""
+
+    #: ``drop`` (the encoder sees only ``keep``) or ``replace`` (masked patches get the mask token).
+    mode: str
+
+    def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks: ...
+
+
+def _check_ratio(name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+class RandomMasking:
+    """MAE's random masking (He et al. 2022, section 3): every image keeps ``K = int(N * (1 - ratio))``
+    patches chosen uniformly at random (MAE's ``len_keep``) and hides the other ``N - K``; ``K`` is the same
+    for every image, so the encoder's input has a fixed shape. The patches are ranked by their sample's
+    hash bits (MAE ranks by uniform noise) and the first ``K`` are kept. ``mode = "drop"``.
+    """
+
+    mode = "drop"
+
+    def __init__(self, ratio: float = 0.75) -> None:
+        _check_ratio("masking.ratio", ratio)
+        self.ratio = float(ratio)
+
+    def num_kept(self, num_patches: int) -> int:
+        """``K``: the patches each image keeps (at least one)."""
+        return max(1, int(num_patches * (1.0 - self.ratio)))
+
+    def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks:
+        """Masks for the batch: ``keep`` ``[B, K]`` ascending, ``mask`` True on the ``N - K`` others."""
+        n = grid[0] * grid[1]
+        k = self.num_kept(n)
+        order = torch.argsort(keys.bits(n), dim=1, stable=True)  # patches in the order of their noise
+        rank = torch.argsort(order, dim=1)
+        mask = rank >= k
+        keep = torch.argsort(mask.to(torch.int32), dim=1, stable=True)[:, :k]
+        return Masks(grid=grid, mask=mask, keep=keep)
+
+
+class BlockMasking:
+    """Block-wise masking (BEiT, Bao et al. 2022, Algorithm 1; iBOT; DINOv2's ``MaskingGenerator``).
+
+    Each image is masked with probability ``probability``; a masked image hides about ``int(N * r)``
+    patches, ``r`` uniform in ``[ratio_min, ratio_max]``, as rectangular blocks: each attempt draws an
+    area uniform in ``[min_patches, min(remaining, max_patches)]`` and a log-uniform aspect ratio in
+    ``[min_aspect, 1 / min_aspect]``, sets ``h = round(sqrt(area * aspect))`` and ``w = round(sqrt(area /
+    aspect))``, places the block uniformly (BEiT: only if ``h < H`` and ``w < W``) and keeps it when it
+    adds between 1 and ``min(remaining, max_patches)`` new patches. BEiT tries 10 times per block and
+    loops until the target is reached or a block fails 10 times; here every image makes ``attempts``
+    attempts (a fixed number: no host loop on data), one per round, all images at once on the device.
+    The count reached is at most the target, as BEiT's. Each image decides from its own numbers: unlike
+    DINOv2's collate, which masks exactly ``int(B * p)`` images of a batch with ratios spread over the
+    range, the masked fraction is ``p`` in expectation, and a sample's mask does not depend on its batch
+    (so 1 and N processes agree). ``mode = "replace"``; ``max_patches`` None means no cap (iBOT; DINOv2
+    caps a block at half the patches).
+    """
+
+    mode = "replace"
+
+    def __init__(self, probability: float = 0.5, ratio_min: float = 0.1, ratio_max: float = 0.5,
+                 min_patches: int = 4, max_patches: int | None = None, min_aspect: float = 0.3,
+                 attempts: int = 30) -> None:
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"masking.probability must be in [0, 1], got {probability}")
+        _check_ratio("masking.ratio_min", ratio_min)
+        _check_ratio("masking.ratio_max", ratio_max)
+        if ratio_min > ratio_max:
+            raise ValueError(f"masking.ratio_min={ratio_min} is above masking.ratio_max={ratio_max}")
+        if min_patches < 1 or (max_patches is not None and max_patches < 1):
+            raise ValueError("masking.min_patches and masking.max_patches must be >= 1")
+        if not 0.0 < min_aspect <= 1.0:
+            raise ValueError(f"masking.min_aspect must be in (0, 1], got {min_aspect}")
+        if attempts < 1:
+            raise ValueError(f"masking.attempts must be >= 1, got {attempts}")
+        self.probability, self.ratio_min, self.ratio_max = float(probability), float(ratio_min), float(ratio_max)
+        self.min_patches, self.max_patches = int(min_patches), max_patches
+        self.log_aspect = (math.log(min_aspect), -math.log(min_aspect))
+        self.attempts = int(attempts)
+
+    def targets(self, keys: SampleKeys, num_patches: int) -> torch.Tensor:
+        """``[B]`` the number of patches each image aims to hide: 0 for unmasked images."""
+        u = keys.uniforms(2, tag=0)
+        ratio = self.ratio_min + (self.ratio_max - self.ratio_min) * u[:, 1]
+        target = torch.floor(num_patches * ratio)
+        return torch.where(u[:, 0] < self.probability, target, torch.zeros_like(target))
+
+    def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks:
+        """Masks for the batch: ``mask`` ``[B, N]``, each image's count at most its target."""
+        h_grid, w_grid = grid
+        n = h_grid * w_grid
+        target = self.targets(keys, n)
+        u = keys.uniforms(4 * self.attempts, tag=1).view(-1, self.attempts, 4)
+        device = target.device
+        rows = torch.arange(h_grid, device=device, dtype=torch.float32)[None]  # [1, H]
+        cols = torch.arange(w_grid, device=device, dtype=torch.float32)[None]  # [1, W]
+        b = target.shape[0]
+        mask = torch.zeros(b, n, dtype=torch.bool, device=device)
+        count = torch.zeros_like(target)
+        lo, hi = self.log_aspect
+        for a in range(self.attempts):
+            ua, ub, uc, ud = u[:, a].unbind(1)
+            remaining = target - count
+            cap = remaining if self.max_patches is None else remaining.clamp(max=float(self.max_patches))
+            area = self.min_patches + (cap - self.min_patches) * ua  # python's uniform(a, b), also for b < a
+            aspect = torch.exp(lo + (hi - lo) * ub)
+            h = torch.round(torch.sqrt(area * aspect))
+            w = torch.round(torch.sqrt(area / aspect))
+            fits = (h < h_grid) & (w < w_grid) & (remaining > 0)
+            top = torch.floor(uc * (h_grid - h + 1))  # randint(0, H - h), both ends included
+            left = torch.floor(ud * (w_grid - w + 1))
+            in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # [B, H]
+            in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])  # [B, W]
+            block = (in_rows[:, :, None] & in_cols[:, None, :]).view(b, n)
+            new = (block & ~mask).sum(dim=1).float()
+            take = fits & (new > 0) & (new <= cap)
+            mask = mask | (block & take[:, None])
+            count = count + new * take
+        return Masks(grid=grid, mask=mask)
+
+
+class MultiBlockMasking:
+    """I-JEPA's multi-block masking (Assran et al. 2023, section 3; ``src/masks/multiblock.py``).
+
+    Per image: ``num_targets`` target blocks of one size (area ``int(N * s)``, ``s`` uniform in
+    ``target_scale``; aspect ratio uniform in ``target_aspect``; ``h = round(sqrt(area * a))``,
+    ``w = round(sqrt(area / a))``, below the grid's sides) at independent uniform positions, and a
+    context block (``context_scale``, aspect 1) from which every target patch is removed: ``targets``
+    ``[B, T, N]``, and ``mask`` every patch the context encoder does not see.
+
+    I-JEPA draws the block sizes once per batch and truncates every mask to the smallest count in the
+    batch. Here each image draws its own sizes (so its masks do not depend on its batch) and the context
+    has a fixed number of slots, ``context_patches`` (default: the largest context block this config can
+    draw, so no context patch is ever cut): ``keep`` ``[B, K]`` holds the image's context patches and, in
+    the slots left over, other patches marked invalid in ``keep_valid``, which the ViT leaves out of
+    attention. A smaller ``context_patches`` keeps a random subset of a larger context (I-JEPA's
+    truncation, per image). ``mode = "drop"``.
+    """
+
+    mode = "drop"
+
+    def __init__(self, num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
+                 target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),
+                 context_patches: int | None = None) -> None:
+        if num_targets < 1:
+            raise ValueError(f"masking.num_targets must be >= 1, got {num_targets}")
+        for name, (a, b) in (("target_scale", target_scale), ("context_scale", context_scale)):
+            if not 0 < a <= b <= 1:
+                raise ValueError(f"masking.{name} must be [low, high] with 0 < low <= high <= 1, got {[a, b]}")
+        if not 0 < target_aspect[0] <= target_aspect[1]:
+            raise ValueError(f"masking.target_aspect must be [low, high] with 0 < low <= high, got {target_aspect}")
+        if context_patches is not None and context_patches < 1:
+            raise ValueError(f"masking.context_patches must be >= 1 (or null), got {context_patches}")
+        self.num_targets = int(num_targets)
+        self.target_scale = (float(target_scale[0]), float(target_scale[1]))
+        self.target_aspect = (float(target_aspect[0]), float(target_aspect[1]))
+        self.context_scale = (float(context_scale[0]), float(context_scale[1]))
+        self.context_patches = context_patches
+
+    @staticmethod
+    def _sides(area: torch.Tensor, aspect: torch.Tensor | float, grid: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """Block sides for ``area`` patches of aspect ``aspect``, shrunk below the grid's (I-JEPA: ``while h >= H:
+        h -= 1``), at least 1."""
+        h = torch.round(torch.sqrt(area * aspect)).clamp(1, max(grid[0] - 1, 1))
+        w = torch.round(torch.sqrt(area / aspect)).clamp(1, max(grid[1] - 1, 1))
+        return h, w
+
+    def num_context(self, grid: tuple[int, int]) -> int:
+        """``K``: the context slots, ``context_patches`` or the largest context block of this config."""
+        n = grid[0] * grid[1]
+        if self.context_patches is not None:
+            return min(int(self.context_patches), n)
+        scale = torch.linspace(*self.context_scale, 201, dtype=torch.float64)
+        h, w = self._sides(torch.floor(n * scale), 1.0, grid)
+        return int((h * w).max())
+
+    @staticmethod
+    def _block(u: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """``[..., N]`` blocks of sides ``h`` x ``w`` at positions from uniforms ``u`` ``[..., 2]``: top in
+        ``[0, H - h)`` as I-JEPA's ``randint`` (0 when the block spans the grid)."""
+        h_grid, w_grid = grid
+        rows = torch.arange(h_grid, device=u.device, dtype=torch.float32)
+        cols = torch.arange(w_grid, device=u.device, dtype=torch.float32)
+        top = torch.floor(u[..., 0] * (h_grid - h).clamp(min=1))
+        left = torch.floor(u[..., 1] * (w_grid - w).clamp(min=1))
+        in_rows = (rows >= top[..., None]) & (rows < (top + h)[..., None])
+        in_cols = (cols >= left[..., None]) & (cols < (left + w)[..., None])
+        return (in_rows[..., :, None] & in_cols[..., None, :]).flatten(-2)
+
+    def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks:
+        """Masks for the batch: ``targets`` ``[B, T, N]``, the context in ``keep`` / ``keep_valid`` ``[B, K]``,
+        ``mask`` True where the context encoder sees nothing."""
+        n = grid[0] * grid[1]
+        k, t = self.num_context(grid), self.num_targets
+        u = keys.uniforms(3 + 2 * t + 2, tag=2)
+        scale = self.target_scale[0] + (self.target_scale[1] - self.target_scale[0]) * u[:, 0]
+        aspect = self.target_aspect[0] + (self.target_aspect[1] - self.target_aspect[0]) * u[:, 1]
+        h, w = self._sides(torch.floor(n * scale), aspect, grid)
+        targets = self._block(u[:, 3:3 + 2 * t].view(-1, t, 2), h[:, None], w[:, None], grid)  # [B, T, N]
+        c_scale = self.context_scale[0] + (self.context_scale[1] - self.context_scale[0]) * u[:, 2]
+        ch, cw = self._sides(torch.floor(n * c_scale), 1.0, grid)
+        context = self._block(u[:, 3 + 2 * t:], ch, cw, grid) & ~targets.any(dim=1)  # [B, N]
+        # the context's patches first (in a random order: a smaller K keeps a random subset), then the rest
+        order = torch.argsort((~context).to(torch.int64) * (1 << 32) + keys.bits(n, tag=3), dim=1, stable=True)
+        keep = torch.sort(order[:, :k], dim=1).values
+        keep_valid = context.gather(1, keep)
+        visible = torch.zeros_like(context).scatter(1, keep, keep_valid)
+        return Masks(grid=grid, mask=~visible, keep=keep, keep_valid=keep_valid, targets=targets)
+
+
+class MaskPlan:
+    """The mask stage of a train step (sslkit/train_steps/stages.py, ``prepare_sample``).
+
+    For each view in ``views`` (default: every view of the first view's size, the global crops) it draws
+    ``generator``'s masks over the view's patch grid (``patch_size``), keyed by ``(seed, epoch, data_idx,
+    view)``. Returns one entry per view: :class:`Masks`, or None for a view left whole.
+    """
+
+    def __init__(self, generator: MaskGenerator, patch_size: int, seed: int, views: Sequence[int] | None = None):
+        self.generator = generator
+        self.patch_size = int(patch_size)
+        self.seed = int(seed)
+        self.views = None if views is None else [int(v) for v in views]
+
+    def __call__(self, views: Sequence[torch.Tensor], index: torch.Tensor, epoch: int) -> list[Masks | None]:
+        """The masks of a batch's ``views`` (``[B, C, H, W]`` each), ``index`` ``[B]`` its dataset indices."""
+        chosen = self.views if self.views is not None else \
+            [v for v, x in enumerate(views) if x.shape[-2:] == views[0].shape[-2:]]
+        out: list[Masks | None] = []
+        for v, x in enumerate(views):
+            if v not in chosen:
+                out.append(None)
+                continue
+            grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
+            out.append(self.generator(SampleKeys(self.seed, epoch, index, v), grid))
+        return out
+
+    def __repr__(self) -> str:
+        return f"MaskPlan({type(self.generator).__name__}, patch {self.patch_size}, views {self.views or 'global'})"
+
+
+@register_masking("random")
+def build_random(ratio: float = 0.75) -> RandomMasking:
+    """MAE's random masking: keep ``int(N * (1 - ratio))`` patches of every image (:class:`RandomMasking`)."""
+    return RandomMasking(ratio)
+
+
+@register_masking("block")
+def build_block(probability: float = 0.5, ratio_min: float = 0.1, ratio_max: float = 0.5, min_patches: int = 4,
+                max_patches: int | None = None, min_aspect: float = 0.3, attempts: int = 30) -> BlockMasking:
+    """BEiT / iBOT / DINOv2 block masking with the mask token (:class:`BlockMasking`)."""
+    return BlockMasking(probability, ratio_min, ratio_max, min_patches, max_patches, min_aspect, attempts)
+
+
+@register_masking("multi_block")
+def build_multi_block(num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
+                      target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),
+                      context_patches: int | None = None) -> MultiBlockMasking:
+    """I-JEPA's target blocks and context (:class:`MultiBlockMasking`)."""
+    return MultiBlockMasking(num_targets, target_scale, target_aspect, context_scale, context_patches)
