@@ -116,3 +116,34 @@ def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
     student = [p for p in model.parameters() if p.requires_grad]
     return {"loss": all_reduce_mean(out["loss"].detach()), "acc": all_reduce_mean(out["acc"].detach()),
             "grads": [p.grad.clone() for p in student]}
+
+
+def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int, steps: int,
+                  out: str, *extra: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Train each recipe (its small test form, tests/helpers.py, and ``extra`` overrides) for ``steps`` updates on
+    this rank's share of a global batch of ``per_rank_batch * world``; the model's and loss's state after them, per
+    recipe. BatchNorm layers are synced (distributed.sync_bn) so that any number of ranks computes what one
+    process does."""
+    from helpers import RECIPES, SMALL
+
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    states = {}
+    for recipe in recipes:
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], f"data.batch_size={per_rank_batch}",
+                              f"optim.max_steps={steps}", "distributed.sync_bn=true", "eval.knn.enabled=false",
+                              "log.tensorboard=false", "log.report=false", "checkpoint.every_n_epochs=0",
+                              "optim.warmup_epochs=0", *extra, f"output_dir={out}/{recipe}-{world}"])
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        task = build_task(cfg)
+        try:
+            train(task, standard_train_step)
+        finally:
+            task.close()
+        state = {f"model.{k}": v.detach().clone() for k, v in task.base_model.state_dict().items()}
+        state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
+        states[recipe] = state
+    return states

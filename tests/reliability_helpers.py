@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from helpers import REPO, SMALL
+from helpers import RECIPES, REPO, SMALL
 
 HERE = Path(__file__).resolve().parent / "reliability"
 #: tools/run.py finds the fault-injection hooks (imports=[sslkit_faults]) through this.
@@ -25,6 +25,8 @@ RECIPE_ARGS = {
     "moco": ["loss.queue_size=40"],
     "swav": ["loss.queue_length=32", "model.kwargs.num_prototypes=10", "data.transform.num_small=2"],
     "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
+    # masks drawn from (seed, epoch, index), stochastic depth from the checkpointed RNG
+    "mae": [*RECIPES["mae"], "model.trunk_kwargs.drop_path_rate=0.1"],
 }
 
 

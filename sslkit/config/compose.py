@@ -395,6 +395,20 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.linear.weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0"),
     "eval.linear.crop_scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
                                "[low, high] with 0 < low <= high <= 1"),
+    "eval.finetune.epochs": (lambda v: v >= 1, ">= 1"),
+    "eval.finetune.batch_size": (lambda v: v >= 1, ">= 1"),
+    "eval.finetune.blr": (lambda v: v > 0 and _finite(v), "> 0 and finite"),
+    "eval.finetune.min_lr": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
+    "eval.finetune.warmup_epochs": (lambda v: v >= 0 and _finite(v), ">= 0 (0 = no warmup)"),
+    "eval.finetune.weight_decay": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
+    "eval.finetune.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "eval.finetune.layer_decay": (lambda v: not isinstance(v, bool | str) and 0 < v <= 1,
+                                  "in (0, 1] (1 = off), or null (0.75 for a ViT, 1 for a CNN)"),
+    "eval.finetune.drop_path": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "eval.finetune.smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "eval.finetune.head_init_std": (lambda v: v > 0 and _finite(v), "> 0 and finite"),
+    "eval.finetune.crop_scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
+                                 "[low, high] with 0 < low <= high <= 1"),
     "eval.monitors.enabled": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.monitors.rankme_samples": (lambda v: v >= 2, ">= 2"),
     "eval.monitors.online_linear_lr": (lambda v: v > 0 and _finite(v), "> 0"),
@@ -743,9 +757,14 @@ def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
         patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
         if isinstance(patch, int) and patch > 0:
             errors.extend(patch_grid_errors(patch, _crop_sizes(cfg)))
-    elif cfg.eval.vit_features != "pool":
-        errors.append(f"'eval.vit_features' = {cfg.eval.vit_features} reads tokens of a ViT, and model.trunk="
-                      f"{cfg.model.trunk} has none: use eval.vit_features=pool (the trunk's features)")
+    else:
+        if cfg.eval.vit_features != "pool":
+            errors.append(f"'eval.vit_features' = {cfg.eval.vit_features} reads tokens of a ViT, and model.trunk="
+                          f"{cfg.model.trunk} has none: use eval.vit_features=pool (the trunk's features)")
+        for key in ("layer_decay", "patch_embed_lr_mult"):
+            if cfg.optim[key] != 1.0:
+                errors.append(f"'optim.{key}' = {cfg.optim[key]} needs a ViT's layers and patch embedding, and "
+                              f"model.trunk={cfg.model.trunk} has none: set optim.{key}=1.0 or use a ViT trunk")
 
 
 def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:

@@ -24,7 +24,7 @@ def one_process_reference(loss_name: str, n: int) -> dict:
     return {"loss": loss.detach(), "grads": [p.grad for p in model.parameters()]}
 
 
-@pytest.mark.parametrize("loss_name", ["nt_xent", "barlow_twins", "vicreg"])
+@pytest.mark.parametrize("loss_name", ["nt_xent", "barlow_twins", "vicreg", "lejepa"])
 def test_two_ranks_batch_b_equal_one_process_batch_2b(loss_name: str, tmp_path) -> None:
     n = 12
     ref = one_process_reference(loss_name, n)

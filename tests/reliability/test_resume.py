@@ -53,3 +53,10 @@ def test_resume_is_bit_identical_with_loader_workers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("recipe", ["moco", "swav"])  # moco's shuffled BatchNorm across ranks, swav's per-rank queue
 def test_sigkill_mid_epoch_resume_is_bit_identical_2_ranks(tmp_path: Path, recipe: str) -> None:
     _run_killed_and_resumed(tmp_path, recipe, 2, [])
+
+
+@pytest.mark.slow
+def test_a_masked_vit_resumes_bit_identically_after_sigkill(tmp_path: Path) -> None:
+    """MAE on a ViT with stochastic depth: the masks come from each sample's (seed, epoch, index) and need no state,
+    drop path draws from the RNG every rank checkpoints; the run killed mid-epoch ends bit-identical."""
+    _run_killed_and_resumed(tmp_path, "mae", 1, [])

@@ -1,0 +1,104 @@
+"""On CUDA: the same masks as on the CPU, fused attention kernels in bf16, deterministic runs of the ViT recipes.
+
+Marked ``gpu``: skipped where no CUDA device is visible (CI); ``python -m pytest -q -m gpu`` on a GPU machine.
+Every recipe, the ViT ones included, also trains for 3 bf16 steps in tests/gpu/test_cuda.py. The CPU checks of the
+same properties: tests/test_masking.py, tests/models/test_vit.py, tests/test_audit.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import RECIPES, SMALL, run_cli
+from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
+
+from sslkit.masking import BlockMasking, MultiBlockMasking, RandomMasking, SampleKeys
+from sslkit.models.vit import build_vit
+
+pytestmark = [pytest.mark.gpu]
+
+GPU = ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("generator", [RandomMasking(0.75), BlockMasking(), MultiBlockMasking()])
+def test_masks_are_the_same_on_the_gpu_as_on_the_cpu(generator) -> None:
+    """Integer hashing on the device: the masks of a sample do not depend on where they are drawn."""
+    index = torch.arange(1000, 1512)
+    cpu = generator(SampleKeys(0, 3, index, 1), (14, 14))
+    gpu = generator(SampleKeys(0, 3, index.cuda(), 1), (14, 14))
+    assert gpu.mask.device.type == "cuda"
+    assert torch.equal(cpu.mask, gpu.mask.cpu())
+    if cpu.keep is not None:
+        assert torch.equal(cpu.keep, gpu.keep.cpu())
+
+
+def _trunk_and_images() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    trunk = build_vit("vit_small", 3, 224, 16).cuda()
+    return trunk, torch.randn(8, 3, 224, 224, device="cuda")
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_fused_attention_kernels_train_a_vit_in_bf16(backend: str) -> None:
+    """timm's Attention calls scaled_dot_product_attention (fused_attn); each fused kernel, forced, runs the forward
+    and backward of ViT-S/16 under bf16 autocast and agrees with PyTorch's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    trunk, x = _trunk_and_images()
+    assert all(block.attn.fused_attn for block in trunk.blocks)
+    outs = {}
+    for kind in (backend, "MATH"):
+        trunk.zero_grad()
+        with sdpa_kernel(getattr(SDPBackend, kind)), torch.autocast("cuda", dtype=torch.bfloat16):
+            out = trunk(x)
+        out.float().pow(2).mean().backward()
+        outs[kind] = (out.float(), trunk.blocks[0].attn.qkv.weight.grad.clone())
+    assert torch.allclose(outs[backend][0], outs["MATH"][0], atol=5e-2, rtol=5e-2)
+    assert torch.allclose(outs[backend][1], outs["MATH"][1], atol=5e-2, rtol=1e-1)
+
+
+def test_padding_slots_take_the_memory_efficient_kernel() -> None:
+    """A context with padding (keep_valid, I-JEPA) has an attention mask: flash attention cannot take one, the
+    memory-efficient kernel can."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    trunk, x = _trunk_and_images()
+    keep = torch.arange(100, device="cuda").expand(8, 100)
+    valid = torch.arange(100, device="cuda").expand(8, 100) < 80
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
+        padded = trunk.forward_tokens(x, keep=keep, keep_valid=valid).cls.float()
+        alone = trunk.forward_tokens(x, keep=keep[:, :80]).cls.float()
+    assert torch.allclose(padded, alone, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["mae", "dino_vit", "lejepa"])
+def test_deterministic_vit_runs_and_resumes_are_bit_identical(tmp_path: Path, recipe: str) -> None:
+    """machine.deterministic=true on CUDA, with the attention kernels it allows: two runs, and a run killed mid-epoch
+    and resumed, end with identical checkpoints."""
+    args = [f"config={recipe}", *BASE, *(RECIPE_ARGS.get(recipe) or RECIPES[recipe]), *GPU,
+            "machine.deterministic=true", "optim.epochs=2", "checkpoint.every_n_steps=4"]
+    never = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
+    kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    run_cli(*args, never, f"output_dir={tmp_path / 'a'}", env=FAULT_ENV)
+    run_cli(*args, never, f"output_dir={tmp_path / 'b'}", env=FAULT_ENV)
+    reference = latest_state(tmp_path / "a")
+    assert_identical(latest_state(tmp_path / "b"), reference)
+    out = tmp_path / "killed"
+    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV)
+    assert_identical(latest_state(out), reference)
+
+
+@pytest.mark.slow
+def test_mae_at_vit_s16_224_trains_in_bf16(tmp_path: Path) -> None:
+    """The paper's shape: ViT-S/16 at 224 px (196 patches, 49 kept), a 512-d decoder, on synthetic images."""
+    out = tmp_path / "run"
+    proc = run_cli("config=mae", *SMALL, *GPU, "data.train.kwargs.image_size=224", "data.image_size=224",
+                   "data.patch_size=16", "model.trunk=vit_small", "model.trunk_kwargs={pos_embed: sincos}",
+                   "model.head.hidden_dim=null", "model.head.out_dim=null", "model.kwargs.decoder_dim=512",
+                   "model.kwargs.decoder_depth=2", "model.kwargs.decoder_heads=16", "optim.max_steps=3",
+                   "eval.knn.enabled=false", f"output_dir={out}")
+    assert "step 3/3" in proc.stdout
