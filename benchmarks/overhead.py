@@ -15,7 +15,9 @@ to both. The plain loop mirrors what sslkit's standard step does to the numbers:
   ``scaler.update``;
 * per step: ``zero_grad(set_to_none=True)`` before the backward, the lr (and weight decay, when
   the recipe schedules it) for ``where = step / max_steps`` set just before ``optimizer.step``,
-  ``optim.accumulate_steps`` micro-batches with ``backward(loss / K)``;
+  ``optim.accumulate_steps`` micro-batches with ``backward(loss / K)``, the gradients clipped as
+  ``optim.clip_grad`` says (after unscaling), and a masked method's masks passed to the model
+  (``model(views, masks=...)``, drawn by the same sample stage);
 * the method hooks of the recipe (momentum teachers, SwAV's prototype normalisation, DINO's
   last-layer freeze, the collapse monitor), the very hook objects ``build_task`` made, called at
   the same events. Only sslkit's infrastructure (logging, checkpointing, the non-finite loss guard,
@@ -259,7 +261,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
     model, loss_fn, opt, scaler = task.model, task.loss, task.optimizer, task.scaler
     loader, device, accumulate = task.loaders["train"], task.device, task.accumulate_steps
     max_steps, log_every = task.max_iterations, cfg.log.every_n_steps
-    dtype = task.amp_dtype
+    dtype, clip = task.amp_dtype, float(cfg.optim.clip_grad)
     precision = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
     fire = _dispatcher(method_hooks(task), task)
     clock = Clock(device, warmup, max_steps)
@@ -287,7 +289,8 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                     sample = prepare_sample(task, next(batches))
                     task.last_batch = LastBatch(sample=sample)
                     with precision():
-                        output = model(sample["input"])
+                        masks = sample.get("masks")  # masked methods: drawn by the sample stage, as in sslkit
+                        output = model(sample["input"]) if masks is None else model(sample["input"], masks=masks)
                         task.last_batch.model_output = output
                         fire(Event.ON_FORWARD)
                         loss = call_loss(loss_fn, output, sample, task.context())  # the clock, for schedules
@@ -305,6 +308,16 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
             except StopIteration:  # the epoch ran out (an incomplete accumulation is dropped)
                 break
             fire(Event.ON_BACKWARD)
+            if clip > 0:  # after accumulation, on unscaled gradients
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+                if cfg.optim.clip_grad_mode == "per_parameter":  # DINO's clip_gradients
+                    for p in params:
+                        norm = p.grad.norm()
+                        p.grad.mul_((clip / (norm + 1e-6)).clamp(max=1.0))
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, clip)
             where = step / max_steps
             set_lr(opt, task.lr_schedule(where))
             if task.wd_schedule is not None:

@@ -1,6 +1,6 @@
 """Images per second of the model step alone, of each data pipeline alone, and of sslkit's full step per pipeline.
 
-    python benchmarks/throughput.py [--device cuda|cpu] [--quick] [--presets simclr_rn50,multicrop,rn18_32]
+    python benchmarks/throughput.py [--device cuda|cpu] [--quick] [--presets simclr_rn50,multicrop,rn18_32,...]
                                     [--steps 20] [--warmup 5] [--compile] [--tools] [key=value ...]
 
 In one process, for each preset:
@@ -20,7 +20,15 @@ nothing). The presets are
   itself (photo-like content, ImageNet's sizes around 500 x 375, portrait and landscape);
 * ``multicrop``: DINO, ResNet-50, 2 x 224 + 6 x 96 px crops, the same JPEG folder;
 * ``rn18_32``: SimCLR, ResNet-18 with the small-image stem, two 32 px views of the in-memory synthetic
-  source (no decoding).
+  source (no decoding);
+* ``mae_vit_s16``: MAE, ViT-S/16 (fixed sine-cosine positions), one 224 px view with 75% of its 196 patches
+  dropped, the paper's decoder (512-d, 8 blocks, 16 heads), the JPEG folder;
+* ``dino_vit_s16``: DINO, ViT-S/16 (drop path 0.1), 2 x 224 + 6 x 96 px crops, the paper's head (65536
+  prototypes), the JPEG folder.
+
+For the ViT presets the table names the attention kernel PyTorch's ``scaled_dot_product_attention`` runs
+(timm's attention calls it): the aten operator seen in a profiled step, e.g. ``flash`` (FlashAttention-2),
+``efficient`` (memory-efficient), ``cudnn``, ``math``, or ``flash_cpu`` on the CPU.
 
 Pipelines: ``workers`` (``data.augment_on=workers``: decode and augment in the loader workers),
 ``device`` (``augment_on=device``: the workers decode, the batch is augmented on the device) and, for
@@ -82,15 +90,16 @@ class Preset:
     small_size: int = 0
     num_small: int = 0
     batch: int = 256
+    num_large: int = 2
 
     def views(self) -> list[int]:
         """The side of every view the model takes."""
-        return [self.image_size] * 2 + [self.small_size] * self.num_small
+        return [self.image_size] * self.num_large + [self.small_size] * self.num_small
 
     def describe(self) -> str:
         """``2x224 + 6x96``."""
         small = f" + {self.num_small}x{self.small_size}" if self.num_small else ""
-        return f"2x{self.image_size}{small}"
+        return f"{self.num_large}x{self.image_size}{small}"
 
 
 PRESETS = {
@@ -99,13 +108,21 @@ PRESETS = {
                         batch=128),
     "rn18_32": Preset("simclr", ["model.trunk=resnet18", "model.trunk_kwargs.small_image_stem=true"], jpeg=False,
                       image_size=32, batch=512),
+    "mae_vit_s16": Preset("mae", ["model.trunk=vit_small", "model.trunk_kwargs={patch_size: 16, pos_embed: sincos}",
+                                  "model.kwargs.decoder_dim=512", "model.kwargs.decoder_depth=8",
+                                  "model.kwargs.decoder_heads=16"], jpeg=True, image_size=224, batch=256, num_large=1),
+    "dino_vit_s16": Preset("dino_vit", ["model.trunk=vit_small",
+                                        "model.trunk_kwargs={patch_size: 16, drop_path_rate: 0.1}",
+                                        "model.head.out_dim=65536", "model.head.hidden_dim=2048",
+                                        "model.head.bottleneck_dim=256"], jpeg=True, image_size=224, small_size=96,
+                           num_small=6, batch=64),
 }
 
 
 def _quick(preset: Preset) -> Preset:
     """The preset at CPU size: 64 px crops (32 px small ones, 2 of them), batch 16."""
     return Preset(preset.recipe, preset.trunk, preset.jpeg, 64 if preset.jpeg else 32,
-                  32 if preset.num_small else 0, 2 if preset.num_small else 0, 16)
+                  32 if preset.num_small else 0, 2 if preset.num_small else 0, 16, preset.num_large)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -170,8 +187,11 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
     sample = {"input": views, "target": torch.zeros(b, dtype=torch.int64, device=device),
               "data_valid": torch.ones(b, dtype=torch.bool, device=device),
               "data_idx": torch.arange(b, device=device)}
+    if task.data.masking is not None:  # a masked method: its masks, drawn as the sample stage draws them
+        sample["masks"] = task.data.masking(views, sample["data_idx"], 0)
     fire = _dispatcher(method_hooks(task), task)
     model, opt = task.model, task.optimizer
+    masks = sample.get("masks")
     fire(Event.ON_START)
     start = 0.0
     for i in range(warmup + steps):
@@ -180,7 +200,7 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
             start = time.perf_counter()
         task.last_batch = LastBatch(sample=sample)
         with precision(task):
-            out = model(views)
+            out = model(views) if masks is None else model(views, masks=masks)
             task.last_batch.model_output = out
             fire(Event.ON_FORWARD)
             loss, _ = split_loss(call_loss(task.loss, out, sample, task.context()))
@@ -192,6 +212,33 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
         task.iteration += 1
     _sync(device)
     return b * steps / (time.perf_counter() - start)
+
+
+#: aten operators of torch.nn.functional.scaled_dot_product_attention's kernels -> the name the table prints.
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+}
+
+
+def attention_kernels(task: SSLTask, preset: Preset) -> str:
+    """The attention kernels one forward and backward of the preset's model runs (a profiled step on synthetic
+    views), or ``-`` for a model without attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = min(preset.batch, 8)
+    views = [torch.randn(b, 3, s, s, device=task.device) for s in preset.views()]
+    masks = task.data.masking(views, torch.arange(b, device=task.device), 0) if task.data.masking else None
+    with profile(activities=[ProfilerActivity.CPU]) as prof, precision(task):
+        out = task.model(views) if masks is None else task.model(views, masks=masks)
+        loss, _ = split_loss(call_loss(task.loss, out, {"input": views, "data_idx": torch.arange(b)}, task.context()))
+        loss.backward()
+    task.optimizer.zero_grad(set_to_none=True)
+    seen = {ATTENTION_OPS[e.key] for e in prof.key_averages() if e.key in ATTENTION_OPS}
+    return ", ".join(sorted(seen)) or "-"
 
 
 def loader_rate(task: SSLTask, steps: int, warmup: int) -> float:
@@ -315,9 +362,10 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
         if not header_done:
             print("\n".join(machine_header(raw_task.config, raw_task.device)), flush=True)
             header_done = True
+        attention = attention_kernels(raw_task, preset)
         raw = raw_rate(raw_task, preset, steps, warmup)
         del raw_task
-        print(f"{name}: raw step {raw:,.0f} img/s", flush=True)
+        print(f"{name}: raw step {raw:,.0f} img/s; attention kernel(s): {attention}", flush=True)
         pipelines = [p for p in PIPELINES if preset.jpeg or p != "device+decode"]
         for pipeline in pipelines:
             cfg = [*base, *PIPELINES[pipeline]]
@@ -330,15 +378,15 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
             task.close()
             print(f"{name} {pipeline}: loader {loaded:,.0f} img/s, full step {full:,.0f} img/s "
                   f"({time.perf_counter() - t0:.0f} s so far)", flush=True)
-            rows.append((name, preset, pipeline, workers, loaded, full, raw))
+            rows.append((name, preset, pipeline, workers, loaded, full, raw, attention))
     print()
     print("| preset | trunk | views | batch | pipeline | workers | (b) loader img/s | (c) step img/s | "
-          "(a) raw img/s | c / a |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, preset, pipeline, workers, loaded, full, raw in rows:
+          "(a) raw img/s | c / a | attention |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, preset, pipeline, workers, loaded, full, raw, attention in rows:
         trunk = preset.trunk[0].split("=")[1]
         print(f"| {name} | {trunk} | {preset.describe()} | {preset.batch} | {pipeline} | {workers} | "
-              f"{loaded:,.0f} | {full:,.0f} | {raw:,.0f} | {full / raw:.2f} |")
+              f"{loaded:,.0f} | {full:,.0f} | {raw:,.0f} | {full / raw:.2f} | {attention} |")
     if args.tools:
         print()
         print("| augmentation alone, one batch on the device | images/s |")

@@ -508,5 +508,10 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers:
                                      "std": [1.0] * channels})
         raw = (_loader(cfg, train_source, identity, train=False, **loading),
                _loader(cfg, test_source, identity, train=False, **loading))
+    kind, last_n = str(cfg.eval.vit_features), int(cfg.eval.vit_last_n)
+    if kind != "pool":
+        logger.info("kNN reads the ViT's %s features (eval.vit_features)%s", kind,
+                    f", the last {last_n} blocks" if kind == "cls_last_n" else "")
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
-                   every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw)
+                   every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw,
+                   features=kind, last_n=last_n)

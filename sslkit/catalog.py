@@ -21,6 +21,7 @@ _SECTIONS = (
     ("hook", "hooks", "hooks=[{name: NAME}] adds one"),
     ("train_step", "train steps", "train_step=NAME"),
     ("transform", "transforms", "data.transform.name=NAME"),
+    ("masking", "mask generators", "masking.name=NAME"),
     ("dataset", "datasets", "data.train.source=NAME"),
 )
 _ABBREVIATIONS = ("e.g.", "i.e.", "al.", "etc.", "vs.", "cf.")
@@ -56,7 +57,8 @@ def description(obj: Any) -> str:
 
     if isinstance(obj, Method):
         required = ", ".join(obj.required_hooks) or "none"
-        return (f"model {obj.model}, loss {obj.loss}, {obj.transform} views; requires hooks: {required}. "
+        masks = f", {obj.masking} masks" if obj.masking else ""
+        return (f"model {obj.model}, loss {obj.loss}, {obj.transform} views{masks}; requires hooks: {required}. "
                 f"{_first_sentence(obj.summary)}")
     doc = obj.__doc__ if inspect.isclass(obj) or inspect.isroutine(obj) else inspect.getdoc(obj)
     if not doc:
@@ -95,6 +97,7 @@ def registered() -> dict[str, dict[str, str]]:
     """Registry name -> {registered name -> description}, after importing sslkit's own registrations."""
     import sslkit.data
     import sslkit.hooks
+    import sslkit.masking
     import sslkit.methods
     import sslkit.models
     import sslkit.reliability
@@ -148,5 +151,5 @@ A key that does not exist is an error naming the closest one, before anything ru
 """
     sections = [("recipes (config=NAME):", presets("config")), ("data presets (data=NAME):", presets("data"))]
     tail = ("python -m sslkit list (or `sslkit list`) lists the trunks, heads, models, losses, hooks, train "
-            "steps,\ntransforms and datasets that a config can name.")
+            "steps,\ntransforms, mask generators and datasets that a config can name.")
     return f"{head}{_table(sections)}\n\n{tail}"

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from omegaconf import DictConfig
 
 from sslkit import registry as R
 from sslkit.checkpoint import checkpoint_dir, load_checkpoint
 from sslkit.config.compose import ConfigError, compose_config, format_recipe_diff
+from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.data.sources import DataSourceError
-from sslkit.distributed import get_rank, init_process_group, launch, launched_by_torchrun, shutdown
+from sslkit.distributed import get_rank, init_process_group, launched_by_torchrun, shutdown
 from sslkit.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -29,25 +30,6 @@ from sslkit.task import SSLTask
 __all__ = ["console", "end_worker", "launch_workers", "main", "run", "setup_logging"]
 
 logger = logging.getLogger("sslkit")
-
-
-def setup_logging(output_dir: str | None, rank: int = 0) -> None:
-    """Log to stdout (rank 0; warnings only elsewhere) and to ``<output_dir>/log.txt`` on rank 0."""
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        handler.close()
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    fmt = logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S")
-    stream = logging.StreamHandler(sys.stdout)
-    stream.setFormatter(fmt)
-    stream.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logger.addHandler(stream)
-    if output_dir is not None and rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        file = logging.FileHandler(os.path.join(output_dir, "log.txt"))
-        file.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))
-        logger.addHandler(file)
 
 
 def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = None,
@@ -104,12 +86,6 @@ def _write_report(output_dir: str) -> None:
                        type(exc).__name__, exc, output_dir)
 
 
-def _debug(args: list[str]) -> tuple[list[str], bool]:
-    """``--debug`` (or ``SSLKIT_DEBUG=1``): tracebacks for the errors that are otherwise a message."""
-    flag = "--debug" in args
-    return [a for a in args if a != "--debug"], flag or os.environ.get("SSLKIT_DEBUG", "") not in ("", "0")
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python tools/run.py config=simclr a.b=c ...``; returns the exit code.
 
@@ -118,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
     traceback means a bug in sslkit (or in user code it runs).
     """
-    args, debug = _debug(sys.argv[1:] if argv is None else argv)
+    args, debug = debug_flag(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         _print(_usage())
         return 0
@@ -203,42 +179,6 @@ def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary:
 RESUMES = " Running the same command resumes from the last checkpoint."
 
 
-def launch_workers(fn: Any, fn_args: tuple[Any, ...], who: str = "sslkit", then: str = "", **launch_kwargs: Any) -> int:
-    """Run ``fn(*fn_args)`` in spawned workers (:func:`sslkit.distributed.launch` with ``launch_kwargs``) and
-    turn a worker's failure into a line on stderr from ``who`` (ending with ``then``) and an exit status:
-    a worker that ended itself on a user's error (:func:`end_worker`) passes its status on, with its message
-    already printed by rank 0; a worker that raised printed its traceback itself."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
-    try:
-        launch(fn, fn_args, **launch_kwargs)
-    except ProcessExitedException as exc:
-        if exc.exit_code == PREEMPTED_EXIT_CODE:
-            print(f"{who}: pre-empted; the checkpoint was written. Run the same command again to resume.",
-                  file=sys.stderr)
-            return PREEMPTED_EXIT_CODE
-        if exc.exit_code in (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED):  # the worker printed why
-            print(f"{who}: worker {exc.error_index} stopped (exit {exc.exit_code}, its message is above); all "
-                  "workers were stopped.", file=sys.stderr)
-            return exc.exit_code
-        print(f"{who}: a worker died ({exc}); all workers were stopped.{then}", file=sys.stderr)
-        return EXIT_STOPPED
-    except ProcessRaisedException:  # each failed worker printed its own traceback (distributed._worker)
-        print(f"{who}: a worker failed, so all workers were stopped; each failed worker's traceback is above, "
-              f"the first one is the cause.{then}", file=sys.stderr)
-        return EXIT_STOPPED
-    return 0
-
-
-def end_worker(exc: BaseException, who: str = "sslkit", what: str = "error") -> NoReturn:
-    """End a spawned worker on a user's error (or a halt) without a traceback: rank 0 prints
-    ``"<who>: <what>: <exc>"``, and every rank exits with the error's status, which
-    :func:`launch_workers` passes on."""
-    if get_rank() == 0:
-        print(f"{who}: {what}: {exc}", file=sys.stderr)
-    sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
-
-
 def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str | None = None) -> None:
     """Entry point of a spawned worker: compose the same config (imports included) and run.
 
@@ -265,10 +205,12 @@ COMMANDS = {
     "train": "train a model (= python tools/run.py): sslkit train config=simclr [key=value ...]",
     "knn": "weighted kNN of a checkpoint's features (= tools/eval_knn.py): sslkit knn checkpoint=RUN_DIR",
     "linear": "linear probe on the frozen trunk (= tools/eval_linear.py): sslkit linear checkpoint=RUN_DIR",
+    "finetune": "fine-tune the whole trunk with a linear head, MAE's protocol (= tools/eval_finetune.py): "
+                "sslkit finetune checkpoint=RUN_DIR",
     "extract": "features and labels to a file (= tools/extract_features.py): sslkit extract checkpoint=RUN_DIR "
                "split=test output=feats.npz",
-    "export": "the trunk for torchvision, as safetensors (= tools/export.py): sslkit export checkpoint=RUN_DIR "
-              "output=encoder.safetensors",
+    "export": "the trunk for torchvision (ResNets) or timm (ViTs), as safetensors (= tools/export.py): sslkit "
+              "export checkpoint=RUN_DIR output=encoder.safetensors",
     "report": "a finished run's summary and plots: sslkit report RUN_DIR",
     "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
 }
@@ -289,6 +231,10 @@ def _command(name: str) -> Any:
         from sslkit.evaluation.export import export_main
 
         return export_main
+    if name == "finetune":
+        from sslkit.evaluation.finetune import finetune_main
+
+        return finetune_main
     if name == "report":
         from sslkit.report import main as report_main
 

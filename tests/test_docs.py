@@ -287,7 +287,8 @@ def plan(command: str) -> Plan:
 
 
 #: The tools run on a trained run: ``sslkit <sub>`` or ``python tools/<script>`` -> the subcommand.
-TOOLS = {"eval_knn.py": "knn", "eval_linear.py": "linear", "extract_features.py": "extract", "export.py": "export"}
+TOOLS = {"eval_knn.py": "knn", "eval_linear.py": "linear", "extract_features.py": "extract", "export.py": "export",
+         "eval_finetune.py": "finetune"}
 
 
 def _tool(argv: list[str]) -> str | None:
@@ -566,7 +567,8 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
         assert re.match(r"sslkit( \w+)?:", message) and "\n\n" not in message and p.names in message, context
     elif p.kind == "tool":  # ran on the tiny run and wrote what the docs say
         assert got.returncode == 0, context
-        written = {"knn": "eval/knn.json", "linear": "eval/linear.json", "report": "report.md"}
+        written = {"knn": "eval/knn.json", "linear": "eval/linear.json", "report": "report.md",
+                   "finetune": "eval/finetune.json"}
         if p.names in written:
             assert (got.cwd / DOC_RUN / written[p.names]).exists(), context
         for path in re.findall(r"(?<!\S)output=(\S+)", command):

@@ -757,6 +757,12 @@ def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
         patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
         if isinstance(patch, int) and patch > 0:
             errors.extend(patch_grid_errors(patch, _crop_sizes(cfg)))
+        from sslkit.models.vit import VIT_SIZES
+
+        depth = cfg.model.trunk_kwargs.get("depth") or VIT_SIZES.get(str(cfg.model.trunk), (0, 0, 0, ""))[1]
+        if cfg.eval.vit_features == "cls_last_n" and depth and cfg.eval.vit_last_n > depth:
+            errors.append(f"'eval.vit_last_n' = {cfg.eval.vit_last_n}: the ViT has {depth} blocks (model.trunk_kwargs."
+                          f"depth), so the CLS tokens of at most its last {depth} can be read")
     else:
         if cfg.eval.vit_features != "pool":
             errors.append(f"'eval.vit_features' = {cfg.eval.vit_features} reads tokens of a ViT, and model.trunk="

@@ -1,4 +1,4 @@
-"""Frozen-feature extraction (encoder outputs or raw pixels) for kNN and linear evaluation."""
+"""The features evaluations read (a trunk's, or a ViT's tokens), and their extraction for kNN and linear evaluation."""
 
 from __future__ import annotations
 
@@ -10,11 +10,64 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sslkit.distributed import gather_no_grad, is_distributed
+from sslkit.models.vit import FEATURE_KINDS
 
-__all__ = ["extract_features", "pixel_features"]
+__all__ = ["FeatureEncoder", "extract_features", "pixel_features"]
 
 # Rows gathered per collective in distributed runs: bounds the device memory of the gather.
 _GATHER_ROWS = 8192
+
+
+class FeatureEncoder(nn.Module):
+    """A trunk seen through the features an evaluation reads (``eval.vit_features``, ``eval.vit_last_n``).
+
+    ``pool`` is the trunk's own output, for any trunk (a CNN's features, a ViT's pooling). A ViT
+    (a trunk with ``patch_tokens``) also gives ``cls`` (the CLS token), ``avg`` (the mean patch token), ``cls+avg``
+    (both, concatenated) and ``cls_last_n`` (the CLS tokens of the last ``last_n`` blocks, each through the final
+    norm, concatenated: DINO's linear evaluation), through its ``features(x, kind, last_n)``. kNN, the linear
+    probe, extraction and fine-tuning all read their features through this one module; it holds the trunk as a
+    submodule (``trunk``), so its train / eval mode and its parameters are the trunk's.
+    """
+
+    def __init__(self, trunk: nn.Module, kind: str = "pool", last_n: int = 4) -> None:
+        """Raises ValueError for an unknown ``kind``, a kind other than ``pool`` on a trunk without tokens, or a
+        ``last_n`` outside ``[1, number of blocks]``."""
+        super().__init__()
+        if kind not in FEATURE_KINDS:
+            raise ValueError(f"unknown feature kind {kind!r}: use one of {', '.join(FEATURE_KINDS)}")
+        self.is_vit = bool(getattr(trunk, "patch_tokens", False)) and callable(getattr(trunk, "features", None))
+        if kind != "pool" and not self.is_vit:
+            raise ValueError(f"{kind} features are read from a ViT's tokens, and {type(trunk).__name__} has none: "
+                             "only pool (the trunk's own features)")
+        if kind == "cls_last_n":
+            blocks = len(trunk.blocks)  # type: ignore[arg-type]
+            if not 1 <= last_n <= blocks:
+                raise ValueError(f"the CLS tokens of the last {last_n} blocks: this ViT has {blocks}, so last_n must "
+                                 f"be in [1, {blocks}]")
+        self.trunk = trunk
+        self.kind = kind
+        self.last_n = int(last_n)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The features ``[B, out_dim]`` of images ``x`` ``[B, C, H, W]``."""
+        if self.kind == "pool":
+            return self.trunk(x)
+        return self.trunk.features(x, self.kind, self.last_n)  # type: ignore[operator]
+
+    @property
+    def out_dim(self) -> int | None:
+        """The feature dimension (None when the trunk does not say its ``out_dim``)."""
+        dim = getattr(self.trunk, "out_dim", None)
+        if dim is None or self.kind == "pool":
+            return dim
+        width = int(getattr(self.trunk, "embed_dim", dim))
+        return {"cls": width, "avg": width, "cls+avg": 2 * width, "cls_last_n": self.last_n * width}[self.kind]
+
+    def describe(self) -> dict[str, Any]:
+        """What a results file records: ``vit_features`` (the kind; None for a trunk without tokens, whose features
+        are its own) and ``vit_last_n`` (with ``cls_last_n`` only, else None)."""
+        return {"vit_features": self.kind if self.is_vit else None,
+                "vit_last_n": self.last_n if self.kind == "cls_last_n" else None}
 
 
 def _first_view(batch: Mapping[str, Any]) -> Tensor:

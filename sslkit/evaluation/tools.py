@@ -1,4 +1,5 @@
-"""Tools on a trained checkpoint: ``sslkit knn``, ``sslkit linear``, ``sslkit extract`` (and tools/*.py)."""
+"""Tools on a trained checkpoint: ``sslkit knn``, ``sslkit linear``, ``sslkit extract`` (and tools/*.py), and what
+every tool shares (arguments, errors, the checkpoint, loaders, the features read, results files)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
 from sslkit.config.compose import schema
+from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAGE_ERRNOS, UserError, storage_error
-from sslkit.evaluation.features import extract_features
+from sslkit.evaluation.features import FeatureEncoder, extract_features
 from sslkit.evaluation.knn import weighted_knn
 from sslkit.evaluation.linear import (
     accuracy,
@@ -34,25 +36,29 @@ from sslkit.evaluation.pretrained import Pretrained, ToolError, load_pretrained
 from sslkit.registry import UnknownNameError
 from sslkit.suggest import did_you_mean
 
-__all__ = ["extract_main", "knn_main", "linear_main", "parse_tool_args", "run_tool"]
+__all__ = ["extract_main", "feature_encoder", "knn_main", "linear_main", "parse_tool_args", "run_tool", "train_crop"]
 
 logger = logging.getLogger("sslkit")
 
 #: The ``key=value`` arguments of each tool that are not config keys, with what they mean.
 TOOL_KEYS: dict[str, dict[str, str]] = {
     "knn": {"checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
-            "features": "trunk (default) | teacher | projector",
+            "features": "trunk (default) | teacher | projector (a ViT's trunk and teacher: eval.vit_features)",
             "output": "where the results JSON goes (default <run>/eval/knn.json)"},
     "linear": {"checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
-               "features": "trunk (default) | teacher",
+               "features": "trunk (default) | teacher (a ViT's: eval.vit_features)",
                "output": "where the results JSON goes (default <run>/eval/linear.json)"},
     "extract": {"checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
                 "split": "train | test (default)",
-                "features": "trunk (default) | teacher | projector",
+                "features": "trunk (default) | teacher | projector (a ViT's trunk and teacher: eval.vit_features)",
                 "normalize": "true: L2-normalise each feature vector (default false)",
                 "output": "the file: .npz (features, labels, indices), .pt (the same as tensors) or .npy "
                           "(features; labels in <name>_labels.npy); default <run>/eval/features_<split>.npz"},
 }
+
+
+#: The tools that keep their state after every epoch and resume from it.
+RESUMABLE = ("linear", "finetune")
 
 
 def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -83,29 +89,21 @@ def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[d
     return opts, overrides
 
 
-def _setup_logging() -> None:
-    from sslkit.cli import setup_logging
-
-    setup_logging(None)
-
-
 def run_tool(tool: str, body: Callable[[list[str]], int], argv: list[str] | None, usage: str) -> int:
     """Run a tool's ``body`` with the training command's error handling: a user error ends with a message on
     stderr and exit 2 (no traceback unless ``--debug``), Ctrl-C with 130, a full disk with 1."""
-    from sslkit.cli import _debug
-
-    args, debug = _debug(sys.argv[1:] if argv is None else list(argv))
+    args, debug = debug_flag(sys.argv[1:] if argv is None else list(argv))
     if any(a in ("-h", "--help") for a in args):
         print(usage)
         return 0
-    _setup_logging()
+    setup_logging(None)
     try:
         return body(args)
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"sslkit {tool}: interrupted; run the same command again (the linear probe resumes from its last "
-              "epoch).", file=sys.stderr)
+        again = ": it resumes from its last finished epoch" if tool in RESUMABLE else ""
+        print(f"sslkit {tool}: interrupted; run the same command again{again}.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (UserError, UnknownNameError) as exc:
         if debug:
@@ -182,7 +180,8 @@ def _features_part(opts: dict[str, str], allowed: tuple[str, ...]) -> str:
     return part
 
 
-def _encoder(pre: Pretrained, part: str) -> nn.Module:
+def _module(pre: Pretrained, part: str) -> nn.Module:
+    """The network ``features=`` names: the trunk, the teacher (momentum encoder) or the trunk and its head."""
     if part == "teacher":
         teacher = getattr(pre.model, "teacher_trunk", None)
         if teacher is None:
@@ -190,6 +189,45 @@ def _encoder(pre: Pretrained, part: str) -> nn.Module:
                             "use features=trunk")
         return teacher
     return pre.encoder(part)
+
+
+def feature_encoder(trunk: nn.Module, cfg: DictConfig) -> FeatureEncoder:
+    """``trunk`` read as ``eval.vit_features`` / ``eval.vit_last_n`` say (:class:`FeatureEncoder`); a setting the
+    trunk cannot give is a :class:`ToolError` naming the key."""
+    try:
+        return FeatureEncoder(trunk, str(cfg.eval.vit_features), int(cfg.eval.vit_last_n))
+    except ValueError as exc:
+        raise ToolError(f"eval.vit_features={cfg.eval.vit_features} eval.vit_last_n={cfg.eval.vit_last_n}: {exc}"
+                        ) from None
+
+
+def _encoder(pre: Pretrained, part: str) -> nn.Module:
+    """What an evaluation encodes images with: the trunk or the teacher read through :func:`feature_encoder`, or the
+    projector's output (the head reads the trunk's own features, so ``eval.vit_features`` does not apply)."""
+    module = _module(pre, part)
+    if part == "projector":
+        if pre.config.eval.vit_features != "pool":
+            logger.info("features=projector: the head's output on the trunk's own features (eval.vit_features=%s "
+                        "applies to the trunk and the teacher)", pre.config.eval.vit_features)
+        return module
+    return feature_encoder(module, pre.config)
+
+
+def _feature_record(encoder: nn.Module) -> dict[str, Any]:
+    """What a results file says of the features read: ``vit_features`` and ``vit_last_n``."""
+    if isinstance(encoder, FeatureEncoder):
+        return encoder.describe()
+    return {"vit_features": None, "vit_last_n": None}
+
+
+def train_crop(cfg: DictConfig, crop_scale: Any) -> DictConfig:
+    """The training transform of the linear probe (``augment=true``) and of fine-tuning: a random resized crop of
+    area ``crop_scale`` at the eval transform's size and a flip, normalised as the eval transform (no colour
+    augmentation)."""
+    return OmegaConf.create({
+        "name": "simclr", "image_size": int(cfg.data.eval_transform.get("image_size", cfg.data.image_size)),
+        "num_views": 1, "crop_scale": list(crop_scale), "jitter_p": 0.0, "grayscale_p": 0.0, "blur_p": 0.0,
+        "mean": cfg.data.eval_transform.get("mean"), "std": cfg.data.eval_transform.get("std")})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,7 +252,8 @@ def _knn(args: list[str]) -> int:
         logger.warning("kNN: eval.knn.k=%d but the train set has %d samples: using k=%d", k.k, len(train_f), used_k)
     found = weighted_knn(train_f, train_y, test_f, test_y, num_classes, used_k, float(k.temperature))
     record = {"top1": found["knn_top1"], "top5": found.get("knn_top5"), "step": pre.step, "checkpoint": pre.path,
-              "features": part, "num_train": len(train_f), "num_test": len(test_f), "num_classes": num_classes,
+              "features": part, **_feature_record(encoder), "feature_dim": int(train_f.shape[1]),
+              "num_train": len(train_f), "num_test": len(test_f), "num_classes": num_classes,
               "time_s": round(time.perf_counter() - start, 2),
               "config": {"k": used_k, "temperature": float(k.temperature), "protocol": "weighted kNN (Wu et al. "
                          "2018): cosine similarity, votes exp(s/T)", "data": _describe_data(cfg),
@@ -258,7 +297,7 @@ def _linear(args: list[str]) -> int:
                 "nesterov": s.nesterov, "weight_decay": s.weight_decay, "schedule": "cosine, no warmup",
                 "classifier": "zero-initialised nn.Linear", "augment": bool(lin.augment),
                 "crop_scale": list(lin.crop_scale) if lin.augment else None, "features": part,
-                "data": _describe_data(cfg), "seed": int(cfg.seed),
+                **_feature_record(encoder), "data": _describe_data(cfg), "seed": int(cfg.seed),
                 "eval_transform": OmegaConf.to_container(cfg.data.eval_transform, resolve=True)}
     key = json.dumps({"step": pre.step, "checkpoint": os.path.abspath(pre.path), **eval_cfg}, sort_keys=True)
 
@@ -290,11 +329,7 @@ def _linear(args: list[str]) -> int:
         logger.info("linear: features computed once (eval.linear.augment=false): %d train x %d, %d test",
                     train_f.shape[0], dim, test_f.shape[0])
     else:
-        crop = OmegaConf.create({
-            "name": "simclr", "image_size": int(cfg.data.eval_transform.get("image_size", cfg.data.image_size)),
-            "num_views": 1, "crop_scale": list(lin.crop_scale), "jitter_p": 0.0, "grayscale_p": 0.0, "blur_p": 0.0,
-            "mean": cfg.data.eval_transform.get("mean"), "std": cfg.data.eval_transform.get("std")})
-        train_loader = _loader(cfg, train_source, crop, device, s.batch_size, train=True)
+        train_loader = _loader(cfg, train_source, train_crop(cfg, lin.crop_scale), device, s.batch_size, train=True)
         steps_per_epoch = len(train_loader)
         logger.info("linear: random resized crop (scale %s) and flip each epoch, the trunk frozen in eval mode",
                     list(lin.crop_scale))
@@ -372,7 +407,6 @@ def _extract(args: list[str]) -> int:
     nproc = int(_O.from_dotlist([o for o in overrides if o.startswith("distributed.nproc_per_node=")] or
                                 ["distributed.nproc_per_node=1"]).distributed.nproc_per_node)
     if nproc > 1:
-        from sslkit.cli import launch_workers
         from sslkit.evaluation.pretrained import pretrained_config
 
         # Checked here, once, before any process starts: the checkpoint, the keys, and one GPU per process.
@@ -387,7 +421,6 @@ def _extract(args: list[str]) -> int:
 def _extract_worker(args: list[str]) -> None:
     """A spawned extraction process: its share of the samples, written by rank 0 in dataset order. A user's
     error (a bad checkpoint, a missing dataset) is said once, by rank 0, as ``sslkit extract`` says it."""
-    from sslkit.cli import end_worker, setup_logging
     from sslkit.distributed import get_rank
 
     setup_logging(None, get_rank())  # rank 0 speaks, the others only warn
@@ -447,7 +480,8 @@ def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> Non
     features, targets, index = features[order], targets[order], index[order]
     out = _output(opts, pre, f"features_{split}.npz")
     _save_features(out, features, targets, index, {"checkpoint": pre.path, "step": pre.step, "split": split,
-                                                   "features": part, "normalized": normalize})
+                                                   "features": part, **_feature_record(encoder),
+                                                   "normalized": normalize})
     logger.info("extract: %d x %d %s features of the %s split (step %d) written to %s", features.shape[0],
                 features.shape[1], part, split, pre.step, out)
 
@@ -472,8 +506,8 @@ def extract_main(argv: list[str] | None = None) -> int:
                                                        "dataset order (distributed.nproc_per_node=N: N processes)"))
 
 
-def _usage(tool: str, what: str) -> str:
-    keys = "\n".join(f"  {k}=...  {v}" for k, v in TOOL_KEYS.get(tool, {}).items())
+def _usage(tool: str, what: str, keys_of: dict[str, str] | None = None) -> str:
+    keys = "\n".join(f"  {k}=...  {v}" for k, v in (keys_of or TOOL_KEYS.get(tool, {})).items())
     return (f"usage: sslkit {tool} checkpoint=RUN_DIR|FILE [key=value ...]\n\n{what}.\n\n{keys}\n"
             "  a.b=c    any config key, applied to the run's config (e.g. machine.device=cpu, eval.data.train.path=..."
             ")\n\ndocs/evaluation.md has the protocols.")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sslkit.evaluation import extract_features, pixel_features, weighted_knn
+from sslkit.evaluation import FeatureEncoder, extract_features, pixel_features, weighted_knn
 from sslkit.hooks.base import Slot, SSLHook
 from sslkit.hooks.logging import MetricsSink
 from sslkit.registry import register_hook
@@ -30,7 +30,8 @@ class KNNHook(SSLHook):
     instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0, and, with
     ``baselines``, once at the start of a fresh run's first phase for the random-init trunk and the pixels
     (raw in [0, 1] through ``raw_pixel_loaders``, and as the eval transform normalises them).
-    Results go to the log and the sinks (metrics.jsonl).
+    Results go to the log and the sinks (metrics.jsonl). ``features`` and ``last_n`` say what is read from a
+    ViT trunk (``eval.vit_features``: :class:`~sslkit.evaluation.FeatureEncoder`); a CNN gives ``pool``, its own.
     """
 
     name = "knn"
@@ -47,6 +48,8 @@ class KNNHook(SSLHook):
         baselines: bool = False,
         sinks: list[MetricsSink] | None = None,
         raw_pixel_loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
+        features: str = "pool",
+        last_n: int = 4,
     ) -> None:
         self.train_loader = train_loader
         self.test_loader = test_loader
@@ -57,6 +60,7 @@ class KNNHook(SSLHook):
         self.baselines = baselines
         self.sinks = sinks or []
         self.raw_pixel_loaders = raw_pixel_loaders
+        self.features, self.last_n = str(features), int(last_n)
         self.results: dict[str, float] = {}
         self.done = False
         #: The step and the settings of the final evaluation in ``results`` (-1 and {} before it).
@@ -65,8 +69,9 @@ class KNNHook(SSLHook):
         self._warned = False
 
     def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None) -> dict[str, float]:
-        """kNN accuracies of ``encoder`` (the trunk by default; None with ``pixels``)."""
-        encoder = encoder if encoder is not None else task.base_model.trunk
+        """kNN accuracies of ``encoder`` (by default the trunk, read as ``features`` says)."""
+        if encoder is None:
+            encoder = FeatureEncoder(task.base_model.trunk, self.features, self.last_n)
         train_f, train_y = extract_features(encoder, self.train_loader, task.device, task.amp_dtype)
         test_f, test_y = extract_features(encoder, self.test_loader, task.device, task.amp_dtype)
         return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self._k(len(train_f)),
@@ -124,8 +129,11 @@ class KNNHook(SSLHook):
 
     @property
     def settings(self) -> dict[str, Any]:
-        """What a result depends on besides the weights: k and the temperature."""
-        return {"k": self.k, "temperature": self.temperature}
+        """What a result depends on besides the weights: k, the temperature and the features read."""
+        settings: dict[str, Any] = {"k": self.k, "temperature": self.temperature}
+        if self.features != "pool":
+            settings["features"] = self.features if self.features != "cls_last_n" else f"cls_last_{self.last_n}"
+        return settings
 
     def on_end(self, task: SSLTask) -> None:
         """The final evaluation, once per trained state: a finished run started again reports the stored

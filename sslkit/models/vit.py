@@ -34,7 +34,7 @@ VIT_SIZES: dict[str, tuple[int, int, int, str]] = {
     "vit_large": (1024, 24, 16, "vit_large_patch16_224"),
 }
 
-#: The features an evaluation may read from a ViT (``eval.features``): the trunk's own pooling, the CLS
+#: The features an evaluation may read from a ViT (``eval.vit_features``): the trunk's own pooling, the CLS
 #: token, the mean of the patch tokens, both concatenated, or DINO's CLS tokens of the last n blocks.
 FEATURE_KINDS = ("pool", "cls", "avg", "cls+avg", "cls_last_n")
 
@@ -280,7 +280,7 @@ class ViTTrunk(VisionTransformer):
         return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
 
     def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
-        """The features an evaluation protocol reads (``eval.features``):
+        """The features an evaluation protocol reads (``eval.vit_features``):
 
         * ``pool``: the trunk's own output (its ``pool``); ``cls``: the CLS token; ``avg``: the mean of the
           patch tokens; ``cls+avg``: both, concatenated ``[B, 2D]``;

@@ -27,7 +27,13 @@ def _run(recipe: str, out, *args: str):
     return proc
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+#: Every CNN recipe, and the two ViT paths: MAE's masked tokens (keep indices into the compiled forward) and the pooled
+#: forward of simclr_vit. dino_vit, mocov3_vit and lejepa compile the same ViT forward (20-25 s each here with
+#: aot_eager): left out for the suite's time budget.
+COMPILED_RECIPES = [r for r in RECIPES if r not in ("dino_vit", "mocov3_vit", "lejepa")]
+
+
+@pytest.mark.parametrize("recipe", COMPILED_RECIPES)
 def test_every_recipe_compiles_and_trains_to_the_eager_losses(tmp_path, recipe: str) -> None:
     """aot_eager (dynamo's graph capture and AOT autograd, kernels run eagerly: fast to check): graphs are
     captured for the trunks and heads, and the 3 logged losses are finite; for a plain and a teacher recipe

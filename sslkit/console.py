@@ -1,0 +1,79 @@
+"""What every command-line entry point shares: the log's set-up, the ``--debug`` flag, and spawned workers' exits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, NoReturn
+
+from sslkit.distributed import get_rank, launch
+from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
+
+__all__ = ["debug_flag", "end_worker", "launch_workers", "setup_logging"]
+
+logger = logging.getLogger("sslkit")
+
+
+def setup_logging(output_dir: str | None, rank: int = 0) -> None:
+    """Log to stdout (rank 0; warnings only elsewhere) and to ``<output_dir>/log.txt`` on rank 0."""
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    fmt = logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(fmt)
+    stream.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.addHandler(stream)
+    if output_dir is not None and rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        file = logging.FileHandler(os.path.join(output_dir, "log.txt"))
+        file.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))
+        logger.addHandler(file)
+
+
+def debug_flag(args: list[str]) -> tuple[list[str], bool]:
+    """``--debug`` (or ``SSLKIT_DEBUG=1``): tracebacks for the errors that are otherwise a message. Returns the
+    arguments without the flag, and whether it is on."""
+    flag = "--debug" in args
+    return [a for a in args if a != "--debug"], flag or os.environ.get("SSLKIT_DEBUG", "") not in ("", "0")
+
+
+def launch_workers(fn: Any, fn_args: tuple[Any, ...], who: str = "sslkit", then: str = "", **launch_kwargs: Any) -> int:
+    """Run ``fn(*fn_args)`` in spawned workers (:func:`sslkit.distributed.launch` with ``launch_kwargs``) and
+    turn a worker's failure into a line on stderr from ``who`` (ending with ``then``) and an exit status:
+    a worker that ended itself on a user's error (:func:`end_worker`) passes its status on, with its message
+    already printed by rank 0; a worker that raised printed its traceback itself."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from sslkit.reliability import PREEMPTED_EXIT_CODE
+
+    try:
+        launch(fn, fn_args, **launch_kwargs)
+    except ProcessExitedException as exc:
+        if exc.exit_code == PREEMPTED_EXIT_CODE:
+            print(f"{who}: pre-empted; the checkpoint was written. Run the same command again to resume.",
+                  file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        if exc.exit_code in (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED):  # the worker printed why
+            print(f"{who}: worker {exc.error_index} stopped (exit {exc.exit_code}, its message is above); all "
+                  "workers were stopped.", file=sys.stderr)
+            return exc.exit_code
+        print(f"{who}: a worker died ({exc}); all workers were stopped.{then}", file=sys.stderr)
+        return EXIT_STOPPED
+    except ProcessRaisedException:  # each failed worker printed its own traceback (distributed._worker)
+        print(f"{who}: a worker failed, so all workers were stopped; each failed worker's traceback is above, "
+              f"the first one is the cause.{then}", file=sys.stderr)
+        return EXIT_STOPPED
+    return 0
+
+
+def end_worker(exc: BaseException, who: str = "sslkit", what: str = "error") -> NoReturn:
+    """End a spawned worker on a user's error (or a halt) without a traceback: rank 0 prints
+    ``"<who>: <what>: <exc>"``, and every rank exits with the error's status, which
+    :func:`launch_workers` passes on."""
+    if get_rank() == 0:
+        print(f"{who}: {what}: {exc}", file=sys.stderr)
+    sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))
