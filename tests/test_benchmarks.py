@@ -132,9 +132,35 @@ def test_throughput_quick_prints_every_pipeline_with_its_ratio(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"^machine: .+ cores", proc.stdout, re.M), proc.stdout
     rows = re.findall(r"^\| simclr_rn50 \| (\S+) \| 2x64 \| 16 \| (\S+) \| \d+ \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
-                      r"([\d.]+) \|$", proc.stdout, re.M)
+                      r"([\d.]+) \| - \|$", proc.stdout, re.M)  # a CNN: no attention kernel
     assert [r[1] for r in rows] == ["workers", "device", "device+decode"], proc.stdout
     for _trunk, _pipeline, loader, step, raw, ratio in rows:
         step_rate, raw_rate = (float(v.replace(",", "")) for v in (step, raw))
         assert float(loader.replace(",", "")) > 0 and step_rate > 0
         assert float(ratio) == pytest.approx(step_rate / raw_rate, abs=0.01)
+
+
+def test_throughput_names_the_attention_kernel_a_vit_runs(tmp_path: Path) -> None:
+    """The ViT presets' table column: the scaled_dot_product_attention kernels seen in a profiled step (the CPU's
+    flash kernel here; on CUDA flash, efficient or cudnn), '-' for a model without attention."""
+    with pytest.MonkeyPatch.context() as mp:  # SSLKIT_MALLOC_TUNED keeps its import from re-executing pytest
+        mp.setenv("SSLKIT_MALLOC_TUNED", "1")
+        mp.syspath_prepend(str(REPO / "benchmarks"))  # it imports overhead.py by module name
+        spec = importlib.util.spec_from_file_location("sslkit_bench_throughput", REPO / "benchmarks" / "throughput.py")
+        assert spec is not None and spec.loader is not None
+        throughput = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = throughput  # dataclasses look their module up
+        spec.loader.exec_module(throughput)
+    from helpers import RECIPES
+
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+
+    for recipe, views, expected in (("mae", 1, {"flash_cpu", "math"}), ("simclr", 2, {"-"})):
+        preset = throughput.Preset(recipe, [], jpeg=False, image_size=32, batch=4, num_large=views)
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], "eval.knn.enabled=false",
+                              f"output_dir={tmp_path / recipe}"])
+        task = build_task(cfg)
+        found = throughput.attention_kernels(task, preset)
+        task.close()
+        assert set(found.split(", ")) <= expected and found, found

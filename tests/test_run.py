@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SMALL, metrics, run_cli
+from helpers import REPO, SMALL, metrics, run_cli, run_main
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
     logged = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     killed_past_checkpoint = max(logged) > resumed_at  # the kill came after a step was logged
 
-    again = run_cli(*args)
+    again = run_main(*args)  # the resume needs no process of its own
     assert f"iteration {resumed_at}" in again.stdout
     assert ("dropped" in again.stdout) == killed_past_checkpoint
     # the records of the steps past the checkpoint were dropped and logged again: every step once

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, metrics, run_cli
+from helpers import REPO, metrics, run_cli, run_main
 from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state
 
 from sslkit.reliability import PREEMPTED_EXIT_CODE
@@ -19,10 +19,14 @@ ARGS = ["config=simclr", *BASE, "optim.epochs=2"]  # 12 steps, checkpoints only 
 
 
 def _reference(tmp_path: Path, nproc: int = 1) -> dict:
+    """The uninterrupted run's final state (one process: in this process, through sslkit.cli.main)."""
     out = tmp_path / "ref"
     never = hooks_override("simclr", {"name": "fault_signal", "step": 10**6})
-    run_cli(*ARGS, f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", never,
-            f"output_dir={out}", env=FAULT_ENV)
+    args = [*ARGS, f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", never, f"output_dir={out}"]
+    if nproc == 1:
+        run_main(*args)
+    else:
+        run_cli(*args, env=FAULT_ENV)
     return latest_state(out)
 
 
@@ -42,7 +46,7 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
     assert max(r["step"] for r in metrics(out) if r.get("phase") == "train") <= 9
 
     if sig == "SIGTERM":  # the resume is the same whichever signal stopped the run: check it once
-        second = run_cli(*ARGS, hooks, f"output_dir={out}", env=FAULT_ENV)
+        second = run_main(*ARGS, hooks, f"output_dir={out}")  # the fault fires in a fresh run only (once)
         assert "checkpoint_000000009.pt" in second.stdout
         assert_identical(latest_state(out), _reference(tmp_path))
 

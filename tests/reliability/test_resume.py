@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_main
 from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
 
 # 2 epochs of 6 steps, a checkpoint every 4 steps: the kill after step 10 (epoch 1, 4 of 6 steps done)
@@ -14,12 +14,17 @@ STEPS = ["optim.epochs=2", "checkpoint.every_n_steps=4"]
 
 
 def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list[str]) -> None:
+    """The run SIGKILLed after step 10 is a process of its own; with one process the uninterrupted reference and the
+    resumed run go through sslkit.cli.main in this process (the same outcome, without two interpreter starts)."""
     args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *STEPS, *extra,
             f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}"]  # 6 steps per epoch
     never_fires = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
     kill_at_10 = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
 
-    reference = run_cli(*args, never_fires, f"output_dir={tmp_path / 'ref'}", env=FAULT_ENV)
+    def run(*more: str) -> object:
+        return run_main(*args, *more) if nproc == 1 else run_cli(*args, *more, env=FAULT_ENV)
+
+    reference = run(never_fires, f"output_dir={tmp_path / 'ref'}")
     assert "resumed" not in reference.stdout
 
     out = tmp_path / "killed"
@@ -28,7 +33,7 @@ def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list
     at_kill = latest_state(out)["position"]
     assert (at_kill["iteration"], at_kill["phase_idx"], at_kill["steps_in_phase"]) == (8, 1, 2)
 
-    resumed = run_cli(*args, kill_at_10, f"output_dir={out}", env=FAULT_ENV)
+    resumed = run(kill_at_10, f"output_dir={out}")
     assert "resumed from" in resumed.stdout and "checkpoint_000000008.pt" in resumed.stdout
 
     ref, again = latest_state(tmp_path / "ref"), latest_state(out)
