@@ -124,7 +124,8 @@ class Masks:
 
     def restore_order(self) -> torch.Tensor:
         """``[B, N]`` indices that put ``cat([kept tokens, hidden tokens], 1)`` back in raster order, where the
-        kept tokens come in ``keep`` order and the hidden ones in raster order (MAE's ``ids_restore``)."""
+        kept tokens come in ``keep`` order and the hidden ones in raster order (MAE's ``ids_restore``). For masks
+        whose ``keep`` is exactly the visible patches, ascending (:class:`RandomMasking`'s)."""
         order = torch.argsort(self.mask.to(torch.int32), dim=1, stable=True)  # visible ascending, then hidden
         return torch.argsort(order, dim=1)
 
@@ -132,7 +133,8 @@ class Masks:
 class MaskGenerator(Protocol):
     """What the mask stage needs of a generator: masks of a view's grid from the samples' keys."""
 
-    #: ``drop`` (the encoder sees only ``keep``) or ``replace`` (masked patches get the mask token).
+    #: ``drop`` (the encoder sees only ``keep``, exactly the visible patches), ``drop_padded`` (``keep`` padded to a
+    #: fixed count, ``keep_valid`` marking the real entries) or ``replace`` (masked patches get the mask token).
     mode: str
 
     def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks: ...
@@ -267,10 +269,10 @@ class MultiBlockMasking:
     draw, so no context patch is ever cut): ``keep`` ``[B, K]`` holds the image's context patches and, in
     the slots left over, other patches marked invalid in ``keep_valid``, which the ViT leaves out of
     attention. A smaller ``context_patches`` keeps a random subset of a larger context (I-JEPA's
-    truncation, per image). ``mode = "drop"``.
+    truncation, per image). ``mode = "drop_padded"``.
     """
 
-    mode = "drop"
+    mode = "drop_padded"
 
     def __init__(self, num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
                  target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),

@@ -804,9 +804,19 @@ def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
     _check_kwargs("masking", builder, kwargs, errors)
     if len(errors) == before:
         try:
-            builder(**OmegaConf.to_container(OmegaConf.create(kwargs), resolve=True))  # type: ignore[arg-type]
+            generator = builder(**OmegaConf.to_container(OmegaConf.create(kwargs), resolve=True))  # type: ignore
         except (ValueError, TypeError) as exc:
             errors.append(f"'masking' ({name}): {exc}")
+        else:
+            wanted = getattr(R.MASKINGS.get(method.masking)(), "mode", None) if method and method.masking else None
+            mode = getattr(generator, "mode", None)
+            if wanted is not None and mode is not None and mode != wanted:
+                fits = [n for n, b in R.MASKINGS if getattr(b(), "mode", None) == wanted]
+                what = {"drop": "drop the masked patches", "drop_padded": "drop the masked patches, padded to a fixed "
+                        "count", "replace": "replace the masked patches with the mask token"}
+                errors.append(f"'masking.name' = {name}: its masks {what.get(mode, mode)}, and method {method.name} "
+                              f"needs masks that {what.get(wanted, wanted)}: use masking.name="
+                              f"{' or '.join(sorted(fits))}")
     views = section.get("views")
     if views is not None and (not isinstance(views, ListConfig) or not all(isinstance(v, int) and v >= 0
                                                                            for v in views)):

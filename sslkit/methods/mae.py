@@ -85,7 +85,8 @@ class MAEDecoder(nn.Module):
         if tuple(grid) == self.grid:
             return self.pos_embed
         matrix = resample_matrix(self.grid, grid, self.pos_embed.device)  # type: ignore[arg-type]
-        return (matrix @ self.pos_embed[0].float()).to(self.pos_embed.dtype)[None]
+        with torch.autocast(self.pos_embed.device.type, enabled=False):
+            return (matrix @ self.pos_embed[0].float()).to(self.pos_embed.dtype)[None]
 
     def forward(self, tokens: Tokens, restore: torch.Tensor) -> torch.Tensor:
         """Pixels ``[B, N, p * p * C]`` of every patch from the encoder's ``tokens`` of the kept patches and
@@ -126,8 +127,9 @@ class MAEModel(nn.Module):
         features, tokens, preds, targets, given = [], [], [], [], []
         patch = int(self.trunk.patch_size)
         for x, m in zip(views, masks):
-            if m is not None and m.keep is None:
-                raise ValueError("mae drops the masked patches: its masks need kept indices (masking.name=random)")
+            if m is not None and (m.keep is None or m.keep_valid is not None):
+                raise ValueError("mae drops the masked patches: its masks must keep exactly the visible ones "
+                                 "(masking.name=random)")
             t = self.trunk.forward_tokens(x, keep=None if m is None else m.keep)
             features.append(self.trunk.pool_tokens(t))
             tokens.append(t)

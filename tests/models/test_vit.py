@@ -200,6 +200,10 @@ def test_masked_methods_need_a_vit_and_a_mask_ratio_in_range(tmp_path: Path) -> 
     assert "method mae trains on masked patches" in _error("config=mae", "masking.name=none")
     assert "method simclr does not use masks" in _error("config=simclr", "model.trunk=vit_tiny", "masking.name=random")
     assert "unknown masking 'randm'" in _error("config=mae", "masking.name=randm")
+    # MAE's decoder restores exactly the hidden patches: generators replacing them, or padding kept ones, are refused
+    assert "method mae needs masks that drop the masked patches: use masking.name=random" in _error(
+        "config=mae", "masking={name: block}")
+    assert "padded to a fixed count, and method mae" in _error("config=mae", "masking={name: multi_block}")
     # before anything is written: the CLI stops with a message and makes no run folder
     from sslkit.cli import main
 
