@@ -122,6 +122,20 @@ def run_main(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]
     return proc
 
 
+def run_sslkit(*args: str) -> tuple[int, str, str]:
+    """``sslkit ARGS`` (the console command: train, knn, linear, finetune, ...) in this process: (exit code,
+    stdout, stderr)."""
+    import contextlib
+    import io
+
+    from sslkit.cli import console
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = console(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -33,6 +33,7 @@ from sslkit.evaluation.tools import (
     _sources,
     _usage,
     _write_json,
+    epochs_record,
     feature_encoder,
     parse_tool_args,
     run_tool,
@@ -306,23 +307,13 @@ def _finetune(args: list[str]) -> int:
                  "scaler": scaler.state_dict() if scaler is not None else None, "records": records,
                  "epoch": epoch + 1, "step": step, "rng": _rng_state(device)}
         atomic_write(state_path, lambda f, st=state: torch.save(st, f))
-        _write_json(out, _record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source)))
-    record = _record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source))
+        _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source)))
+    record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source))
     _write_json(out, record)
     logger.info("fine-tuning of step %d: top-1 %.4f%s after %d epochs; written to %s (the fine-tuned weights: %s)",
                 pre.step, record["top1"], f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "",
                 s.epochs, out, state_path)
     return 0
-
-
-def _record(records: list[dict[str, Any]], pre: Pretrained, epochs: int, eval_cfg: dict[str, Any], start: float,
-            dim: int, num_classes: int, num_test: int) -> dict[str, Any]:
-    last = records[-1] if records else {}
-    return {"top1": last.get("top1"), "top5": last.get("top5"),
-            "best_top1": max((r["top1"] for r in records), default=None),
-            "done": len(records) >= epochs, "epochs_done": len(records), "step": pre.step, "checkpoint": pre.path,
-            "feature_dim": dim, "num_classes": num_classes, "num_test": num_test,
-            "time_s_this_start": round(time.perf_counter() - start, 2), "config": eval_cfg, "epochs": records}
 
 
 def finetune_main(argv: list[str] | None = None) -> int:

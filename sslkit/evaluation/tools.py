@@ -352,16 +352,18 @@ def _linear(args: list[str]) -> int:
         state = {"key": key, "classifier": head.state_dict(), "optimizer": optimizer.state_dict(),
                  "records": records, "epoch": epoch + 1, "step": step}
         atomic_write(state_path, lambda f, st=state: torch.save(st, f))
-        _write_json(out, _linear_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0]))
-    record = _linear_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0])
+        _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0]))
+    record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0])
     _write_json(out, record)
     logger.info("linear probe of step %d: top-1 %.4f%s after %d epochs; written to %s", pre.step, record["top1"],
                 f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "", s.epochs, out)
     return 0
 
 
-def _linear_record(records: list[dict[str, Any]], pre: Pretrained, epochs: int, eval_cfg: dict[str, Any],
-                   start: float, dim: int, num_classes: int, num_test: int) -> dict[str, Any]:
+def epochs_record(records: list[dict[str, Any]], pre: Pretrained, epochs: int, eval_cfg: dict[str, Any],
+                  start: float, dim: int, num_classes: int, num_test: int) -> dict[str, Any]:
+    """The JSON of a trained evaluation (the linear probe, fine-tuning): the last epoch's top-1 / top-5, the best,
+    whether all ``epochs`` are done, the checkpoint's step, the settings, and every epoch's record."""
     last = records[-1] if records else {}
     return {"top1": last.get("top1"), "top5": last.get("top5"),
             "best_top1": max((r["top1"] for r in records), default=None),

@@ -14,6 +14,20 @@ from sslkit.registry import register_model
 __all__ = ["SSLModel", "build_ssl_model", "check_two_views", "encode_views", "forward_views"]
 
 
+def _equal_shape_runs(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``(count, batch)`` for each run of consecutive views of equal shape, the run's views concatenated."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    while start < len(views):
+        end = start + 1
+        while end < len(views) and views[end].shape[1:] == views[start].shape[1:]:
+            end += 1
+        group = views[start:end]
+        runs.append((len(group), torch.cat(list(group)) if len(group) > 1 else group[0]))
+        start = end
+    return runs
+
+
 def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run ``module`` on each view, batching consecutive views of equal shape into one forward.
 
@@ -21,15 +35,9 @@ def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torc
     the views of one resolution together, as in SimCLR's and SwAV's reference code.
     """
     outputs: list[torch.Tensor] = []
-    start = 0
-    while start < len(views):
-        end = start + 1
-        while end < len(views) and views[end].shape[1:] == views[start].shape[1:]:
-            end += 1
-        group = views[start:end]
-        out = module(torch.cat(list(group)) if len(group) > 1 else group[0])
-        outputs.extend(out.chunk(len(group)) if len(group) > 1 else [out])
-        start = end
+    for n, batch in _equal_shape_runs(views):
+        out = module(batch)
+        outputs.extend(out.chunk(n) if n > 1 else [out])
     return outputs
 
 
@@ -44,19 +52,12 @@ def encode_views(trunk: nn.Module, views: Sequence[torch.Tensor]) -> tuple[list[
         return forward_views(trunk, views), None
     features: list[torch.Tensor] = []
     tokens: list[Any] = []
-    start = 0
-    while start < len(views):
-        end = start + 1
-        while end < len(views) and views[end].shape[1:] == views[start].shape[1:]:
-            end += 1
-        group = views[start:end]
-        t = trunk.forward_tokens(torch.cat(list(group)) if len(group) > 1 else group[0])
+    for n, batch in _equal_shape_runs(views):
+        t = trunk.forward_tokens(batch)
         pooled = trunk.pool_tokens(t)
-        n = len(group)
         for c, r, p, f in zip(t.cls.chunk(n), t.registers.chunk(n), t.patches.chunk(n), pooled.chunk(n)):
             tokens.append(type(t)(cls=c, registers=r, patches=p, grid=t.grid))
             features.append(f)
-        start = end
     return features, tokens
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -385,16 +386,10 @@ def build_vit(
 
 
 def _register(size: str) -> None:
+    """Register ``build_vit`` for ``size`` under its name: its arguments are build_vit's after ``size``."""
     dim, depth, heads, arch = VIT_SIZES[size]
-
-    def builder(in_channels: int = 3, img_size: int = 224, patch_size: int = 16, reg_tokens: int = 0,
-                drop_path_rate: float = 0.0, layer_scale_init: float | None = None, qk_norm: bool = False,
-                pos_embed: str = "learned", pool: str = "cls", depth: int | None = None,
-                num_heads: int | None = None, weight_init: str = "", **timm_kwargs: Any) -> ViTTrunk:
-        return build_vit(size, in_channels, img_size, patch_size, reg_tokens, drop_path_rate, layer_scale_init,
-                         qk_norm, pos_embed, pool, depth, num_heads, weight_init, **timm_kwargs)
-
-    builder.__name__ = f"build_{size}"
+    builder = functools.partial(build_vit, size)
+    builder.__name__ = f"build_{size}"  # type: ignore[attr-defined]
     builder.__doc__ = (f"timm's ViT of {size.split('_')[1]} width ({dim}-d tokens, {depth} blocks of {heads} heads; "
                        f"timm {arch}) as a trunk: :func:`build_vit`.")
     builder.check_kwargs = check_vit_kwargs  # type: ignore[attr-defined]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 from pathlib import Path
@@ -11,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import RECIPES, SMALL, run_main, run_sslkit
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 import sslkit.evaluation.finetune as FT
-from sslkit.cli import console
 from sslkit.evaluation import FeatureEncoder
 from sslkit.models.vit import build_vit
-from tests.helpers import RECIPES, SMALL, run_main
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false", "eval.knn.enabled=false"]
 #: Fine-tuning on 128 labelled synthetic images (10 classes), tested on 128 others; 4 steps of 32 per epoch.
@@ -26,12 +23,7 @@ FINETUNE = ["data.train.kwargs.num_samples=128", "data.test.kwargs={num_samples:
             "eval.finetune.warmup_epochs=1"]
 
 
-def sslkit(*args: str) -> tuple[int, str, str]:
-    """``sslkit ARGS`` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = console(list(args))
-    return code, out.getvalue(), err.getvalue()
+sslkit = run_sslkit  # the sslkit command in this process
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import shutil
@@ -12,22 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import SMALL, metrics, run_main, run_sslkit
 from omegaconf import OmegaConf
 
-from sslkit.cli import console
 from sslkit.evaluation import linear as L
 from sslkit.evaluation.export import torchvision_twin
-from tests.helpers import SMALL, metrics, run_main
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false"]
 
 
-def sslkit(*args: str) -> tuple[int, str, str]:
-    """``sslkit ARGS`` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = console(list(args))
-    return code, out.getvalue(), err.getvalue()
+sslkit = run_sslkit  # the sslkit command in this process
 
 
 @pytest.fixture(scope="module")

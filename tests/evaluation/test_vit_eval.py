@@ -4,8 +4,6 @@ evaluation package's place below the command line."""
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -13,28 +11,22 @@ import numpy as np
 import pytest
 import timm
 import torch
+from helpers import RECIPES, REPO, SMALL, metrics, run_main, run_sslkit
 from safetensors.torch import load_file
 
-from sslkit.cli import console
 from sslkit.config.compose import ConfigError, compose_config
 from sslkit.evaluation import FeatureEncoder, weighted_knn
 from sslkit.evaluation.export import _twin, export_vit
 from sslkit.evaluation.pretrained import ToolError, load_pretrained
 from sslkit.models.trunks import SmallCNN
 from sslkit.models.vit import build_vit
-from tests.helpers import RECIPES, REPO, SMALL, metrics, run_main
 
 #: A tiny ViT run: 2 blocks of 192-d tokens, 4 x 4 patches of the synthetic 32 px images, 64 train and 64 test images.
 TINY_VIT = [*SMALL, *RECIPES["simclr_vit"], "optim.max_steps=2", "log.tensorboard=false",
             "data.test.kwargs={num_samples: 64}"]
 
 
-def sslkit(*args: str) -> tuple[int, str, str]:
-    """``sslkit ARGS`` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = console(list(args))
-    return code, out.getvalue(), err.getvalue()
+sslkit = run_sslkit  # the sslkit command in this process
 
 
 @pytest.fixture(scope="module")
