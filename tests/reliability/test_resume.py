@@ -44,7 +44,7 @@ def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list
 
 # Real processes killed by SIGKILL, for the recipes whose state is the most varied: simclr (model, optimizer,
 # RNG; with loader workers, below) and, on 2 ranks, moco (shuffled BatchNorm across ranks) and swav (a per-rank
-# queue, the prototype hook, the collapse window). Every one of the 9 recipes is crashed and resumed in-process
+# queue, the prototype hook, the collapse window). Every recipe (the 5 ViT ones too) is crashed and resumed in-process
 # by tests/reliability/test_everyday.py::test_every_recipe_resumes_bit_identically (moco's queue, dino's centre
 # and teacher included), which keeps the suite inside its time budget.
 @pytest.mark.slow
