@@ -1,11 +1,20 @@
 """Shared test setup: tests/helpers.py importable from every test folder; gpu tests skipped without CUDA."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs the suite on as many workers as cores (README: -n auto): one thread each, and the same for the
+    # processes a test starts, so the workers share the cores instead of oversubscribing them
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
