@@ -18,6 +18,7 @@ import torch.distributed as dist
 __all__ = [
     "agree_any",
     "all_gather_object",
+    "all_reduce_max",
     "all_reduce_mean",
     "all_reduce_sum",
     "all_reduce_sum_with_grad",
@@ -120,6 +121,19 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     out = tensor.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum of ``tensor`` over all processes (a new tensor; the input is not modified).
+
+    One all-reduce on the default group, on the tensor's own device. Without a process group it
+    returns ``tensor`` itself.
+    """
+    if not is_distributed():
+        return tensor
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
 
 

@@ -105,7 +105,10 @@ class Masks:
     * ``keep_valid`` ``[B, K]`` bool: which entries of ``keep`` are real (None: all of them). A generator
       whose visible count varies per image pads ``keep`` to its fixed ``K``; the ViT masks the padding out of
       attention, so the encoder computes what it would on the real patches alone;
-    * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise).
+    * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise);
+    * ``slots``: a bound on the patches one image hides, set by generators that replace (the fixed number of
+      places a loss over the masked patches gathers per image, :func:`sslkit.methods.dinov2_parts.gather_masked`;
+      None: any number up to ``N``).
 
     Losses over a varying number of masked patches use ``mask`` as weights (dense sums), never as an
     index (a boolean index has a size only the host learns: a sync).
@@ -116,6 +119,7 @@ class Masks:
     keep: torch.Tensor | None = None
     keep_valid: torch.Tensor | None = None
     targets: torch.Tensor | None = None
+    slots: int | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -213,6 +217,12 @@ class BlockMasking:
         self.log_aspect = (math.log(min_aspect), -math.log(min_aspect))
         self.attempts = int(attempts)
 
+    def max_masked(self, num_patches: int) -> int:
+        """A bound on the patches one image can hide: ``ceil(N * ratio_max)`` (a count never passes its target,
+        ``floor(N * r)`` in float32; the ceiling covers its rounding). A loss over the masked patches gathers this many
+        slots per image (:func:`sslkit.methods.dinov2_parts.gather_masked`)."""
+        return max(1, math.ceil(num_patches * self.ratio_max))
+
     def targets(self, keys: SampleKeys, num_patches: int) -> torch.Tensor:
         """``[B]`` the number of patches each image aims to hide: 0 for unmasked images."""
         u = keys.uniforms(2, tag=0)
@@ -251,7 +261,7 @@ class BlockMasking:
             take = fits & (new > 0) & (new <= cap)
             mask = mask | (block & take[:, None])
             count = count + new * take
-        return Masks(grid=grid, mask=mask)
+        return Masks(grid=grid, mask=mask, slots=self.max_masked(n))
 
 
 class MultiBlockMasking:

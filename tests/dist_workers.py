@@ -147,3 +147,18 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
         state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
         states[recipe] = state
     return states
+
+
+def dinov2_parts_on_shard(rank: int, world: int, n: int) -> dict[str, Any]:
+    """Sinkhorn-Knopp, KoLeo (with its gradient) and the global max on this rank's shard of one fixed batch."""
+    from sslkit.distributed import all_reduce_max
+    from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
+
+    g = torch.Generator().manual_seed(3)
+    logits, x = torch.randn(n, 12, generator=g) * 3, torch.randn(n, 5, generator=g)
+    shard = slice(rank * n // world, (rank + 1) * n // world)
+    mine = x[shard].clone().requires_grad_(True)
+    loss = koleo_loss(mine)
+    loss.backward()
+    return {"q": sinkhorn_knopp(logits[shard], 0.1, iterations=3), "koleo": loss.detach(), "grad": mine.grad,
+            "max": all_reduce_max(logits[shard].max())}

@@ -80,6 +80,8 @@ RECIPES: dict[str, list[str]] = {
     "dino_vit": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
     "mocov3_vit": [*VIT, "model.kwargs.predictor_hidden_dim=32"],
     "simclr_vit": [*VIT],
+    "ibot": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
+    "dinov2": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
 }
 
 

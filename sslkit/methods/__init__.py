@@ -2,7 +2,8 @@
 
 import importlib
 
-METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg", "mae", "lejepa")
+METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg", "mae", "lejepa", "ibot",
+           "dinov2")
 
 for _name in METHODS:
     importlib.import_module(f"sslkit.methods.{_name}")

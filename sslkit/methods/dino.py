@@ -30,6 +30,7 @@ __all__ = [
     "FreezeLastLayerHook",
     "build_dino",
     "build_dino_head",
+    "dino_cross_entropy",
     "dino_loss",
     "teacher_temp_at",
 ]
@@ -86,6 +87,9 @@ class DINOHead(nn.Module):
         gain.requires_grad_(not norm_last_layer)
         self.out_dim = out_dim
         self.norm_last_layer = norm_last_layer
+        #: the constructor's arguments (iBOT and DINOv2 build a separate patch head of the same shape from them)
+        self.hparams = dict(in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim, bottleneck_dim=bottleneck_dim,
+                            num_layers=num_layers, batch_norm=batch_norm, norm_last_layer=norm_last_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Features [B, in_dim] to prototype logits [B, out_dim]."""
@@ -182,10 +186,22 @@ def dino_loss(
     """
     if len(student) < 2 or not teacher:
         raise ValueError(f"dino needs >= 2 student crops and >= 1 teacher crop, got {len(student)}, {len(teacher)}")
-    if len(teacher) > len(student):
-        raise ValueError(f"dino got {len(teacher)} teacher crops but only {len(student)} student crops")
-    log_p_s = F.log_softmax(torch.stack(list(student)).float() / student_temp, dim=-1)  # [V, B, K]
     p_t = F.softmax((torch.stack(list(teacher)).detach().float() - center) / teacher_temp, dim=-1)  # [T, B, K]
+    return dino_cross_entropy(student, p_t, student_temp)
+
+
+def dino_cross_entropy(student: Sequence[torch.Tensor], teacher_probs: torch.Tensor | Sequence[torch.Tensor],
+                       student_temp: float = 0.1) -> torch.Tensor:
+    """DINO's cross-entropy given the teacher's probabilities ``[T, B, K]`` (centred and sharpened, or Sinkhorn-Knopp's:
+    DINOv2): the mean over the pairs (teacher crop i, student crop v != i) of ``1/B sum_b -sum_k P_t(x_i)[b, k] log
+    softmax(g_s(x_v) / tau_s)[b, k]`` (:func:`dino_loss`)."""
+    p_t = teacher_probs if isinstance(teacher_probs, torch.Tensor) else torch.stack(list(teacher_probs))
+    if len(student) < 2 or p_t.shape[0] < 1:
+        raise ValueError(f"dino needs >= 2 student crops and >= 1 teacher crop, got {len(student)}, {p_t.shape[0]}")
+    if p_t.shape[0] > len(student):
+        raise ValueError(f"dino got {p_t.shape[0]} teacher crops but only {len(student)} student crops")
+    log_p_s = F.log_softmax(torch.stack(list(student)).float() / student_temp, dim=-1)  # [V, B, K]
+    p_t = p_t.detach().float()
     n_t, b = p_t.shape[0], p_t.shape[1]
     # cross[i, v] = 1/B sum_b -sum_k P_t(x_i)[b, k] log P_s(x_v)[b, k]: one GEMM over (b, k)
     cross = -(p_t.reshape(n_t, -1) @ log_p_s.reshape(log_p_s.shape[0], -1).T) / b  # [T, V]

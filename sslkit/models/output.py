@@ -25,7 +25,10 @@ class ModelOutput:
     * ``tokens``: per view, a ViT trunk's output tokens (:class:`~sslkit.models.vit.Tokens`: CLS, registers,
       patches), so dense and masked methods read patch features without hooks into the trunk; None for CNNs;
     * ``masks``: per view, the :class:`~sslkit.masking.Masks` the model applied (None for a view left whole):
-      which patches a masked loss is computed on.
+      which patches a masked loss is computed on;
+    * ``patch_projections``, ``patch_targets``, ``patch_weights``: per masked view, the student's and the
+      teacher's patch-head logits ``[B, M, K]`` at ``M`` fixed slots per image, and the slots' weights ``[B, M]``
+      (1 on a masked patch, 0 on padding): iBOT's and DINOv2's masked-patch loss.
 
     Fields a method does not produce are None. A loss or hook may index it by field name
     (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
@@ -41,6 +44,9 @@ class ModelOutput:
     prototypes: torch.Tensor | None = None
     tokens: list[Any] | None = None
     masks: list[Any] | None = None
+    patch_projections: list[torch.Tensor] | None = None
+    patch_targets: list[torch.Tensor] | None = None
+    patch_weights: list[torch.Tensor] | None = None
 
     def given(self) -> list[str]:
         """The fields this output holds (not None)."""

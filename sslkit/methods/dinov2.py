@@ -1,0 +1,98 @@
+"""DINOv2 (Oquab et al., 2024): iBOT's DINO + masked-patch losses, KoLeo on the CLS tokens, Sinkhorn-Knopp teachers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sslkit.clock import StepContext
+from sslkit.method import Method, register_method
+from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
+from sslkit.methods.ibot import IBOTLoss
+from sslkit.registry import register_loss
+
+__all__ = ["DINOV2", "DINOv2Loss"]
+
+CENTERING = ("centering", "sinkhorn_knopp")
+
+
+@register_loss("dinov2")
+class DINOv2Loss(IBOTLoss):
+    """DINOv2's loss (Oquab et al. 2024, section 4; facebookresearch/dinov2 ``ssl_meta_arch.py``)::
+
+        L = dino_weight L_DINO(CLS) + ibot_weight L_iBOT(masked patches) + koleo_weight sum_g KoLeo(z_g)
+
+    ``L_DINO`` and ``L_iBOT`` are :class:`~sslkit.methods.ibot.IBOTLoss`'s terms (DINOv2 scales them to the same
+    means: the mean over (teacher, student) crop pairs, and over all images of the per-image mean over masked
+    patches). ``z_g`` is the student trunk's CLS token of global crop ``g`` (``features``, before the head), KoLeo
+    (:func:`~sslkit.methods.dinov2_parts.koleo_loss`) on each global crop's batch separately ("we don't apply koleo
+    loss between cls tokens of a same image"), over the global batch with ``koleo_global`` (DINOv2: each rank's).
+
+    ``centering``: ``centering`` (DINO's centre and softmax, for the CLS tokens and, with its own centre, the masked
+    patches) or ``sinkhorn_knopp`` (``sinkhorn_iterations`` of Sinkhorn-Knopp over the global batch: the CLS logits
+    of all global crops together, and the masked patches' logits of all global crops, padding slots left out; no
+    centre moves). The teacher temperature (warm-up included) is the same for the CLS tokens and the patches, as
+    DINOv2's (``teacher_patch_temp`` None: ``teacher_temp``).
+    """
+
+    def __init__(self, out_dim: int = 65536, patch_out_dim: int | None = None, student_temp: float = 0.1,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_patch_temp: float | None = None, warmup_teacher_patch_temp: float | None = None,
+                 center_momentum: float = 0.9, centering: str = "centering", sinkhorn_iterations: int = 3,
+                 dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
+                 koleo_global: bool = True) -> None:
+        if centering not in CENTERING:
+            raise ValueError(f"loss.centering must be one of {', '.join(CENTERING)}, got {centering!r}")
+        if sinkhorn_iterations < 1:
+            raise ValueError(f"loss.sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
+        super().__init__(out_dim, patch_out_dim, student_temp, teacher_temp, warmup_teacher_temp,
+                         warmup_teacher_temp_iters,
+                         teacher_temp if teacher_patch_temp is None else teacher_patch_temp,
+                         warmup_teacher_temp if warmup_teacher_patch_temp is None else warmup_teacher_patch_temp,
+                         center_momentum, lambda_cls=dino_weight, lambda_patch=ibot_weight)
+        self.centering = centering
+        self.sinkhorn_iterations = int(sinkhorn_iterations)
+        self.koleo_weight = float(koleo_weight)
+        self.koleo_global = bool(koleo_global)
+
+    def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
+        """Centred and sharpened, or Sinkhorn-Knopp over every global crop's CLS logits of the global batch."""
+        if self.centering == "centering":
+            return super().teacher_cls_probs(logits, temp)
+        stacked = torch.stack(list(logits))  # [G, B, K]
+        return sinkhorn_knopp(stacked.flatten(0, 1), temp, self.sinkhorn_iterations).view(stacked.shape)
+
+    def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                            temp: float) -> list[torch.Tensor]:
+        """Centred and sharpened, or Sinkhorn-Knopp over the masked patches (every slot of weight 1) of every global
+        crop of the global batch."""
+        if self.centering == "centering":
+            return super().teacher_patch_probs(logits, weights, temp)
+        stacked, w = torch.stack(list(logits)), torch.stack(list(weights))  # [G, B, M, K], [G, B, M]
+        probs = sinkhorn_knopp(stacked.flatten(0, 2), temp, self.sinkhorn_iterations, w.flatten())
+        return list(probs.view(stacked.shape).unbind(0))
+
+    def move_centres(self, output: Any, ctx: StepContext | None) -> None:
+        """The centres move under ``centering`` only (Sinkhorn-Knopp has none)."""
+        if self.centering == "centering":
+            super().move_centres(output, ctx)
+
+    def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
+        """iBOT's loss plus ``koleo_weight`` times the sum over the global crops of KoLeo on their CLS tokens."""
+        out = super().forward(output, sample, ctx)
+        g = len(output["targets"])
+        koleo = torch.stack([koleo_loss(f, gather=self.koleo_global) for f in output["features"][:g]]).sum()
+        out["loss"] = out["loss"] + self.koleo_weight * koleo
+        out["koleo_loss"] = koleo.detach()
+        return out
+
+
+#: The method object: what ``method.name=dinov2`` trains.
+DINOV2 = register_method(Method(
+    name="dinov2", model="ibot", loss="dinov2", required_hooks=("momentum_teacher",), transform="multicrop",
+    masking="block", patch_tokens=True,
+    summary=("DINOv2 (Oquab et al., 2024): DINO on the CLS token, iBOT on masked patches, KoLeo, Sinkhorn-Knopp"
+             " or centring."),
+))

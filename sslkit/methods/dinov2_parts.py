@@ -1,0 +1,105 @@
+"""DINOv2's and iBOT's loss pieces: KoLeo, Sinkhorn-Knopp teacher targets, the masked-patch cross-entropy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sslkit.distributed import all_reduce_max, all_reduce_sum, gather_with_grad
+
+__all__ = ["gather_masked", "koleo_loss", "masked_patch_loss", "sinkhorn_knopp"]
+
+
+def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True) -> torch.Tensor:
+    r"""The Kozachenko-Leonenko entropy estimator's loss (Sablayrolles et al. 2019; DINOv2, Oquab et al. 2024,
+    section 4; ``dinov2/loss/koleo_loss.py``) on ``x`` ``[B, D]``:
+
+    .. math::
+
+        z_i = x_i / \lVert x_i \rVert, \qquad \rho_i = \min_{j \neq i} \lVert z_i - z_j + \epsilon \rVert, \qquad
+        L = -\frac{1}{B} \sum_i \log(\rho_i + \epsilon)
+
+    the nearest neighbour found by the largest dot product (as DINOv2), the distance that of
+    ``torch.pairwise_distance`` (which adds ``eps`` to the difference). With ``gather`` (and a process group)
+    the neighbours come from the *global* batch (every rank's ``x``, gathered with its gradient) and the mean
+    is over it, so N processes compute what one process does on the N-fold batch; DINOv2 computes it on each
+    rank's batch (``gather=False``). Two identical rows make ``rho = 0``: the loss is ``-log(eps)``, about
+    18.4, the duplicate-images failure :func:`sslkit.methods.dinov2` warns about. Computed in float32.
+    """
+    x = F.normalize(x.float(), dim=-1, eps=eps)
+    if gather:
+        x = gather_with_grad(x)
+    n = x.shape[0]
+    with torch.no_grad():
+        dots = x @ x.T
+        dots.fill_diagonal_(-2.0)  # below any cosine: never one's own neighbour
+        nearest = dots.argmax(dim=1)
+    rho = F.pairwise_distance(x, x[nearest], p=2, eps=eps)
+    return -torch.log(rho + eps).sum() / n
+
+
+@torch.no_grad()
+def sinkhorn_knopp(logits: torch.Tensor, temperature: float, iterations: int = 3,
+                   weight: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Teacher probabilities ``[B, K]`` by Sinkhorn-Knopp (SwAV; DINOv2's ``SinkhornKnoppTeacher``): the matrix
+    ``Q = exp(logits / temperature)`` ``[B, K]`` over the *global* batch scaled, ``iterations`` times, to equal
+    prototype marginals (each of the ``K`` columns sums to ``1 / K``) and then equal sample marginals (each of
+    the ``B_global`` rows sums to ``1 / B_global``); the rows returned sum to 1.
+
+    ``weight`` ``[B]`` (0 or 1) leaves rows out: padding slots of the masked patches (DINOv2 passes the number of
+    real rows, ``n_masked_patches``); their rows come back 0 and ``B_global`` counts the others. Every sum over the
+    batch is all-reduced (the total, the column sums and the row count), so N processes return the rows one
+    process returns on the N-fold batch. The logits' global maximum is subtracted before the exponential (the
+    scaling cancels it: DINOv2 exponentiates the raw logits, which overflows float32 for logits above
+    ``88 * temperature``). Float32.
+    """
+    if temperature <= 0:
+        raise ValueError(f"sinkhorn_knopp temperature must be > 0, got {temperature}")
+    logits = logits.detach().float()
+    k = logits.shape[1]
+    if weight is None:
+        weight = torch.ones_like(logits[:, 0])
+    weight = weight.float()
+    tiny = torch.finfo(torch.float32).tiny
+    real = weight[:, None] > 0
+    top = all_reduce_max(torch.where(real, logits, torch.full_like(logits, -torch.inf)).max())
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real row anywhere: all zeros below
+    q = torch.where(real, torch.exp((logits - top) / temperature), torch.zeros_like(logits))  # [B, K]
+    stats = all_reduce_sum(torch.stack([q.sum(), weight.sum()]))
+    q = q / stats[0].clamp(min=tiny)
+    batch = stats[1]
+    for _ in range(iterations):
+        q = q / all_reduce_sum(q.sum(dim=0, keepdim=True)).clamp(min=tiny) / k  # every prototype 1 / K of the mass
+        q = q / q.sum(dim=1, keepdim=True).clamp(min=tiny) / batch.clamp(min=1.0)  # every sample 1 / B
+    return q * batch
+
+
+def gather_masked(tokens: torch.Tensor, mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked patches of each image in ``slots`` fixed places: ``tokens`` ``[B, N, D]``, ``mask`` ``[B, N]`` (True
+    where masked) -> ``([B, slots, D], weight [B, slots])``, each image's masked patches first (raster order), the
+    remaining slots filled with unmasked patches of weight 0. ``slots`` must be at least the most patches a mask
+    can hide (:meth:`sslkit.masking.BlockMasking.max_masked`): a fixed shape, no boolean indexing, no host sync
+    (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built)."""
+    order = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :slots]
+    weight = mask.gather(1, order).to(tokens.dtype)
+    return tokens.gather(1, order[..., None].expand(-1, -1, tokens.shape[-1])), weight
+
+
+def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, weight: torch.Tensor,
+                      student_temp: float = 0.1) -> torch.Tensor:
+    r"""iBOT's masked image modelling loss (Zhou et al. 2022, eq. 2; ``ibot/main_ibot.py`` ``iBOTLoss``; DINOv2's
+    ``iBOTPatchLoss.forward_masked``) for one view:
+
+    .. math::
+
+        \ell_{bn} = -\sum_k P_t[b, n, k] \log \mathrm{softmax}(s[b, n] / \tau_s)_k, \qquad
+        L = \frac{1}{B} \sum_b \frac{\sum_n w_{bn} \ell_{bn}}{\max(1, \sum_n w_{bn})}
+
+    ``student`` ``[B, M, K]`` logits, ``teacher_probs`` ``[B, M, K]`` (centred and sharpened, or Sinkhorn-Knopp),
+    ``weight`` ``[B, M]`` 1 on the masked patches: each image's loss is the mean over its masked patches, the
+    batch's the mean over *all* its images (an unmasked image adds 0, as in both reference codes). Float32.
+    """
+    log_p = F.log_softmax(student.float() / student_temp, dim=-1)
+    per_patch = -(teacher_probs.float() * log_p).sum(dim=-1)  # [B, M]
+    w = weight.float()
+    return ((per_patch * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)).mean()

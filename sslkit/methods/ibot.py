@@ -1,0 +1,252 @@
+"""iBOT (Zhou et al., 2022): DINO on the CLS tokens plus self-distillation of the masked patches from an EMA teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sslkit.clock import StepContext
+from sslkit.distributed import all_reduce_sum
+from sslkit.masking import Masks
+from sslkit.method import Method, register_method
+from sslkit.methods.dino import DINOHead, DINOLoss, dino_cross_entropy, teacher_temp_at
+from sslkit.methods.dinov2_parts import gather_masked, masked_patch_loss
+from sslkit.models.output import ModelOutput
+from sslkit.models.ssl_model import encode_views
+from sslkit.models.teacher import frozen_copy
+from sslkit.registry import register_loss, register_model
+
+__all__ = ["IBOT", "IBOTLoss", "IBOTModel", "PatchCenter", "build_ibot"]
+
+
+class IBOTModel(nn.Module):
+    """iBOT's (and DINOv2's) student and EMA teacher over a ViT with a mask token.
+
+    ``forward(views, masks)``: the student sees the ``num_global`` global crops with their masked patches
+    replaced by the mask token (one forward for all of them) and the local crops whole; the teacher, under
+    ``no_grad``, sees the global crops whole. Outputs, per view: ``features`` (the student trunk's pooled tokens),
+    ``projections`` (the CLS head's logits); per global crop: ``targets`` (the teacher's CLS logits),
+    ``patch_projections`` / ``patch_targets`` (the student's and teacher's patch-head logits ``[B, M, K]`` at each
+    image's masked patches, gathered into the masks' ``M = slots`` fixed places: only masked patches go through
+    the patch head, as DINOv2 does, without a host-side index) and ``patch_weights`` ``[B, M]``.
+
+    The patch head is the CLS head itself (``separate_patch_head=False``: iBOT's ``shared_head``, DINOv2's
+    default) or a second head of the same shape with ``patch_out_dim`` outputs. ``model.trunk`` is the student
+    trunk every evaluation reads.
+    """
+
+    def __init__(self, trunk: nn.Module, head: nn.Module, num_global: int = 2, separate_patch_head: bool = False,
+                 patch_out_dim: int | None = None) -> None:
+        super().__init__()
+        if not getattr(trunk, "patch_tokens", False):
+            raise ValueError("ibot and dinov2 need a ViT trunk (model.trunk=vit_tiny, vit_small, ...)")
+        if not isinstance(head, DINOHead):
+            raise ValueError("ibot and dinov2 need a DINO head: model.head.name=dino")
+        if num_global < 1:
+            raise ValueError(f"model.kwargs.num_global must be >= 1, got {num_global}")
+        trunk.enable_mask_token()  # type: ignore[operator]
+        self.trunk, self.head = trunk, head
+        self.num_global = int(num_global)
+        self.patch_head: nn.Module | None = None
+        if separate_patch_head:
+            self.patch_head = DINOHead(**{**head.hparams, "out_dim": int(patch_out_dim or head.out_dim)})
+        elif patch_out_dim is not None and int(patch_out_dim) != head.out_dim:
+            raise ValueError(f"model.kwargs.patch_out_dim={patch_out_dim} differs from model.head.out_dim="
+                             f"{head.out_dim}: a shared head has one output size (set separate_patch_head=true)")
+        self.teacher_trunk = frozen_copy(trunk)
+        self.teacher_head = frozen_copy(head)
+        self.teacher_patch_head = frozen_copy(self.patch_head) if self.patch_head is not None else None
+
+    @property
+    def patch_out_dim(self) -> int:
+        """The patch head's number of outputs."""
+        return int((self.patch_head or self.head).out_dim)  # type: ignore[union-attr]
+
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(student, teacher) pairs for the EMA hook."""
+        pairs = [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
+        if self.patch_head is not None:
+            pairs.append((self.patch_head, self.teacher_patch_head))  # type: ignore[arg-type]
+        return pairs
+
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
+                masks: Sequence[Masks | None] | None = None) -> ModelOutput:
+        """Student on every crop (global crops masked), teacher on the global crops."""
+        if isinstance(views, torch.Tensor):
+            views = [views]
+        views = list(views)
+        g = self.num_global
+        if len(views) < g:
+            raise ValueError(f"ibot needs {g} global crops (model.kwargs.num_global), got {len(views)} views")
+        given = list(masks) if masks is not None else []
+        given += [None] * (len(views) - len(given))
+        globals_ = torch.cat(views[:g]) if g > 1 else views[0]
+        n = self.trunk.grid(globals_.shape[-2], globals_.shape[-1])  # type: ignore[operator]
+        n = n[0] * n[1]
+        mask = torch.cat([m.mask if m is not None else
+                          torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
+                          for v, m in zip(views[:g], given[:g])])
+        slots = max([m.slots or n for m in given[:g] if m is not None], default=1)
+        student = self.trunk.forward_tokens(globals_, mask=mask)  # type: ignore[operator]
+        features = list(self.trunk.pool_tokens(student).chunk(g))  # type: ignore[operator]
+        if len(views) > g:
+            features += encode_views(self.trunk, views[g:])[0]
+        projections = self.head(torch.cat(features)).split([f.shape[0] for f in features])
+        patch_head = self.patch_head or self.head
+        s_patches, weight = gather_masked(student.patches, mask, slots)  # [gB, M, D], [gB, M]
+        s_logits = patch_head(s_patches.flatten(0, 1)).unflatten(0, s_patches.shape[:2])
+        with torch.no_grad():
+            teacher = self.teacher_trunk.forward_tokens(globals_)  # type: ignore[operator]
+            targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)  # type: ignore[operator]
+            t_patches, _ = gather_masked(teacher.patches, mask, slots)
+            t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches.flatten(0, 1))
+            t_logits = t_logits.unflatten(0, t_patches.shape[:2])
+        return ModelOutput(features=features, projections=list(projections), targets=list(targets),
+                           masks=given[:g], patch_projections=list(s_logits.chunk(g)),
+                           patch_targets=list(t_logits.chunk(g)), patch_weights=list(weight.chunk(g)))
+
+
+@register_model("ibot")
+def build_ibot(trunk: nn.Module, head: nn.Module | None = None, num_global: int = 2,
+               separate_patch_head: bool = False, patch_out_dim: int | None = None) -> IBOTModel:
+    """iBOT / DINOv2 wiring: a ViT student (with a mask token), the DINO head (``model.head.name=dino``), optionally
+    a separate patch head (``model.kwargs``: separate_patch_head, patch_out_dim), and their EMA teacher."""
+    if head is None:
+        raise ValueError("ibot and dinov2 need a DINO head: model.head.name=dino")
+    return IBOTModel(trunk, head, num_global, separate_patch_head, patch_out_dim)
+
+
+class PatchCenter(nn.Module):
+    """The centre of the teacher's patch logits, moved once per optimizer update.
+
+    ``c <- m c + (1 - m) sum_i w_i t_i / sum_i w_i`` over every masked patch ``i`` of every global crop of every
+    micro-batch of the update on every rank (weighted sums gathered over micro-batches, one all-reduce on the
+    last), as DINOv2's ``iBOTPatchLoss.update_center`` over the masked teacher tokens. (iBOT's reference centres
+    over all the teacher's patch tokens; it computes the patch head on all of them.) An update without a single
+    masked patch leaves the centre as it is.
+    """
+
+    center: torch.Tensor
+    _pending: torch.Tensor
+
+    def __init__(self, dim: int, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.momentum = float(momentum)
+        self.register_buffer("center", torch.zeros(1, dim))
+        self.register_buffer("_pending", torch.zeros(dim + 1), persistent=False)
+
+    @torch.no_grad()
+    def accumulate(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
+        """Add the weighted teacher logits ``[B, M, K]`` (weights ``[B, M]``) of this micro-batch."""
+        for t, w in zip(logits, weights):
+            w = w.float()
+            self._pending[:-1] += (t.float() * w[..., None]).sum(dim=(0, 1))
+            self._pending[-1] += w.sum()
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the centre to the mean gathered since the last update (all ranks); forget the sums."""
+        stats = all_reduce_sum(self._pending.clone())
+        count = stats[-1]
+        mean = (stats[:-1] / count.clamp(min=1.0)).unsqueeze(0)
+        moved = self.center * self.momentum + mean * (1.0 - self.momentum)
+        self.center.copy_(torch.where(count > 0, moved, self.center))
+        self._pending.zero_()
+
+
+@register_loss("ibot")
+class IBOTLoss(nn.Module):
+    """iBOT's loss (Zhou et al. 2022, section 3.2): ``lambda_cls`` times DINO's loss on the CLS tokens
+    (:class:`~sslkit.methods.dino.DINOLoss`: its centre, temperatures and warm-up) plus ``lambda_patch`` times the
+    masked-patch loss (:func:`~sslkit.methods.dinov2_parts.masked_patch_loss`), each global crop's student patches
+    against the teacher's patches of the same crop, centred by their own :class:`PatchCenter` and sharpened by the
+    patch teacher temperature (warm-up ``warmup_teacher_patch_temp`` -> ``teacher_patch_temp`` over
+    ``warmup_teacher_temp_iters`` updates), averaged over the global crops.
+
+    Logged: ``cls_loss``, ``patch_loss``, ``teacher_entropy`` (CLS) and ``teacher_patch_entropy`` (the mean
+    entropy of the teacher's distribution over the masked patches: ``ln K`` if uniform).
+    """
+
+    def __init__(self, out_dim: int = 8192, patch_out_dim: int | None = None, student_temp: float = 0.1,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_patch_temp: float = 0.07, warmup_teacher_patch_temp: float = 0.04,
+                 center_momentum: float = 0.9, lambda_cls: float = 1.0, lambda_patch: float = 1.0) -> None:
+        super().__init__()
+        if min(teacher_patch_temp, warmup_teacher_patch_temp) <= 0:
+            raise ValueError("ibot patch temperatures must be > 0")
+        self.cls = DINOLoss(out_dim, student_temp, teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
+                            center_momentum)
+        self.patch_out_dim = int(patch_out_dim or out_dim)
+        self.patch_center = PatchCenter(self.patch_out_dim, center_momentum)
+        self.student_temp = float(student_temp)
+        self.teacher_patch_temp = float(teacher_patch_temp)
+        self.warmup_teacher_patch_temp = float(warmup_teacher_patch_temp)
+        self.warmup_iters = int(warmup_teacher_temp_iters)
+        self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)
+
+    def teacher_patch_temp_at(self, update: int) -> float:
+        """The patch teacher temperature at optimizer update ``update``."""
+        return teacher_temp_at(update, self.warmup_teacher_patch_temp, self.teacher_patch_temp, self.warmup_iters)
+
+    def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
+        """The teacher's CLS probabilities ``[G, B, K]`` of the global crops: centred and sharpened (DINO)."""
+        return F.softmax((torch.stack(list(logits)).detach().float() - self.cls.center) / temp, dim=-1)
+
+    def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                            temp: float) -> list[torch.Tensor]:
+        """The teacher's probabilities ``[B, M, K]`` over each global crop's masked-patch slots: centred by the
+        patch centre and sharpened."""
+        return [F.softmax((t.detach().float() - self.patch_center.center) / temp, dim=-1) for t in logits]
+
+    def move_centres(self, output: Any, ctx: StepContext | None) -> None:
+        """Add this micro-batch's teacher logits to both centres' sums; move the centres on an update's last one."""
+        self.cls.accumulate_center(output["targets"])
+        self.patch_center.accumulate(output["patch_targets"], output["patch_weights"])
+        if ctx is None or ctx.clock.last_micro_batch:
+            self.cls.update_center()
+            self.patch_center.update()
+
+    def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
+        """The weighted sum of the CLS and patch losses of this batch; on train forwards the centres move once per
+        update."""
+        student, teacher = output["projections"], output["targets"]
+        s, t, w = output["patch_projections"], output["patch_targets"], output["patch_weights"]
+        if teacher[0].shape[-1] != self.cls.out_dim:
+            raise ValueError(f"{type(self).__name__}: loss.out_dim={self.cls.out_dim} but the head gives "
+                             f"{teacher[0].shape[-1]}: set loss.out_dim to model.head.out_dim")
+        if t[0].shape[-1] != self.patch_out_dim:
+            raise ValueError(f"{type(self).__name__}: loss.patch_out_dim={self.patch_out_dim} but the patch head "
+                             f"gives {t[0].shape[-1]}: set loss.patch_out_dim to the patch head's out_dim")
+        update = ctx.clock.update if ctx is not None else 0
+        temp, patch_temp = self.cls.teacher_temp_at_update(update), self.teacher_patch_temp_at(update)
+        cls_probs = self.teacher_cls_probs(teacher, temp)
+        cls_loss = dino_cross_entropy(student, cls_probs, self.student_temp)
+        probs = self.teacher_patch_probs(t, w, patch_temp)
+        patch = torch.stack([masked_patch_loss(si, pi, wi, self.student_temp) for si, pi, wi in zip(s, probs, w)])
+        patch = patch.mean()
+        with torch.no_grad():
+            p0 = cls_probs[0]
+            entropy = -(p0 * torch.log(p0.clamp_min(1e-30))).sum(dim=-1).mean()
+            ent = torch.stack([-(p * torch.log(p.clamp_min(1e-30))).sum(-1) for p in probs])  # [G, B, M]
+            weights = torch.stack([wi.float() for wi in w])
+            patch_entropy = (ent * weights).sum() / weights.sum().clamp(min=1.0)
+        if self.training and torch.is_grad_enabled():
+            self.move_centres(output, ctx)
+        if ctx is not None:
+            ctx.record("teacher_temp", temp)
+            ctx.record("teacher_patch_temp", patch_temp)
+        loss = self.lambda_cls * cls_loss + self.lambda_patch * patch
+        return {"loss": loss, "cls_loss": cls_loss.detach(), "patch_loss": patch.detach(),
+                "teacher_entropy": entropy, "teacher_patch_entropy": patch_entropy}
+
+
+#: The method object: what ``method.name=ibot`` trains.
+IBOT = register_method(Method(
+    name="ibot", model="ibot", loss="ibot", required_hooks=("momentum_teacher",), transform="multicrop",
+    masking="block", patch_tokens=True,
+    summary="iBOT (Zhou et al., 2022): DINO on the CLS token plus distillation of masked patches from an EMA teacher.",
+))

@@ -1,0 +1,71 @@
+"""DINOv2's loss: iBOT's terms plus KoLeo, and Sinkhorn-Knopp teachers in place of the centres."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SMALL, VIT, run_main
+
+from sslkit.methods.dinov2 import DINOv2Loss
+from sslkit.methods.dinov2_parts import koleo_loss, masked_patch_loss, sinkhorn_knopp
+from sslkit.methods.ibot import IBOTLoss
+
+
+def _output(seed: int, b: int = 4, m: int = 3, k: int = 6) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(2, b, m, generator=g) < 0.6).float()
+    return {"features": [torch.randn(b, 8, generator=g) for _ in range(4)],
+            "projections": [torch.randn(b, k, generator=g) for _ in range(4)],
+            "targets": [torch.randn(b, k, generator=g) for _ in range(2)],
+            "patch_projections": [torch.randn(b, m, k, generator=g) for _ in range(2)],
+            "patch_targets": [torch.randn(b, m, k, generator=g) for _ in range(2)],
+            "patch_weights": list(w)}
+
+
+def test_with_centring_it_is_ibot_plus_koleo_on_each_global_crop() -> None:
+    out = _output(0)
+    ibot = IBOTLoss(out_dim=6, teacher_temp=0.05, teacher_patch_temp=0.05, warmup_teacher_temp=0.05,
+                    warmup_teacher_patch_temp=0.05).eval()
+    dinov2 = DINOv2Loss(out_dim=6, teacher_temp=0.05, warmup_teacher_temp=0.05, koleo_weight=0.3).eval()
+    koleo = koleo_loss(out["features"][0]) + koleo_loss(out["features"][1])  # the local crops' are left out
+    got = dinov2(out, {})
+    assert got["koleo_loss"].item() == pytest.approx(koleo.item(), rel=1e-6)
+    assert got["loss"].item() == pytest.approx(ibot(out, {})["loss"].item() + 0.3 * koleo.item(), rel=1e-6)
+
+
+def test_sinkhorn_knopp_teachers_and_no_centre() -> None:
+    out = _output(1)
+    loss = DINOv2Loss(out_dim=6, teacher_temp=0.05, warmup_teacher_temp=0.05, centering="sinkhorn_knopp",
+                      koleo_weight=0.0).train()
+    with torch.enable_grad():
+        got = loss(out, {})
+    # the CLS teacher: Sinkhorn-Knopp over both global crops' rows together
+    probs = sinkhorn_knopp(torch.cat(out["targets"]), 0.05, 3).view(2, 4, 6)
+    log_s = [torch.log_softmax(p / 0.1, -1) for p in out["projections"]]
+    pairs = [-(probs[i] * log_s[v]).sum(-1).mean() for i in range(2) for v in range(4) if v != i]
+    cls = torch.stack(pairs).mean()
+    # the patch teacher: Sinkhorn-Knopp over the masked slots of both crops, padding left out
+    t, w = torch.stack(out["patch_targets"]), torch.stack(out["patch_weights"])
+    real = w.bool()
+    rows = torch.zeros_like(t)
+    rows[real] = sinkhorn_knopp(t[real], 0.05, 3)
+    patch = torch.stack([masked_patch_loss(out["patch_projections"][v], rows[v], w[v]) for v in range(2)]).mean()
+    assert got["cls_loss"].item() == pytest.approx(cls.item(), rel=1e-5)
+    assert got["patch_loss"].item() == pytest.approx(patch.item(), rel=1e-5)
+    assert loss.cls.center.abs().sum() == 0 and loss.patch_center.center.abs().sum() == 0
+
+
+def test_bad_centering_is_refused() -> None:
+    with pytest.raises(ValueError, match="centering"):
+        DINOv2Loss(centering="sinkhorn")
+
+
+@pytest.mark.slow
+def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_main("config=dinov2", *SMALL, *VIT, "data.transform.num_small=2", "data.small_image_size=16",
+             "model.head.bottleneck_dim=8", "optim.max_steps=2", "eval.knn.enabled=false", f"output_dir={out}")
+    logged = (out / "metrics.jsonl").read_text()
+    assert '"koleo_loss"' in logged and '"patch_loss"' in logged
