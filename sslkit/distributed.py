@@ -111,30 +111,26 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out.div_(world) if out.is_floating_point() or out.is_complex() else out / world  # ints: a float mean
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of ``tensor`` over all processes (a new tensor; the input is not modified).
-
-    One all-reduce on the default group, on the tensor's own device. Without a process group it
-    returns ``tensor`` itself.
-    """
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    """``op`` of ``tensor`` over all processes: one all-reduce on the default group, on the tensor's own device,
+    into a new tensor; ``tensor`` itself without a process group."""
     if not is_distributed():
         return tensor
     out = tensor.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=op)
     return out
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all processes (a new tensor; the input is not modified; ``tensor`` itself
+    without a process group)."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum of ``tensor`` over all processes (a new tensor; the input is not modified).
-
-    One all-reduce on the default group, on the tensor's own device. Without a process group it
-    returns ``tensor`` itself.
-    """
-    if not is_distributed():
-        return tensor
-    out = tensor.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    """Elementwise maximum of ``tensor`` over all processes (a new tensor; the input is not modified;
+    ``tensor`` itself without a process group)."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
 
 
 def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
