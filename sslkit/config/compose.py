@@ -565,6 +565,26 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
                       f"({where}={n}): no optimizer step would run. Lower data.batch_size or raise {where}.")
 
 
+def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:
+    """``loss.centering=sinkhorn_knopp`` (DINOv2) spreads each micro-batch's teacher CLS rows (all global crops of all
+    processes) evenly over the prototypes: fewer rows than prototypes cannot be."""
+    loss = cfg.loss
+    if not isinstance(loss, DictConfig) or loss.get("centering") != "sinkhorn_knopp":
+        return
+    d, b = cfg.distributed, cfg.data.batch_size
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else (
+        d.nproc_per_node * d.num_nodes)
+    kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, DictConfig) else {}
+    crops = int(kwargs.get("num_global", 2) or 2)
+    k = OmegaConf.select(cfg, "loss.out_dim")
+    rows = b * world * crops
+    if isinstance(k, int) and rows < k:
+        errors.append(f"'loss.centering' = sinkhorn_knopp: each Sinkhorn-Knopp solve sees data.batch_size={b} x "
+                      f"{world} process(es) x {crops} global crops = {rows} teacher rows, fewer than loss.out_dim={k} "
+                      f"prototypes, which it must share equally. Raise data.batch_size, set model.head.out_dim (and "
+                      f"loss.out_dim) to at most {rows}, or use loss.centering=centering.")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -680,6 +700,7 @@ def validate(cfg: DictConfig) -> None:
                       "workers): set data.augment_on=device or auto, or data.decode_on=auto")
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1:
         _check_steps(cfg, errors)
+        _check_sinkhorn(cfg, errors)
     _check_folder_paths(cfg, errors)
 
     import sslkit.data

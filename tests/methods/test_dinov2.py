@@ -69,3 +69,14 @@ def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
              "model.head.bottleneck_dim=8", "optim.max_steps=2", "eval.knn.enabled=false", f"output_dir={out}")
     logged = (out / "metrics.jsonl").read_text()
     assert '"koleo_loss"' in logged and '"patch_loss"' in logged
+
+
+def test_sinkhorn_knopp_with_fewer_rows_than_prototypes_is_a_config_error(tmp_path: Path) -> None:
+    from sslkit.config.compose import ConfigError, compose_config, validate
+
+    base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=64"]
+    with pytest.raises(ConfigError, match=r"16 x 1 process\(es\) x 2 global crops = 32 teacher rows, fewer than "
+                                          r"loss.out_dim=64 .*loss.centering=centering"):
+        validate(compose_config(base))
+    validate(compose_config([*base, "loss.centering=centering"]))  # centring has no such limit
+    validate(compose_config([*base, "data.batch_size=32"]))
