@@ -107,7 +107,7 @@ class Masks:
       attention, so the encoder computes what it would on the real patches alone;
     * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise);
     * ``slots``: a bound on the patches one image hides, set by generators that replace (the fixed number of
-      places a loss over the masked patches gathers per image, :func:`sslkit.methods.dinov2_parts.gather_masked`;
+      places a loss over the masked patches gathers per image, :func:`sslkit.methods.dinov2_parts.masked_slots`;
       None: any number up to ``N``).
 
     Losses over a varying number of masked patches use ``mask`` as weights (dense sums), never as an
@@ -220,7 +220,7 @@ class BlockMasking:
     def max_masked(self, num_patches: int) -> int:
         """A bound on the patches one image can hide: ``ceil(N * ratio_max)`` (a count never passes its target,
         ``floor(N * r)`` in float32; the ceiling covers its rounding). A loss over the masked patches gathers this many
-        slots per image (:func:`sslkit.methods.dinov2_parts.gather_masked`)."""
+        slots per image (:func:`sslkit.methods.dinov2_parts.masked_slots`)."""
         return max(1, math.ceil(num_patches * self.ratio_max))
 
     def targets(self, keys: SampleKeys, num_patches: int) -> torch.Tensor:

@@ -32,6 +32,8 @@ __all__ = [
     "build_dino_head",
     "dino_cross_entropy",
     "dino_loss",
+    "dino_teacher_probs",
+    "mean_entropy",
     "teacher_temp_at",
 ]
 
@@ -186,8 +188,24 @@ def dino_loss(
     """
     if len(student) < 2 or not teacher:
         raise ValueError(f"dino needs >= 2 student crops and >= 1 teacher crop, got {len(student)}, {len(teacher)}")
-    p_t = F.softmax((torch.stack(list(teacher)).detach().float() - center) / teacher_temp, dim=-1)  # [T, B, K]
-    return dino_cross_entropy(student, p_t, student_temp)
+    return dino_cross_entropy(student, dino_teacher_probs(teacher, center, teacher_temp), student_temp)
+
+
+def dino_teacher_probs(teacher: Sequence[torch.Tensor], center: torch.Tensor, teacher_temp: float) -> torch.Tensor:
+    """The teacher's probabilities ``[T, B, K]``, centred and sharpened: ``softmax((g_t(x_i) - c) / tau_t)`` for each
+    of the ``T`` crops' logits ``[B, K]``; detached, float32."""
+    return F.softmax((torch.stack(list(teacher)).detach().float() - center) / teacher_temp, dim=-1)
+
+
+def mean_entropy(probs: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean entropy of the distributions ``probs`` ``[..., K]`` (``ln K`` if uniform, 0 if one-hot), weighted by
+    ``weight`` ``[...]`` when given (iBOT: the masked patches only); no gradient."""
+    with torch.no_grad():
+        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+        if weight is None:
+            return entropy.mean()
+        weight = weight.float()
+        return (entropy * weight).sum() / weight.sum().clamp(min=1.0)
 
 
 def dino_cross_entropy(student: Sequence[torch.Tensor], teacher_probs: torch.Tensor | Sequence[torch.Tensor],
@@ -277,10 +295,9 @@ class DINOLoss(nn.Module):
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
                              "set loss.out_dim to model.head.out_dim")
         tau_t = self.teacher_temp_at_update(ctx.clock.update if ctx is not None else 0)
-        loss = dino_loss(student, teacher, self.center, self.student_temp, tau_t)
-        with torch.no_grad():
-            p_t = F.softmax((teacher[0].detach().float() - self.center) / tau_t, dim=-1)
-            entropy = -(p_t * torch.log(p_t.clamp_min(1e-30))).sum(dim=-1).mean()
+        p_t = dino_teacher_probs(teacher, self.center, tau_t)  # once, for the loss and the logged entropy
+        loss = dino_cross_entropy(student, p_t, self.student_temp)
+        entropy = mean_entropy(p_t[0])
         if self.training and torch.is_grad_enabled():
             self.accumulate_center(teacher)
             if ctx is None or ctx.clock.last_micro_batch:

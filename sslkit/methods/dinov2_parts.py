@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from sslkit.distributed import all_reduce_max, all_reduce_sum, gather_with_grad
 
-__all__ = ["gather_masked", "koleo_loss", "masked_patch_loss", "sinkhorn_knopp"]
+__all__ = ["gather_slots", "koleo_loss", "masked_patch_loss", "masked_slots", "sinkhorn_knopp"]
 
 
 def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True) -> torch.Tensor:
@@ -74,15 +74,19 @@ def sinkhorn_knopp(logits: torch.Tensor, temperature: float, iterations: int = 3
     return q * batch
 
 
-def gather_masked(tokens: torch.Tensor, mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The masked patches of each image in ``slots`` fixed places: ``tokens`` ``[B, N, D]``, ``mask`` ``[B, N]`` (True
-    where masked) -> ``([B, slots, D], weight [B, slots])``, each image's masked patches first (raster order), the
-    remaining slots filled with unmasked patches of weight 0. ``slots`` must be at least the most patches a mask
-    can hide (:meth:`sslkit.masking.BlockMasking.max_masked`): a fixed shape, no boolean indexing, no host sync
-    (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built)."""
-    order = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :slots]
-    weight = mask.gather(1, order).to(tokens.dtype)
-    return tokens.gather(1, order[..., None].expand(-1, -1, tokens.shape[-1])), weight
+def masked_slots(mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's masked patches in ``slots`` fixed places: ``mask`` ``[B, N]`` (True where masked) -> ``(index
+    [B, slots], weight [B, slots])``, the masked patches first (raster order), the remaining slots filled with
+    unmasked patches of weight 0 (:func:`gather_slots` takes the tokens there). ``slots`` must be at least the most
+    patches a mask can hide (:meth:`sslkit.masking.BlockMasking.max_masked`): a fixed shape, no boolean indexing, no
+    host sync (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built)."""
+    index = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :slots]
+    return index, mask.gather(1, index).float()
+
+
+def gather_slots(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tokens`` ``[B, N, D]`` at the places ``index`` ``[B, M]`` of :func:`masked_slots`: ``[B, M, D]``."""
+    return tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
 
 
 def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, weight: torch.Tensor,

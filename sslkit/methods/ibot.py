@@ -13,8 +13,15 @@ from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
 from sslkit.masking import Masks
 from sslkit.method import Method, register_method
-from sslkit.methods.dino import DINOHead, DINOLoss, dino_cross_entropy, teacher_temp_at
-from sslkit.methods.dinov2_parts import gather_masked, masked_patch_loss
+from sslkit.methods.dino import (
+    DINOHead,
+    DINOLoss,
+    dino_cross_entropy,
+    dino_teacher_probs,
+    mean_entropy,
+    teacher_temp_at,
+)
+from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
@@ -97,12 +104,13 @@ class IBOTModel(nn.Module):
             features += encode_views(self.trunk, views[g:])[0]
         projections = self.head(torch.cat(features)).split([f.shape[0] for f in features])
         patch_head = self.patch_head or self.head
-        s_patches, weight = gather_masked(student.patches, mask, slots)  # [gB, M, D], [gB, M]
+        index, weight = masked_slots(mask, slots)  # [gB, M]: the same places for the student and the teacher
+        s_patches = gather_slots(student.patches, index)  # [gB, M, D]
         s_logits = patch_head(s_patches.flatten(0, 1)).unflatten(0, s_patches.shape[:2])
         with torch.no_grad():
             teacher = self.teacher_trunk.forward_tokens(globals_)  # type: ignore[operator]
             targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)  # type: ignore[operator]
-            t_patches, _ = gather_masked(teacher.patches, mask, slots)
+            t_patches = gather_slots(teacher.patches, index)
             t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches.flatten(0, 1))
             t_logits = t_logits.unflatten(0, t_patches.shape[:2])
         return ModelOutput(features=features, projections=list(projections), targets=list(targets),
@@ -194,7 +202,7 @@ class IBOTLoss(nn.Module):
 
     def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
         """The teacher's CLS probabilities ``[G, B, K]`` of the global crops: centred and sharpened (DINO)."""
-        return F.softmax((torch.stack(list(logits)).detach().float() - self.cls.center) / temp, dim=-1)
+        return dino_teacher_probs(logits, self.cls.center, temp)
 
     def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
                             temp: float) -> list[torch.Tensor]:
@@ -228,12 +236,7 @@ class IBOTLoss(nn.Module):
         probs = self.teacher_patch_probs(t, w, patch_temp)
         patch = torch.stack([masked_patch_loss(si, pi, wi, self.student_temp) for si, pi, wi in zip(s, probs, w)])
         patch = patch.mean()
-        with torch.no_grad():
-            p0 = cls_probs[0]
-            entropy = -(p0 * torch.log(p0.clamp_min(1e-30))).sum(dim=-1).mean()
-            ent = torch.stack([-(p * torch.log(p.clamp_min(1e-30))).sum(-1) for p in probs])  # [G, B, M]
-            weights = torch.stack([wi.float() for wi in w])
-            patch_entropy = (ent * weights).sum() / weights.sum().clamp(min=1.0)
+        entropy, patch_entropy = mean_entropy(cls_probs[0]), mean_entropy(torch.stack(probs), torch.stack(list(w)))
         if self.training and torch.is_grad_enabled():
             self.move_centres(output, ctx)
         if ctx is not None:

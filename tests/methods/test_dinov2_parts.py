@@ -10,7 +10,7 @@ import torch
 from dist_workers import dinov2_parts_on_shard, run_ranks
 
 from sslkit.masking import BlockMasking, SampleKeys
-from sslkit.methods.dinov2_parts import gather_masked, koleo_loss, masked_patch_loss, sinkhorn_knopp
+from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
 
 
 def _koleo_by_loop(x: torch.Tensor, eps: float = 1e-8) -> float:
@@ -108,10 +108,11 @@ def test_masked_patch_loss_is_the_per_image_mean_over_masked_patches_then_the_ba
     assert masked_patch_loss(student, teacher, weight, 0.1).item() == pytest.approx(total / 3, rel=1e-6)
 
 
-def test_gather_masked_puts_each_image_s_masked_patches_in_its_first_slots() -> None:
+def test_masked_slots_put_each_image_s_masked_patches_first() -> None:
     tokens = torch.arange(2 * 5, dtype=torch.float32).view(2, 5, 1)
     mask = torch.tensor([[False, True, False, True, False], [True, False, False, False, False]])
-    out, weight = gather_masked(tokens, mask, 3)
+    index, weight = masked_slots(mask, 3)
+    out = gather_slots(tokens, index)
     assert out[0, :2, 0].tolist() == [1.0, 3.0] and weight[0].tolist() == [1.0, 1.0, 0.0]
     assert out[1, 0, 0].item() == 5.0 and weight[1].tolist() == [1.0, 0.0, 0.0]
 
