@@ -537,6 +537,13 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"'data.{split}.path' = {path}: {what}; {_PATH_SOURCES[source]}")
 
 
+def _world_size(cfg: DictConfig) -> int:
+    """The processes of the run: torchrun's ``WORLD_SIZE``, else ``nproc_per_node`` x ``num_nodes``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.distributed.nproc_per_node * cfg.distributed.num_nodes
+
+
 def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
     """With a known number of training samples (``data.limit`` or a synthetic source), at least one
     optimizer step per epoch must fit."""
@@ -552,9 +559,7 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
         n = limit if n is None else min(n, limit)
     if not n:
         return
-    d, b, acc = cfg.distributed, cfg.data.batch_size, cfg.optim.accumulate_steps
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else (
-        d.nproc_per_node * d.num_nodes)
+    b, acc, world = cfg.data.batch_size, cfg.optim.accumulate_steps, _world_size(cfg)
     drop = cfg.data.drop_last
     per_rank = n // world if drop else -(-n // world)
     batches = per_rank // b if drop else -(-per_rank // b)
@@ -571,9 +576,7 @@ def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:
     loss = cfg.loss
     if not isinstance(loss, DictConfig) or loss.get("centering") != "sinkhorn_knopp":
         return
-    d, b = cfg.distributed, cfg.data.batch_size
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else (
-        d.nproc_per_node * d.num_nodes)
+    b, world = cfg.data.batch_size, _world_size(cfg)
     kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, DictConfig) else {}
     crops = int(kwargs.get("num_global", 2) or 2)
     k = OmegaConf.select(cfg, "loss.out_dim")
