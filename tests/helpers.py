@@ -220,3 +220,17 @@ def photo_folder(root: Path, n: int = 24) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         photo(24 + (i * 7) % 19, 20 + (i * 5) % 23, i).save(folder / f"{i}.{'png' if i % 5 == 0 else 'jpg'}")
     (root / "c1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\0" * 64)
+
+
+def distillation_output(seed: int, b: int, m: int, k: int, masked: float) -> dict[str, Any]:
+    """A random iBOT / DINOv2 model output: 4 crops (2 global), ``b`` images, ``m`` patch slots, ``k`` prototypes, each
+    slot of a global crop masked with probability ``masked``; image 1 of crop 0 is left unmasked (it must add 0)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(2, b, m, generator=g) < masked).float()
+    w[0, 1] = 0.0
+    return {"features": [torch.randn(b, 8, generator=g) for _ in range(4)],
+            "projections": [torch.randn(b, k, generator=g) for _ in range(4)],
+            "targets": [torch.randn(b, k, generator=g) for _ in range(2)],
+            "patch_projections": [torch.randn(b, m, k, generator=g) for _ in range(2)],
+            "patch_targets": [torch.randn(b, m, k, generator=g) for _ in range(2)],
+            "patch_weights": list(w)}

@@ -6,22 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, VIT, run_main
+from helpers import SMALL, VIT, distillation_output, run_main
 
 from sslkit.methods.dinov2 import DINOv2Loss
 from sslkit.methods.dinov2_parts import koleo_loss, masked_patch_loss, sinkhorn_knopp
 from sslkit.methods.ibot import IBOTLoss
 
 
-def _output(seed: int, b: int = 4, m: int = 3, k: int = 6) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.rand(2, b, m, generator=g) < 0.6).float()
-    return {"features": [torch.randn(b, 8, generator=g) for _ in range(4)],
-            "projections": [torch.randn(b, k, generator=g) for _ in range(4)],
-            "targets": [torch.randn(b, k, generator=g) for _ in range(2)],
-            "patch_projections": [torch.randn(b, m, k, generator=g) for _ in range(2)],
-            "patch_targets": [torch.randn(b, m, k, generator=g) for _ in range(2)],
-            "patch_weights": list(w)}
+def _output(seed: int) -> dict:
+    return distillation_output(seed, b=4, m=3, k=6, masked=0.6)
 
 
 def test_with_centring_it_is_ibot_plus_koleo_on_each_global_crop() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, VIT, run_main
+from helpers import SMALL, VIT, distillation_output, run_main
 
 from sslkit.clock import StepContext, TrainClock
 from sslkit.masking import BlockMasking, SampleKeys
@@ -38,15 +38,8 @@ def _patch_loss_by_loop(student: list[torch.Tensor], teacher: list[torch.Tensor]
     return sum(views) / len(views)
 
 
-def _output(seed: int, b: int = 3, m: int = 4, k: int = 5) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.rand(2, b, m, generator=g) < 0.5).float()
-    w[0, 1] = 0.0  # an unmasked image
-    return {"projections": [torch.randn(b, k, generator=g) for _ in range(4)],
-            "targets": [torch.randn(b, k, generator=g) for _ in range(2)],
-            "patch_projections": [torch.randn(b, m, k, generator=g) for _ in range(2)],
-            "patch_targets": [torch.randn(b, m, k, generator=g) for _ in range(2)],
-            "patch_weights": list(w)}
+def _output(seed: int) -> dict:
+    return distillation_output(seed, b=3, m=4, k=5, masked=0.5)
 
 
 def test_loss_is_dino_on_cls_plus_the_masked_patch_loss_written_out() -> None:
