@@ -102,3 +102,58 @@ def test_mae_at_vit_s16_224_trains_in_bf16(tmp_path: Path) -> None:
                    "model.kwargs.decoder_depth=2", "model.kwargs.decoder_heads=16", "optim.max_steps=3",
                    "eval.knn.enabled=false", f"output_dir={out}")
     assert "step 3/3" in proc.stdout
+
+
+def test_distillation_parts_on_cuda_equal_the_cpu_and_never_sync() -> None:
+    """KoLeo, Sinkhorn-Knopp with padding rows, the masked slots and iBOT's patch loss: the same numbers on the GPU as
+    on the CPU, and not one host-device synchronisation (``set_sync_debug_mode("error")`` raises on any)."""
+    from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
+
+    g = torch.Generator().manual_seed(0)
+    logits, x = torch.randn(64, 32, generator=g), torch.randn(64, 16, generator=g)
+    weight = (torch.rand(64, generator=g) < 0.7).float()
+    tokens, student = torch.randn(8, 16, 12, generator=g), torch.randn(8, 6, 32, generator=g)
+    proj = torch.randn(12, 32, generator=g)
+    mask = BlockMasking(probability=0.8, ratio_min=0.1, ratio_max=0.35, min_patches=2)(
+        SampleKeys(0, 0, torch.arange(8)), (4, 4)).mask
+
+    def parts(device: str) -> list[torch.Tensor]:
+        index, w = masked_slots(mask.to(device), 6)
+        probs = torch.softmax(gather_slots(tokens.to(device), index) @ proj.to(device), -1)
+        return [sinkhorn_knopp(logits.to(device), 0.05, 3, weight.to(device)), koleo_loss(x.to(device)),
+                index, w, masked_patch_loss(student.to(device), probs, w)]
+
+    cpu = parts("cpu")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = parts("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(cpu, gpu):
+        assert b.device.type == "cuda"
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)
+
+
+def test_ibot_model_and_dinov2_loss_train_a_step_in_bf16_without_a_sync() -> None:
+    """The ibot model (mask token, masked slots, teacher) and DINOv2's loss with Sinkhorn-Knopp under bf16 autocast:
+    finite, gradients reach the mask token, no host-device synchronisation in the forward and backward."""
+    from sslkit.methods.dino import build_dino_head
+    from sslkit.methods.dinov2 import DINOv2Loss
+    from sslkit.methods.ibot import build_ibot
+
+    torch.manual_seed(0)
+    trunk = build_vit("vit_small", 3, 64, 16, depth=2)
+    model = build_ibot(trunk, build_dino_head(trunk.out_dim, out_dim=32, hidden_dim=64, bottleneck_dim=16)).cuda()
+    loss_fn = DINOv2Loss(out_dim=32, centering="sinkhorn_knopp").cuda().train()
+    views = [torch.randn(16, 3, 64, 64, device="cuda") for _ in range(2)] + [torch.randn(16, 3, 32, 32, device="cuda")]
+    gen = BlockMasking(probability=0.5, ratio_min=0.1, ratio_max=0.5, min_patches=2)
+    masks = [gen(SampleKeys(0, 0, torch.arange(16, device="cuda"), v), (4, 4)) for v in range(2)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = loss_fn(model(views, masks), {})
+        out["loss"].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out["loss"]).item() and torch.isfinite(out["koleo_loss"]).item()
+    assert model.trunk.mask_token.grad is not None and model.trunk.mask_token.grad.abs().sum().item() > 0
