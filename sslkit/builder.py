@@ -265,6 +265,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
 
         model = convert_sync_batchnorm(model, device)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)
+    if hasattr(loss, "set_epoch_length"):  # schedules a loss takes in epochs (DINO's teacher temperature warm-up)
+        loss.set_epoch_length(steps_per_epoch)
 
     o = cfg.optim
     lr = scaled_lr(o.lr, global_batch, o.lr_scaling)

@@ -224,8 +224,12 @@ class UpdateGuard:
             return
         message = self._describe()
         self._reset()
+        from sslkit.stability import fp16_temperature_warning
+
+        hint = fp16_temperature_warning(getattr(task, "loss", None), getattr(task, "amp_dtype", None))
+        cause = f" A likely cause: {hint}" if hint else ""
         raise NonFiniteLossError(f"{message}. Policy reliability.nonfinite_loss=halt: lower optim.lr, check those "
-                                 "samples, or set reliability.nonfinite_loss=skip.")
+                                 f"samples, or set reliability.nonfinite_loss=skip.{cause}")
 
     def _describe(self) -> str:
         assert self._values is not None and self._step is not None

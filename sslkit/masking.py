@@ -20,6 +20,7 @@ with its mask token (``Masks.mask``: iBOT, DINOv2), :meth:`sslkit.models.vit.ViT
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,9 +107,9 @@ class Masks:
       whose visible count varies per image pads ``keep`` to its fixed ``K``; the ViT masks the padding out of
       attention, so the encoder computes what it would on the real patches alone;
     * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise);
-    * ``slots``: a bound on the patches one image hides, set by generators that replace (the fixed number of
-      places a loss over the masked patches gathers per image, :func:`sslkit.methods.dinov2_parts.masked_slots`;
-      None: any number up to ``N``).
+    * ``slots``: a bound on the patches one image hides (generators that replace) or one target block holds
+      (multi-block): the fixed number of places a loss over them gathers per image or block,
+      :func:`sslkit.methods.dinov2_parts.masked_slots`; None: any number up to ``N``.
 
     Losses over a varying number of masked patches use ``mask`` as weights (dense sums), never as an
     index (a boolean index has a size only the host learns: a sync).
@@ -280,13 +281,26 @@ class MultiBlockMasking:
     the slots left over, other patches marked invalid in ``keep_valid``, which the ViT leaves out of
     attention. A smaller ``context_patches`` keeps a random subset of a larger context (I-JEPA's
     truncation, per image). ``mode = "drop_padded"``.
+
+    I-JEPA redraws a batch's masks until every context keeps ``min_keep`` patches (its configs: 10); a redraw is a
+    loop on data, so here ``min_context`` is checked on the config instead (:meth:`grid_errors`: the share of
+    draws below it on the run's grid), and a rare context below it trains as it is (the ViT's CLS token is
+    always a valid key, so even an empty context computes).
+
+    The sampler's known biases (:meth:`coverage` measures them; figures in docs/methods.md, I-JEPA): target
+    blocks are placed uniformly, so they cover the central patches far more often than the border ones, and the
+    context, which loses every target patch, rarely holds the centre (on I-JEPA's 14 x 14 grid the central
+    patches are in the context in about 7% of draws, the top-left corner in 94%); and I-JEPA's ``randint(0, H -
+    h)`` never places a block on the last row or column (its high end is exclusive), so those patches are in no
+    context and no target. sslkit keeps the paper's sampler by default, which is what its results were measured
+    with; ``cover_edges=True`` places blocks anywhere (top in ``[0, H - h]``).
     """
 
     mode = "drop_padded"
 
     def __init__(self, num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
                  target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),
-                 context_patches: int | None = None) -> None:
+                 context_patches: int | None = None, min_context: int = 10, cover_edges: bool = False) -> None:
         if num_targets < 1:
             raise ValueError(f"masking.num_targets must be >= 1, got {num_targets}")
         for name, (a, b) in (("target_scale", target_scale), ("context_scale", context_scale)):
@@ -301,6 +315,8 @@ class MultiBlockMasking:
         self.target_aspect = (float(target_aspect[0]), float(target_aspect[1]))
         self.context_scale = (float(context_scale[0]), float(context_scale[1]))
         self.context_patches = context_patches
+        self.min_context = int(min_context)
+        self.cover_edges = bool(cover_edges)
 
     @staticmethod
     def _sides(area: torch.Tensor, aspect: torch.Tensor | float, grid: tuple[int, int]) -> tuple[torch.Tensor, ...]:
@@ -315,19 +331,72 @@ class MultiBlockMasking:
         n = grid[0] * grid[1]
         if self.context_patches is not None:
             return min(int(self.context_patches), n)
-        scale = torch.linspace(*self.context_scale, 201, dtype=torch.float64)
-        h, w = self._sides(torch.floor(n * scale), 1.0, grid)
-        return int((h * w).max())
+        lo, hi = self.context_scale
+        best = 1
+        for area in range(math.floor(n * lo), math.floor(n * hi) + 1):  # aspect 1: h = w = round(sqrt(area))
+            side = max(round(math.sqrt(area)), 1)
+            best = max(best, min(side, max(grid[0] - 1, 1)) * min(side, max(grid[1] - 1, 1)))
+        return best
 
-    @staticmethod
-    def _block(u: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    def max_target_patches(self, grid: tuple[int, int]) -> int:
+        """A bound on one target block's patches on ``grid``: the largest ``h * w`` over every area and aspect ratio
+        the config can draw (computed at every point where a rounded side changes, and between them). A loss over
+        a target's patches gathers this many slots (:func:`sslkit.methods.dinov2_parts.masked_slots`)."""
+        n = grid[0] * grid[1]
+        lo, hi = self.target_aspect
+        best = 1
+        for area in range(math.floor(n * self.target_scale[0]), math.floor(n * self.target_scale[1]) + 1):
+            area = max(area, 1)
+            cuts = [lo, hi] + [(k + 0.5) ** 2 / area for k in range(1, grid[0] + 1)] + \
+                [area / (k + 0.5) ** 2 for k in range(1, grid[1] + 1)]
+            cuts = sorted(a for a in cuts if lo <= a <= hi)
+            points = cuts + [(a + b) / 2 for a, b in itertools.pairwise(cuts)]
+            points += [min(hi, a * (1 + 1e-6)) for a in cuts] + [max(lo, a * (1 - 1e-6)) for a in cuts]
+            for a in points:  # the sampler's rounding (half to even, as torch.round), in float64
+                h = min(max(round(math.sqrt(area * a)), 1), max(grid[0] - 1, 1))
+                w = min(max(round(math.sqrt(area / a)), 1), max(grid[1] - 1, 1))
+                best = max(best, h * w)
+        return best
+
+    def coverage(self, grid: tuple[int, int], draws: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(context, target)`` ``[H, W]``: how often each patch is in the context, and in some target, over
+        ``draws`` images (the sampler's spatial bias; see the class docstring)."""
+        m = self(SampleKeys(seed, 0, torch.arange(draws, device="cpu")), grid)
+        seen = torch.zeros_like(m.mask).scatter(1, m.keep, m.keep_valid)
+        return seen.float().mean(0).view(grid), m.targets.any(1).float().mean(0).view(grid)  # type: ignore[union-attr]
+
+    def grid_errors(self, grid: tuple[int, int], where: str = "masking", draws: int = 2048) -> list[str]:
+        """What is wrong with this sampler on ``grid`` (empty if nothing): a grid too small for a target block, or
+        one on which more than 1% of draws leave fewer than ``min_context`` context patches (I-JEPA would redraw
+        those)."""
+        h_grid, w_grid = grid
+        n = h_grid * w_grid
+        if min(grid) < 2 or math.floor(n * self.target_scale[0]) < 1:
+            return [f"'{where}': a {h_grid} x {w_grid} grid of patches is too small for I-JEPA's blocks (a target "
+                    f"block needs at least one patch and must be smaller than the grid): use a smaller patch "
+                    f"(model.trunk_kwargs.patch_size) or larger crops (data.transform.image_size)"]
+        m = self(SampleKeys(0, 0, torch.arange(draws, device="cpu")), grid)
+        context = m.keep_valid.sum(1)  # type: ignore[union-attr]
+        short = float((context < self.min_context).float().mean())
+        if short > 0.01:
+            return [f"'{where}': on the {h_grid} x {w_grid} grid of patches, {short:.0%} of the draws leave the "
+                    f"context fewer than min_context={self.min_context} patches (mean "
+                    f"{float(context.float().mean()):.1f}"
+                    f" of {n}), which I-JEPA would redraw: use fewer or smaller targets (masking.num_targets, "
+                    f"masking.target_scale), a smaller patch (model.trunk_kwargs.patch_size), larger crops, or a "
+                    f"lower masking.min_context"]
+        return []
+
+    def _block(self, u: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """``[..., N]`` blocks of sides ``h`` x ``w`` at positions from uniforms ``u`` ``[..., 2]``: top in
-        ``[0, H - h)`` as I-JEPA's ``randint`` (0 when the block spans the grid)."""
+        ``[0, H - h)`` as I-JEPA's ``randint`` (0 when the block spans the grid), or in ``[0, H - h]`` with
+        ``cover_edges``."""
         h_grid, w_grid = grid
         rows = torch.arange(h_grid, device=u.device, dtype=torch.float32)
         cols = torch.arange(w_grid, device=u.device, dtype=torch.float32)
-        top = torch.floor(u[..., 0] * (h_grid - h).clamp(min=1))
-        left = torch.floor(u[..., 1] * (w_grid - w).clamp(min=1))
+        extra = 1 if self.cover_edges else 0
+        top = torch.floor(u[..., 0] * (h_grid - h + extra).clamp(min=1))
+        left = torch.floor(u[..., 1] * (w_grid - w + extra).clamp(min=1))
         in_rows = (rows >= top[..., None]) & (rows < (top + h)[..., None])
         in_cols = (cols >= left[..., None]) & (cols < (left + w)[..., None])
         return (in_rows[..., :, None] & in_cols[..., None, :]).flatten(-2)
@@ -336,7 +405,8 @@ class MultiBlockMasking:
         """Masks for the batch: ``targets`` ``[B, T, N]``, the context in ``keep`` / ``keep_valid`` ``[B, K]``,
         ``mask`` True where the context encoder sees nothing."""
         n = grid[0] * grid[1]
-        k, t = self.num_context(grid), self.num_targets
+        k, slots = self._sizes(grid)
+        t = self.num_targets
         u = keys.uniforms(3 + 2 * t + 2, tag=2)
         scale = self.target_scale[0] + (self.target_scale[1] - self.target_scale[0]) * u[:, 0]
         aspect = self.target_aspect[0] + (self.target_aspect[1] - self.target_aspect[0]) * u[:, 1]
@@ -350,7 +420,14 @@ class MultiBlockMasking:
         keep = torch.sort(order[:, :k], dim=1).values
         keep_valid = context.gather(1, keep)
         visible = torch.zeros_like(context).scatter(1, keep, keep_valid)
-        return Masks(grid=grid, mask=~visible, keep=keep, keep_valid=keep_valid, targets=targets)
+        return Masks(grid=grid, mask=~visible, keep=keep, keep_valid=keep_valid, targets=targets, slots=slots)
+
+    def _sizes(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """``(num_context, max_target_patches)`` of ``grid``, computed once per grid (host arithmetic)."""
+        cache = self.__dict__.setdefault("_size_cache", {})
+        if grid not in cache:
+            cache[grid] = (self.num_context(grid), self.max_target_patches(grid))
+        return cache[grid]
 
 
 class MaskPlan:
@@ -400,6 +477,8 @@ def build_block(probability: float = 0.5, ratio_min: float = 0.1, ratio_max: flo
 @register_masking("multi_block")
 def build_multi_block(num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
                       target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),
-                      context_patches: int | None = None) -> MultiBlockMasking:
+                      context_patches: int | None = None, min_context: int = 10,
+                      cover_edges: bool = False) -> MultiBlockMasking:
     """I-JEPA's target blocks and context (:class:`MultiBlockMasking`)."""
-    return MultiBlockMasking(num_targets, target_scale, target_aspect, context_scale, context_patches)
+    return MultiBlockMasking(num_targets, target_scale, target_aspect, context_scale, context_patches, min_context,
+                             cover_edges)

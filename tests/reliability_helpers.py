@@ -27,6 +27,10 @@ RECIPE_ARGS = {
     "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
     # masks drawn from (seed, epoch, index), stochastic depth from the checkpointed RNG
     "mae": [*RECIPES["mae"], "model.trunk_kwargs.drop_path_rate=0.1"],
+    # teachers, centres (iBOT's two, DINOv2's Sinkhorn-Knopp has none), block and multi-block masks, drop path
+    "ibot": [*RECIPES["ibot"], "model.trunk_kwargs.drop_path_rate=0.1"],
+    "dinov2": [*RECIPES["dinov2"], "model.trunk_kwargs.drop_path_rate=0.1"],
+    "ijepa": [*RECIPES["ijepa"], "model.trunk_kwargs.drop_path_rate=0.1"],
 }
 
 

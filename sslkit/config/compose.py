@@ -571,8 +571,11 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
 
 
 def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:
-    """``loss.centering=sinkhorn_knopp`` (DINOv2) spreads each micro-batch's teacher CLS rows (all global crops of all
-    processes) evenly over the prototypes: fewer rows than prototypes cannot be."""
+    """``loss.centering=sinkhorn_knopp`` (DINOv2) gives every prototype ``1 / K`` of each solve's mass and every teacher
+    row ``1 / R`` (``R`` rows: all global crops of all processes), so a row spreads over at least ``K / R``
+    prototypes: its target's entropy is at least ``ln(K / R)``. DINOv2 runs 65536 prototypes on 2048 rows (32 per
+    row, at least 3.5 of ln K's 11.1 nats). Below ``R = sqrt(K)`` the floor passes half of ``ln K``: the teacher can
+    no longer say much about any image, a config error."""
     loss = cfg.loss
     if not isinstance(loss, DictConfig) or loss.get("centering") != "sinkhorn_knopp":
         return
@@ -581,11 +584,14 @@ def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:
     crops = int(kwargs.get("num_global", 2) or 2)
     k = OmegaConf.select(cfg, "loss.out_dim")
     rows = b * world * crops
-    if isinstance(k, int) and rows < k:
+    if isinstance(k, int) and isinstance(rows, int) and rows * rows < k:
         errors.append(f"'loss.centering' = sinkhorn_knopp: each Sinkhorn-Knopp solve sees data.batch_size={b} x "
-                      f"{world} process(es) x {crops} global crops = {rows} teacher rows, fewer than loss.out_dim={k} "
-                      f"prototypes, which it must share equally. Raise data.batch_size, set model.head.out_dim (and "
-                      f"loss.out_dim) to at most {rows}, or use loss.centering=centering.")
+                      f"{world} process(es) x {crops} global crops = {rows} teacher rows for loss.out_dim={k} "
+                      f"prototypes, so every row must spread over at least {k / rows:.0f} prototypes and the "
+                      f"teacher's targets are nearly uniform (entropy >= ln({k / rows:.0f}), more than half of "
+                      f"ln({k})). Raise data.batch_size (to at least {-(-(math.isqrt(k - 1) + 1) // (world * crops))} "
+                      f"here, or run more processes), lower "
+                      f"model.head.out_dim and loss.out_dim (at most {rows * rows}), or use loss.centering=centering.")
 
 
 def _cuda_available() -> bool:
@@ -841,6 +847,12 @@ def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
                 errors.append(f"'masking.name' = {name}: its masks {what.get(mode, mode)}, and method {method.name} "
                               f"needs masks that {what.get(wanted, wanted)}: use masking.name="
                               f"{' or '.join(sorted(fits))}")
+            grid_errors = getattr(generator, "grid_errors", None)
+            patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
+            size = OmegaConf.select(cfg, "data.transform.image_size")
+            if callable(grid_errors) and patches and isinstance(patch, int) and isinstance(size, int) \
+                    and patch > 0 and size >= patch:
+                errors.extend(grid_errors((size // patch, size // patch)))
     views = section.get("views")
     if views is not None and (not isinstance(views, ListConfig) or not all(isinstance(v, int) and v >= 0
                                                                            for v in views)):

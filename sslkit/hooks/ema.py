@@ -19,13 +19,16 @@ def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "
     """The teacher momentum at progress ``where`` in [0, 1).
 
     ``cosine``: ``final - (final - base) * (cos(pi * where) + 1) / 2`` (BYOL, DINO): ``base`` at
-    the start, ``final`` at the end. ``constant``: ``base`` throughout (MoCo v2).
+    the start, ``final`` at the end. ``linear``: ``base + (final - base) * where`` (I-JEPA).
+    ``constant``: ``base`` throughout (MoCo v2).
     """
     if schedule == "constant":
         return base
+    if schedule == "linear":
+        return base + (final - base) * where
     if schedule == "cosine":
         return final - (final - base) * (math.cos(math.pi * where) + 1) / 2
-    raise ValueError(f"unknown momentum schedule '{schedule}': use cosine or constant")
+    raise ValueError(f"unknown momentum schedule '{schedule}': use cosine, linear or constant")
 
 
 @register_hook("momentum_teacher")

@@ -15,6 +15,7 @@ from sslkit.data.health import SkippedSamples
 from sslkit.distributed import is_primary
 from sslkit.hooks.base import Slot, SSLHook
 from sslkit.registry import register_hook
+from sslkit.stability import StabilityWatch
 
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
@@ -121,6 +122,7 @@ class LogHook(SSLHook):
         self._epoch_loss_steps = 0
         self._last_loss: float | None = None
         self.unreadable = SkippedSamples()
+        self.stability = StabilityWatch()
 
     def on_start(self, task: SSLTask) -> None:
         """Start the clock and the run's progress bar; log what is about to run."""
@@ -140,6 +142,9 @@ class LogHook(SSLHook):
             len(task.phases), task.max_iterations, task.global_batch_size, n_params / 1e6,
             task.device, task.amp_dtype or "off", task.output_dir,
         )
+        for message in self.stability.start(task):
+            for sink in self.sinks:
+                sink.write({"step": task.iteration, "warning": "fp16_low_temperature", "message": message})
         if task.phase_idx or task.steps_in_phase:
             logger.info("resumed at phase %d, step %d of it, iteration %d",
                         task.phase_idx, task.steps_in_phase, task.iteration)
@@ -289,8 +294,11 @@ class LogHook(SSLHook):
         task.loss_sum.zero_()
         task.loss_count = 0
         self._t_last, self._samples_since = now, 0
+        warnings = self.stability.check(task, record) if task.train else []  # known failure modes, once each
         for sink in self.sinks:
             sink.write(record)
+            for warning in warnings:
+                sink.write(warning)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{record['img_per_s']:.0f}", refresh=False)
         logger.info(f"epoch {record['epoch']} step {record['step']}/{task.max_iterations} loss {loss:.4f} "

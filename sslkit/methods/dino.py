@@ -233,7 +233,8 @@ class DINOLoss(nn.Module):
     """DINO loss: the centre is the loss's state, the teacher temperature a schedule on the training clock.
 
     Config: ``loss: {name: dino, out_dim, student_temp, teacher_temp, warmup_teacher_temp,
-    warmup_teacher_temp_iters, center_momentum}``. Reads ``output["projections"]`` (student,
+    warmup_teacher_temp_iters or
+    warmup_teacher_temp_epochs, center_momentum}``. Reads ``output["projections"]`` (student,
     every crop) and ``output["targets"]`` (teacher, global crops) of the ``dino`` model.
 
     Both pieces of state run on the training clock (``ctx.clock``, :class:`~sslkit.clock.TrainClock`):
@@ -262,10 +263,14 @@ class DINOLoss(nn.Module):
         warmup_teacher_temp: float = 0.04,
         warmup_teacher_temp_iters: int = 0,
         center_momentum: float = 0.9,
+        warmup_teacher_temp_epochs: float = 0.0,
     ) -> None:
         super().__init__()
         if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
             raise ValueError("dino temperatures must be > 0")
+        if warmup_teacher_temp_iters > 0 and warmup_teacher_temp_epochs > 0:
+            raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_iters) or in "
+                             "epochs (loss.warmup_teacher_temp_epochs), not both")
         if not 0.0 <= center_momentum <= 1.0:
             raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
         self.out_dim = int(out_dim)
@@ -273,6 +278,7 @@ class DINOLoss(nn.Module):
         self.teacher_temp = float(teacher_temp)
         self.warmup_teacher_temp = float(warmup_teacher_temp)
         self.warmup_teacher_temp_iters = int(warmup_teacher_temp_iters)
+        self.warmup_teacher_temp_epochs = float(warmup_teacher_temp_epochs)
         self.center_momentum = float(center_momentum)
         self.register_buffer("center", torch.zeros(1, self.out_dim))
         # the teacher outputs' sum and count over this update's micro-batches so far (empty between updates)
@@ -282,6 +288,12 @@ class DINOLoss(nn.Module):
         # checkpoints written before the training clock hold the loss's own step count: the clock has it now
         state_dict.pop(prefix + "_extra_state", None)
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def set_epoch_length(self, updates: int) -> None:
+        """Called by the builder with the run's optimizer updates per epoch: a warm-up given in epochs
+        (``warmup_teacher_temp_epochs``, the papers' unit: DINO's and DINOv2's 30) becomes updates."""
+        if self.warmup_teacher_temp_epochs > 0:
+            self.warmup_teacher_temp_iters = max(1, round(self.warmup_teacher_temp_epochs * updates))
 
     def teacher_temp_at_update(self, update: int) -> float:
         """The teacher temperature at optimizer update ``update``."""

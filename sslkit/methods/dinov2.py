@@ -42,7 +42,7 @@ class DINOv2Loss(IBOTLoss):
                  teacher_patch_temp: float | None = None, warmup_teacher_patch_temp: float | None = None,
                  center_momentum: float = 0.9, centering: str = "centering", sinkhorn_iterations: int = 3,
                  dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
-                 koleo_global: bool = True) -> None:
+                 koleo_global: bool = True, warmup_teacher_temp_epochs: float = 0.0) -> None:
         if centering not in CENTERING:
             raise ValueError(f"loss.centering must be one of {', '.join(CENTERING)}, got {centering!r}")
         if sinkhorn_iterations < 1:
@@ -51,7 +51,8 @@ class DINOv2Loss(IBOTLoss):
                          warmup_teacher_temp_iters,
                          teacher_temp if teacher_patch_temp is None else teacher_patch_temp,
                          warmup_teacher_temp if warmup_teacher_patch_temp is None else warmup_teacher_patch_temp,
-                         center_momentum, lambda_cls=dino_weight, lambda_patch=ibot_weight)
+                         center_momentum, lambda_cls=dino_weight, lambda_patch=ibot_weight,
+                         warmup_teacher_temp_epochs=warmup_teacher_temp_epochs)
         self.centering = centering
         self.sinkhorn_iterations = int(sinkhorn_iterations)
         self.koleo_weight = float(koleo_weight)
@@ -83,9 +84,11 @@ class DINOv2Loss(IBOTLoss):
         """iBOT's loss plus ``koleo_weight`` times the sum over the global crops of KoLeo on their CLS tokens."""
         out = super().forward(output, sample, ctx)
         g = len(output["targets"])
-        koleo = torch.stack([koleo_loss(f, gather=self.koleo_global) for f in output["features"][:g]]).sum()
+        terms = [koleo_loss(f, gather=self.koleo_global, return_distance=True) for f in output["features"][:g]]
+        koleo = torch.stack([t[0] for t in terms]).sum()
         out["loss"] = out["loss"] + self.koleo_weight * koleo
         out["koleo_loss"] = koleo.detach()
+        out["koleo_min_distance"] = torch.stack([t[1] for t in terms]).min()
         return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -10,7 +12,8 @@ from sslkit.distributed import all_reduce_max, all_reduce_sum, gather_with_grad
 __all__ = ["gather_slots", "koleo_loss", "masked_patch_loss", "masked_slots", "sinkhorn_knopp"]
 
 
-def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True) -> torch.Tensor:
+def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True,
+               return_distance: bool = False) -> Any:
     r"""The Kozachenko-Leonenko entropy estimator's loss (Sablayrolles et al. 2019; DINOv2, Oquab et al. 2024,
     section 4; ``dinov2/loss/koleo_loss.py``) on ``x`` ``[B, D]``:
 
@@ -24,7 +27,8 @@ def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True) -> torch
     the neighbours come from the *global* batch (every rank's ``x``, gathered with its gradient) and the mean
     is over it, so N processes compute what one process does on the N-fold batch; DINOv2 computes it on each
     rank's batch (``gather=False``). Two identical rows make ``rho = 0``: the loss is ``-log(eps)``, about
-    18.4, the duplicate-images failure :func:`sslkit.methods.dinov2` warns about. Computed in float32.
+    18.4, the duplicate-images failure sslkit warns about (:mod:`sslkit.stability`). With ``return_distance`` also
+    the smallest nearest-neighbour distance of the batch (detached): ``(loss, min rho)``. Computed in float32.
     """
     x = F.normalize(x.float(), dim=-1, eps=eps)
     if gather:
@@ -35,6 +39,8 @@ def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True) -> torch
         dots.fill_diagonal_(-2.0)  # below any cosine: never one's own neighbour
         nearest = dots.argmax(dim=1)
     rho = F.pairwise_distance(x, x[nearest], p=2, eps=eps)
+    if return_distance:
+        return -torch.log(rho + eps).sum() / n, rho.detach().min()
     return -torch.log(rho + eps).sum() / n
 
 

@@ -173,7 +173,7 @@ class IBOTLoss(nn.Module):
     masked-patch loss (:func:`~sslkit.methods.dinov2_parts.masked_patch_loss`), each global crop's student patches
     against the teacher's patches of the same crop, centred by their own :class:`PatchCenter` and sharpened by the
     patch teacher temperature (warm-up ``warmup_teacher_patch_temp`` -> ``teacher_patch_temp`` over
-    ``warmup_teacher_temp_iters`` updates), averaged over the global crops.
+    ``warmup_teacher_temp_iters`` updates, or ``warmup_teacher_temp_epochs`` epochs), averaged over the global crops.
 
     Logged: ``cls_loss``, ``patch_loss``, ``teacher_entropy`` (CLS) and ``teacher_patch_entropy`` (the mean
     entropy of the teacher's distribution over the masked patches: ``ln K`` if uniform).
@@ -182,12 +182,13 @@ class IBOTLoss(nn.Module):
     def __init__(self, out_dim: int = 8192, patch_out_dim: int | None = None, student_temp: float = 0.1,
                  teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
                  teacher_patch_temp: float = 0.07, warmup_teacher_patch_temp: float = 0.04,
-                 center_momentum: float = 0.9, lambda_cls: float = 1.0, lambda_patch: float = 1.0) -> None:
+                 center_momentum: float = 0.9, lambda_cls: float = 1.0, lambda_patch: float = 1.0,
+                 warmup_teacher_temp_epochs: float = 0.0) -> None:
         super().__init__()
         if min(teacher_patch_temp, warmup_teacher_patch_temp) <= 0:
             raise ValueError("ibot patch temperatures must be > 0")
         self.cls = DINOLoss(out_dim, student_temp, teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
-                            center_momentum)
+                            center_momentum, warmup_teacher_temp_epochs)
         self.patch_out_dim = int(patch_out_dim or out_dim)
         self.patch_center = PatchCenter(self.patch_out_dim, center_momentum)
         self.student_temp = float(student_temp)
@@ -195,6 +196,12 @@ class IBOTLoss(nn.Module):
         self.warmup_teacher_patch_temp = float(warmup_teacher_patch_temp)
         self.warmup_iters = int(warmup_teacher_temp_iters)
         self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)
+
+    def set_epoch_length(self, updates: int) -> None:
+        """Called by the builder with the run's updates per epoch: a warm-up in epochs becomes updates (both
+        temperatures)."""
+        self.cls.set_epoch_length(updates)
+        self.warmup_iters = self.cls.warmup_teacher_temp_iters
 
     def teacher_patch_temp_at(self, update: int) -> float:
         """The patch teacher temperature at optimizer update ``update``."""

@@ -10,7 +10,7 @@ from dist_workers import recipe_states, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-NEW = ["mae", "lejepa", "dino_vit", "mocov3_vit", "simclr_vit", "ibot", "dinov2"]
+NEW = ["mae", "lejepa", "dino_vit", "mocov3_vit", "simclr_vit", "ibot", "dinov2", "ijepa"]
 
 
 #: Plain SGD: the update is -lr x the all-reduced gradient, so the states compare the gradients themselves. With

@@ -64,12 +64,15 @@ def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
     assert '"koleo_loss"' in logged and '"patch_loss"' in logged
 
 
-def test_sinkhorn_knopp_with_fewer_rows_than_prototypes_is_a_config_error(tmp_path: Path) -> None:
+def test_sinkhorn_knopp_with_a_batch_too_small_for_its_prototypes_is_a_config_error(tmp_path: Path) -> None:
     from sslkit.config.compose import ConfigError, compose_config, validate
 
-    base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=64"]
-    with pytest.raises(ConfigError, match=r"16 x 1 process\(es\) x 2 global crops = 32 teacher rows, fewer than "
-                                          r"loss.out_dim=64 .*loss.centering=centering"):
+    base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=2048"]
+    # 32 rows for 2048 prototypes: each row spreads over >= 64, entropy >= ln 64 > ln(2048) / 2
+    with pytest.raises(ConfigError, match=r"16 x 1 process\(es\) x 2 global crops = 32 teacher rows for "
+                                          r"loss.out_dim=2048 prototypes.*at least 64 prototypes.*to at least 23 here"
+                                          r".*at most 1024.*loss.centering=centering"):
         validate(compose_config(base))
     validate(compose_config([*base, "loss.centering=centering"]))  # centring has no such limit
-    validate(compose_config([*base, "data.batch_size=32"]))
+    validate(compose_config([*base, "data.batch_size=23"]))  # 46 rows: 46**2 = 2116 >= 2048
+    validate(compose_config([*base, "model.head.out_dim=1024"]))  # DINOv2 itself runs 32 prototypes per row

@@ -44,7 +44,7 @@ def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list
 
 # Real processes killed by SIGKILL, for the recipes whose state is the most varied: simclr (model, optimizer,
 # RNG; with loader workers, below) and, on 2 ranks, moco (shuffled BatchNorm across ranks) and swav (a per-rank
-# queue, the prototype hook, the collapse window). Every recipe (the 5 ViT ones too) is crashed and resumed in-process
+# queue, the prototype hook, the collapse window). Every recipe (the ViT ones too) is crashed and resumed in-process
 # by tests/reliability/test_everyday.py::test_every_recipe_resumes_bit_identically (moco's queue, dino's centre
 # and teacher included), which keeps the suite inside its time budget.
 @pytest.mark.slow
@@ -61,7 +61,9 @@ def test_sigkill_mid_epoch_resume_is_bit_identical_2_ranks(tmp_path: Path, recip
 
 
 @pytest.mark.slow
-def test_a_masked_vit_resumes_bit_identically_after_sigkill(tmp_path: Path) -> None:
-    """MAE on a ViT with stochastic depth: the masks come from each sample's (seed, epoch, index) and need no state,
-    drop path draws from the RNG every rank checkpoints; the run killed mid-epoch ends bit-identical."""
-    _run_killed_and_resumed(tmp_path, "mae", 1, [])
+@pytest.mark.parametrize("recipe", ["mae", "ibot", "dinov2", "ijepa"])
+def test_a_masked_vit_resumes_bit_identically_after_sigkill(tmp_path: Path, recipe: str) -> None:
+    """The masked ViT recipes with stochastic depth: the masks come from each sample's (seed, epoch, index) and need
+    no state, drop path draws from the RNG every rank checkpoints, the teachers, the centres and the momentum
+    schedule are in the checkpoint; the run killed mid-epoch ends bit-identical."""
+    _run_killed_and_resumed(tmp_path, recipe, 1, [])

@@ -1,0 +1,67 @@
+"""Paper-scale recipes (ViT-S/16 and ViT-B/16 at 224 px): the reference values, the lr rule, first steps on JPEGs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import photo_folder, run_main
+
+from sslkit.config.compose import compose_config
+from sslkit.optim.schedules import scaled_lr
+
+PAPER = [f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")]
+#: The references' learning rates at their own global batch: DINOv2 0.004 at 1024 (sqrt_wrt_1024), iBOT 0.0005 x B /
+#: 256, I-JEPA 0.001 at 2048 (its code does not scale; sslkit's linear rule gives this at 2048).
+REFERENCE_LR = {"dinov2": (1024, 0.004), "ibot": (1024, 0.002), "ijepa": (2048, 0.001)}
+#: A launch the references ran: 16 GPUs (2 nodes x 8).
+SIXTEEN = ["distributed.num_nodes=2", "distributed.nproc_per_node=8"]
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tmp_path: Path) -> None:
+    method, size = recipe.split("_")
+    cfg = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
+                          *SIXTEEN])
+    assert cfg.method.name == method and cfg.data.image_size == 224 and cfg.model.trunk_kwargs.patch_size == 16
+    assert cfg.model.trunk == {"vits16": "vit_small", "vitb16": "vit_base"}[size]
+    batch, lr = REFERENCE_LR[method]
+    per_process = batch // 16
+    assert scaled_lr(cfg.optim.lr, per_process * 16, cfg.optim.lr_scaling) == pytest.approx(lr)
+    if method == "dinov2":  # sqrt rule: a quarter of the batch, half the lr
+        assert scaled_lr(cfg.optim.lr, 256, cfg.optim.lr_scaling) == pytest.approx(0.002)
+        assert cfg.loss.out_dim == 65536 and cfg.loss.koleo_weight == 0.1 and cfg.optim.layer_decay == 0.9
+        assert cfg.loss.warmup_teacher_temp_epochs == 30 and cfg.data.transform.num_small == 8
+        assert cfg.masking.max_patches == (224 // 16) ** 2 // 2
+    if method == "ibot":
+        assert cfg.loss.out_dim == 8192 and cfg.data.transform.num_small == 10
+        assert cfg.loss.teacher_temp == {"vits16": 0.04, "vitb16": 0.07}[size]
+    if method == "ijepa":
+        assert cfg.masking.num_targets == 4 and list(cfg.masking.target_scale) == [0.15, 0.2]
+        assert cfg.model.trunk_kwargs.pool == "avg" and cfg.model.kwargs.predictor_dim == 384
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", PAPER)
+def test_paper_recipe_takes_its_first_steps_on_a_folder_of_jpegs(recipe: str, tmp_path: Path) -> None:
+    """The whole recipe (224 px crops, its multi-crop, heads and masks, bf16 autocast) on the CPU: 2 updates of
+    ViT-S/16, 1 of ViT-B/16, 2 images per step. DINOv2's Sinkhorn-Knopp cannot spread 4 teacher rows over 65536
+    prototypes (a config error, tested in test_dinov2.py): its runs here centre instead."""
+    photo_folder(tmp_path / "images", n=12)
+    out = tmp_path / "run"
+    steps = 2 if recipe.endswith("vits16") else 1
+    extra = ["loss.centering=centering"] if recipe.startswith("dinov2") else []
+    run_main(f"config={recipe}", "data=folder", f"data.train.path={tmp_path / 'images'}", "data.limit=8",
+             "data.batch_size=2", "data.num_workers=0", "machine.device=cpu", f"optim.max_steps={steps}",
+             "eval.knn.enabled=false", "log.every_n_steps=1", "log.report=false", "log.tensorboard=false",
+             *extra, f"output_dir={out}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r and r.get("phase", "train") == "train"]
+    assert len(losses) >= steps and all(math.isfinite(v) for v in losses)
+    ckpt = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
+    assert ckpt["position"]["iteration"] == steps
+    pos = ckpt["model"]["trunk.pos_embed"]
+    assert pos.shape[1] == (224 // 16) ** 2  # a 14 x 14 grid
