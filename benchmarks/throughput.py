@@ -116,12 +116,22 @@ PRESETS = {
                                         "model.head.out_dim=65536", "model.head.hidden_dim=2048",
                                         "model.head.bottleneck_dim=256"], jpeg=True, image_size=224, small_size=96,
                            num_small=6, batch=64),
+    # the paper-scale recipes as they are (ViT-S/16, 224 px): DINOv2's 2 + 8 crops, 65536 prototypes, Sinkhorn-Knopp
+    # (batch 128: 256 teacher rows, the fewest it takes for 65536 prototypes); I-JEPA's one view, 4 target blocks
+    "dinov2_vit_s16": Preset("dinov2_vits16", [], jpeg=True, image_size=224, small_size=96, num_small=8, batch=128),
+    "ijepa_vit_s16": Preset("ijepa_vits16", [], jpeg=True, image_size=224, batch=128, num_large=1),
 }
 
 
 def _quick(preset: Preset) -> Preset:
-    """The preset at CPU size: 64 px crops (32 px small ones, 2 of them), batch 16."""
-    return Preset(preset.recipe, preset.trunk, preset.jpeg, 64 if preset.jpeg else 32,
+    """The preset at CPU size: 64 px crops (32 px small ones, 2 of them), batch 16 (Sinkhorn-Knopp's 32 teacher rows
+    cannot spread over 65536 prototypes: centring instead; I-JEPA's blocks need more than 4 x 4 patches: 8 px)."""
+    trunk = list(preset.trunk)
+    if preset.recipe.startswith("dinov2"):
+        trunk.append("loss.centering=centering")
+    if preset.recipe.startswith("ijepa"):
+        trunk.append("model.trunk_kwargs.patch_size=8")
+    return Preset(preset.recipe, trunk, preset.jpeg, 64 if preset.jpeg else 32,
                   32 if preset.num_small else 0, 2 if preset.num_small else 0, 16, preset.num_large)
 
 

@@ -81,7 +81,9 @@ RECIPES: dict[str, list[str]] = {
     "mocov3_vit": [*VIT, "model.kwargs.predictor_hidden_dim=32"],
     "simclr_vit": [*VIT],
     "ibot": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
-    "dinov2": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
+    # Sinkhorn-Knopp (the recipe centres, as ibot: the audit, resume and 1 vs 2 process tests cover both)
+    "dinov2": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
+               "loss.centering=sinkhorn_knopp"],
     "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
               "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
 }

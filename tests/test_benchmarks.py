@@ -13,6 +13,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+from helpers import RECIPES as HELPER_RECIPES
 from helpers import REPO, SMALL
 from omegaconf import OmegaConf
 
@@ -24,6 +25,10 @@ RECIPES = {  # small settings of the recipes whose method hooks change weights
              {"SwAVPrototypesHook"}),
     "dino": (["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
              {"MomentumTeacherHook", "FreezeLastLayerHook"}),
+    # the masked ViT methods: masks from the sample stage, centres and Sinkhorn-Knopp in the loss, clipping
+    "ibot": (HELPER_RECIPES["ibot"], {"MomentumTeacherHook", "FreezeLastLayerHook"}),
+    "dinov2": (HELPER_RECIPES["dinov2"], {"MomentumTeacherHook", "FreezeLastLayerHook"}),
+    "ijepa": (HELPER_RECIPES["ijepa"], {"MomentumTeacherHook"}),
 }
 
 

@@ -74,7 +74,7 @@ def test_padding_slots_take_the_memory_efficient_kernel() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mae", "dino_vit", "lejepa"])
+@pytest.mark.parametrize("recipe", ["mae", "dino_vit", "lejepa", "ibot", "dinov2", "ijepa"])
 def test_deterministic_vit_runs_and_resumes_are_bit_identical(tmp_path: Path, recipe: str) -> None:
     """machine.deterministic=true on CUDA, with the attention kernels it allows: two runs, and a run killed mid-epoch
     and resumed, end with identical checkpoints."""
@@ -157,3 +157,26 @@ def test_ibot_model_and_dinov2_loss_train_a_step_in_bf16_without_a_sync() -> Non
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out["loss"]).item() and torch.isfinite(out["koleo_loss"]).item()
     assert model.trunk.mask_token.grad is not None and model.trunk.mask_token.grad.abs().sum().item() > 0
+
+
+def test_ijepa_model_and_loss_train_a_step_in_bf16_without_a_sync() -> None:
+    """I-JEPA at ViT-S/16 224 px (multi-block masks drawn on the GPU, the padded context, the predictor's attention
+    mask, the layer-normalised targets) under bf16 autocast: finite, the predictor's mask token learns, the target
+    encoder gets no gradient, no host-device synchronisation in the masks, the forward or the backward."""
+    from sslkit.methods.ijepa import IJEPALoss, build_ijepa
+
+    torch.manual_seed(0)
+    trunk = build_vit("vit_small", 3, 224, 16, depth=2, pool="avg", pos_embed="sincos")
+    model = build_ijepa(trunk, predictor_dim=384, predictor_depth=2).cuda()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masks = MultiBlockMasking()(SampleKeys(0, 0, torch.arange(8, device="cuda")), (14, 14))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = IJEPALoss()(model([x], [masks]), {})
+        out["loss"].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out["loss"]).item() and 0.5 < out["target_std"].item() < 1.5
+    assert model.predictor.mask_token.grad.abs().sum().item() > 0
+    assert all(p.grad is None for p in model.teacher_trunk.parameters())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, VIT, distillation_output, run_main
+from helpers import RECIPES, SMALL, distillation_output, run_main
 
 from sslkit.methods.dinov2 import DINOv2Loss
 from sslkit.methods.dinov2_parts import koleo_loss, masked_patch_loss, sinkhorn_knopp
@@ -58,8 +58,8 @@ def test_bad_centering_is_refused() -> None:
 @pytest.mark.slow
 def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_main("config=dinov2", *SMALL, *VIT, "data.transform.num_small=2", "data.small_image_size=16",
-             "model.head.bottleneck_dim=8", "optim.max_steps=2", "eval.knn.enabled=false", f"output_dir={out}")
+    run_main("config=dinov2", *SMALL, *RECIPES["dinov2"], "optim.max_steps=2", "eval.knn.enabled=false",
+             f"output_dir={out}")
     logged = (out / "metrics.jsonl").read_text()
     assert '"koleo_loss"' in logged and '"patch_loss"' in logged
 
@@ -67,7 +67,8 @@ def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
 def test_sinkhorn_knopp_with_a_batch_too_small_for_its_prototypes_is_a_config_error(tmp_path: Path) -> None:
     from sslkit.config.compose import ConfigError, compose_config, validate
 
-    base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=2048"]
+    base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=2048",
+            "loss.centering=sinkhorn_knopp"]
     # 32 rows for 2048 prototypes: each row spreads over >= 64, entropy >= ln 64 > ln(2048) / 2
     with pytest.raises(ConfigError, match=r"16 x 1 process\(es\) x 2 global crops = 32 teacher rows for "
                                           r"loss.out_dim=2048 prototypes.*at least 64 prototypes.*to at least 23 here"
