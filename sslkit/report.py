@@ -127,6 +127,8 @@ def summarize(run_dir: str) -> dict[str, Any]:
             if key.startswith(MONITOR_PREFIXES) and isinstance(value, int | float):
                 monitors[key] = float(value)
     info["monitors"] = monitors
+    info["warnings"] = [(r.get("step"), r["warning"], r.get("message", "")) for r in records
+                        if r.get("phase") == "warning" and "warning" in r]  # sslkit.stability's, once each
     info["recipe_diff"] = _recipe_diff(run_dir, cfg) if cfg is not None else None
     return info
 
@@ -168,6 +170,8 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
     if info["monitors"]:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(info["monitors"].items()))
         lines.append(f"- monitors (last values): {shown}")
+    for step, key, message in info.get("warnings", []):
+        lines.append(f"- stability warning `{key}` at step {step}: {message}")
     lines += ["", "## Config"]
     diff = info["recipe_diff"]
     if diff is None:

@@ -138,7 +138,7 @@ class StabilityWatch:
 
     def check(self, task: Any, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Warn about the failure modes ``record`` shows that were not warned about yet; return their records
-        (``{"step", "warning", "message"}``) for the metric sinks."""
+        (``{"step", "epoch", "phase": "warning", "warning", "message"}``) for the metric sinks."""
         loss = task.loss
         clock = task.clock
         warmup = max(int(getattr(getattr(loss, "cls", loss), "warmup_teacher_temp_iters", 0) or 0), 0)
@@ -149,5 +149,6 @@ class StabilityWatch:
                 continue
             self.warned.add(key)
             logger.warning("stability (step %d): %s", task.iteration, message)
-            out.append({"step": task.iteration, "warning": key, "message": message})
+            out.append({"step": task.iteration, "epoch": task.clock.epoch, "phase": "warning", "warning": key,
+                        "message": message})
         return out

@@ -144,7 +144,8 @@ class LogHook(SSLHook):
         )
         for message in self.stability.start(task):
             for sink in self.sinks:
-                sink.write({"step": task.iteration, "warning": "fp16_low_temperature", "message": message})
+                sink.write({"step": task.iteration, "epoch": task.epoch, "phase": "warning",
+                            "warning": "fp16_low_temperature", "message": message})
         if task.phase_idx or task.steps_in_phase:
             logger.info("resumed at phase %d, step %d of it, iteration %d",
                         task.phase_idx, task.steps_in_phase, task.iteration)

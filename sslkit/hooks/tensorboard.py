@@ -19,6 +19,8 @@ class TensorboardSink:
         """Add the record's numbers as scalars."""
         step = int(record.get("step", 0))
         prefix = record.get("phase", "eval")
+        if prefix == "warning":  # text (sslkit.stability): in the log, metrics.jsonl and report.md
+            return
         for key, value in record.items():
             if key in ("step", "phase") or isinstance(value, bool) or not isinstance(value, int | float):
                 continue

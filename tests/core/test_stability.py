@@ -89,8 +89,11 @@ def test_a_too_hot_teacher_is_warned_once_in_the_log_and_metrics(tmp_path: Path)
     out = tmp_path / "run"
     proc = run_main("config=dino", *SMALL, *RECIPES["dino"], "loss.teacher_temp=50.0", "loss.warmup_teacher_temp=50.0",
                     "loss.warmup_teacher_temp_iters=0", "optim.max_steps=8", "log.every_n_steps=2",
-                    "eval.knn.enabled=false", f"output_dir={out}")
+                    "eval.knn.enabled=false", "log.report=true", f"output_dir={out}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     warnings = [r for r in rows if "warning" in r]
     assert [w["warning"] for w in warnings].count("hot_teacher") == 1
+    assert warnings[0]["phase"] == "warning" and warnings[0]["step"] % 2 == 0
     assert "too-hot teacher" in proc.stdout + proc.stderr and "loss.teacher_temp (now 50)" in proc.stdout + proc.stderr
+    report = (out / "report.md").read_text()
+    assert "stability warning `hot_teacher`" in report
