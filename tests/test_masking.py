@@ -161,6 +161,63 @@ def test_a_smaller_context_keeps_a_random_subset() -> None:
     assert not (subset & full.mask).any()
 
 
+def test_multi_block_counts_scales_and_aspects_over_many_draws() -> None:
+    """4096 images on I-JEPA's grid: every block fits its slots (and the bound is reached), every target's area is
+    the sampler's floor(N s) rounded to a rectangle, scales and aspect ratios spread over their ranges."""
+    gen = MultiBlockMasking()
+    grid, n = (14, 14), 196
+    m = gen(_keys(4096), grid)
+    sizes = m.targets.sum(-1)  # [B, T]
+    assert (sizes == sizes[:, :1]).all()  # one size per image
+    assert m.slots == gen.max_target_patches(grid) and int(sizes.max()) == m.slots  # the bound is tight here
+    assert (m.keep_valid.sum(1) <= m.keep.shape[1]).all()
+    rows = m.targets.view(4096, 4, 14, 14).any(-1).sum(-1).float()  # each block's height and width
+    cols = m.targets.view(4096, 4, 14, 14).any(-2).sum(-1).float()
+    assert torch.equal(rows * cols, sizes.float())  # rectangles
+    scale = sizes[:, 0].float() / n
+    assert scale.min() >= 0.12 and scale.max() <= 0.23  # floor(N s) for s in [0.15, 0.2], rounded to h x w
+    assert 0.165 < scale.mean() < 0.185
+    aspect = rows[:, 0] / cols[:, 0]  # h / w = round(sqrt(A a)) / round(sqrt(A / a))
+    assert aspect.min() >= 0.75 * 0.7 and aspect.max() <= 1.5 * 1.3
+    assert (aspect < 1).float().mean() > 0.15 and (aspect > 1).float().mean() > 0.35  # both sides of square drawn
+    context = m.keep_valid.sum(1).float()
+    assert (context >= gen.min_context).float().mean() > 0.99
+
+
+def test_multi_block_masks_are_a_function_of_seed_epoch_and_index_with_no_host_sync() -> None:
+    from sslkit.audit import StepAudit
+
+    gen = MultiBlockMasking()
+    whole = gen(_keys(64), (14, 14))
+    with StepAudit() as audit:  # the sampler on the training device: no CPU tensor made, no value read on the host
+        part = gen(SampleKeys(0, 0, torch.tensor([40, 3, 17])), (14, 14))
+    assert audit.findings == []
+    for i, b in enumerate((40, 3, 17)):  # a sample's masks do not depend on the batch it is in
+        assert torch.equal(part.targets[i], whole.targets[b]) and torch.equal(part.mask[i], whole.mask[b])
+    again = gen(_keys(64), (14, 14))
+    assert torch.equal(again.targets, whole.targets) and torch.equal(again.keep, whole.keep)
+    for other in (_keys(64, seed=1), _keys(64, epoch=1), _keys(64, view=1)):
+        assert (gen(other, (14, 14)).targets != whole.targets).any(-1).any(-1).float().mean() > 0.9
+
+
+def test_the_samplers_bias_and_cover_edges() -> None:
+    context, target = MultiBlockMasking().coverage((14, 14), draws=2048)
+    centre, corner = context[6:8, 6:8].mean(), context[0, 0]
+    assert centre < 0.15 and corner > 0.85 and target[6:8, 6:8].mean() > 0.85  # the centre is rarely context
+    assert context[-1].max() == 0 and context[:, -1].max() == 0 and target[-1].max() == 0  # I-JEPA's randint
+    context, target = MultiBlockMasking(cover_edges=True).coverage((14, 14), draws=2048)
+    assert context[-1].min() > 0.1 and context[:, -1].min() > 0.1 and target[-1].min() > 0.01
+
+
+def test_a_grid_too_small_for_the_blocks_is_named() -> None:
+    assert MultiBlockMasking().grid_errors((14, 14)) == []
+    (error,) = MultiBlockMasking().grid_errors((4, 4))
+    assert "fewer than min_context=10" in error and "masking.num_targets" in error
+    assert MultiBlockMasking(min_context=4).grid_errors((7, 7)) == []
+    (error,) = MultiBlockMasking().grid_errors((2, 2))
+    assert "too small for I-JEPA's blocks" in error
+
+
 # --------------------------------------------------------------------------------------------- the stage
 def test_the_plan_masks_the_global_views_with_their_own_grid_and_keys() -> None:
     plan = MaskPlan(RandomMasking(0.5), patch_size=4, seed=7)
