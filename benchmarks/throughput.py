@@ -373,6 +373,7 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
             print("\n".join(machine_header(raw_task.config, raw_task.device)), flush=True)
             header_done = True
         attention = attention_kernels(raw_task, preset)
+        trunk = str(raw_task.config.model.trunk)
         raw = raw_rate(raw_task, preset, steps, warmup)
         del raw_task
         print(f"{name}: raw step {raw:,.0f} img/s; attention kernel(s): {attention}", flush=True)
@@ -388,13 +389,12 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
             task.close()
             print(f"{name} {pipeline}: loader {loaded:,.0f} img/s, full step {full:,.0f} img/s "
                   f"({time.perf_counter() - t0:.0f} s so far)", flush=True)
-            rows.append((name, preset, pipeline, workers, loaded, full, raw, attention))
+            rows.append((name, preset, trunk, pipeline, workers, loaded, full, raw, attention))
     print()
     print("| preset | trunk | views | batch | pipeline | workers | (b) loader img/s | (c) step img/s | "
           "(a) raw img/s | c / a | attention |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, preset, pipeline, workers, loaded, full, raw, attention in rows:
-        trunk = preset.trunk[0].split("=")[1]
+    for name, preset, trunk, pipeline, workers, loaded, full, raw, attention in rows:
         print(f"| {name} | {trunk} | {preset.describe()} | {preset.batch} | {pipeline} | {workers} | "
               f"{loaded:,.0f} | {full:,.0f} | {raw:,.0f} | {full / raw:.2f} | {attention} |")
     if args.tools:
