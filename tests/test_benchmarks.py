@@ -25,9 +25,8 @@ RECIPES = {  # small settings of the recipes whose method hooks change weights
              {"SwAVPrototypesHook"}),
     "dino": (["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
              {"MomentumTeacherHook", "FreezeLastLayerHook"}),
-    # the masked ViT methods: masks from the sample stage, centres and Sinkhorn-Knopp in the loss, clipping
+    # the masked ViT methods: masks from the sample stage, the centres, clipping (dinov2 is ibot's model and loop)
     "ibot": (HELPER_RECIPES["ibot"], {"MomentumTeacherHook", "FreezeLastLayerHook"}),
-    "dinov2": (HELPER_RECIPES["dinov2"], {"MomentumTeacherHook", "FreezeLastLayerHook"}),
     "ijepa": (HELPER_RECIPES["ijepa"], {"MomentumTeacherHook"}),
 }
 

@@ -32,7 +32,8 @@ def test_momentum_schedules() -> None:
     assert momentum_at(0.999999, 0.99) == pytest.approx(1.0, abs=1e-9)
     assert momentum_at(0.7, 0.999, schedule="constant") == 0.999
     with pytest.raises(ValueError, match="unknown momentum schedule"):
-        momentum_at(0.1, 0.9, schedule="linear")
+        momentum_at(0.1, 0.9, schedule="exponential")
+    assert momentum_at(0.25, 0.99, schedule="linear") == pytest.approx(0.9925)  # I-JEPA's
 
 
 def test_update_momentum_moves_teacher_by_exactly_one_minus_m() -> None:
