@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import photo_folder
 
 from sslkit.config.compose import compose_config
