@@ -18,16 +18,10 @@ from sslkit.methods.dinov2_parts import gather_slots, masked_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
-from sslkit.models.vit import resample_matrix, sincos_pos_embed
+from sslkit.models.vit import key_padding_bias, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["IJEPA", "IJEPALoss", "IJEPAModel", "IJEPAPredictor", "build_ijepa", "ijepa_loss"]
-
-
-def _key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, 1, 1, L]`` additive attention bias: 0 on valid keys, ``-inf`` on padding."""
-    bias = torch.zeros(valid.shape, device=valid.device, dtype=dtype)
-    return bias.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
 
 class IJEPAPredictor(nn.Module):
@@ -75,13 +69,6 @@ class IJEPAPredictor(nn.Module):
                 block.attn.proj.weight.div_(math.sqrt(2.0 * i))
                 block.mlp.fc2.weight.div_(math.sqrt(2.0 * i))
 
-    def _pos(self, grid: tuple[int, int]) -> torch.Tensor:
-        if tuple(grid) == self.grid:
-            return self.pos_embed
-        matrix = resample_matrix(self.grid, grid, self.pos_embed.device)  # type: ignore[arg-type]
-        with torch.autocast(self.pos_embed.device.type, enabled=False):
-            return (matrix @ self.pos_embed[0].float()).to(self.pos_embed.dtype)[None]
-
     def forward(self, context: torch.Tensor, context_index: torch.Tensor, context_valid: torch.Tensor,
                 target_index: torch.Tensor, target_valid: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Predictions ``[B, T, M, in_dim]`` of the target patches ``target_index`` ``[B, T, M]`` (``target_valid``
@@ -89,7 +76,7 @@ class IJEPAPredictor(nn.Module):
         ``context_index`` ``[B, K]`` (``context_valid`` marks the real ones), on a ``grid`` of patches."""
         b, k, _ = context.shape
         t, m = target_index.shape[1:]
-        pos = self._pos(grid).expand(b, -1, -1)
+        pos = pos_embed_on_grid(self.pos_embed, self.grid, grid).expand(b, -1, -1)
         x = self.embed(context) + gather_slots(pos, context_index).to(context.dtype)
         d = x.shape[-1]
         x = x[:, None].expand(b, t, k, d).reshape(b * t, k, d)
@@ -98,7 +85,7 @@ class IJEPAPredictor(nn.Module):
         tokens = torch.cat([x, queries], dim=1)
         valid = torch.cat([context_valid[:, None].expand(b, t, k).reshape(b * t, k), target_valid.reshape(b * t, m)],
                           dim=1)
-        bias = _key_bias(valid, tokens.dtype)
+        bias = key_padding_bias(valid, tokens.dtype)
         for block in self.blocks:
             tokens = block(tokens, attn_mask=bias)
         return self.proj(self.norm(tokens[:, k:])).reshape(b, t, m, -1)

@@ -13,7 +13,7 @@ from torch import nn
 from sslkit.masking import Masks
 from sslkit.method import Method, register_method
 from sslkit.models.output import ModelOutput
-from sslkit.models.vit import Tokens, resample_matrix, sincos_pos_embed
+from sslkit.models.vit import Tokens, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["MAE", "MAEDecoder", "MAELoss", "MAEModel", "build_mae", "mae_loss", "patchify"]
@@ -81,12 +81,6 @@ class MAEDecoder(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def _pos(self, grid: tuple[int, int]) -> torch.Tensor:
-        if tuple(grid) == self.grid:
-            return self.pos_embed
-        matrix = resample_matrix(self.grid, grid, self.pos_embed.device)  # type: ignore[arg-type]
-        with torch.autocast(self.pos_embed.device.type, enabled=False):
-            return (matrix @ self.pos_embed[0].float()).to(self.pos_embed.dtype)[None]
 
     def forward(self, tokens: Tokens, restore: torch.Tensor) -> torch.Tensor:
         """Pixels ``[B, N, p * p * C]`` of every patch from the encoder's ``tokens`` of the kept patches and
@@ -97,7 +91,8 @@ class MAEDecoder(nn.Module):
         b, k, d = kept.shape
         n = restore.shape[1]
         full = torch.cat([kept, self.mask_token.to(kept.dtype).expand(b, n - k, d)], dim=1)
-        full = full.gather(1, restore[..., None].expand(-1, -1, d)) + self._pos(tokens.grid)
+        pos = pos_embed_on_grid(self.pos_embed, self.grid, tokens.grid)  # type: ignore[arg-type]
+        full = full.gather(1, restore[..., None].expand(-1, -1, d)) + pos
         x = self.norm(self.blocks(torch.cat([prefix, full], dim=1)))
         return self.pred(x[:, prefix.shape[1]:])
 

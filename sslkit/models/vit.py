@@ -22,7 +22,9 @@ __all__ = [
     "ViTTrunk",
     "build_vit",
     "check_vit_kwargs",
+    "key_padding_bias",
     "patch_grid_errors",
+    "pos_embed_on_grid",
     "resample_matrix",
     "sincos_pos_embed",
 ]
@@ -100,6 +102,23 @@ def resample_matrix(old: tuple[int, int], new: tuple[int, int], device: torch.de
     with torch.no_grad():
         out = F.interpolate(eye, size=new, mode="bicubic", antialias=True, align_corners=False)
     return out.reshape(n, new[0] * new[1]).T.contiguous()
+
+
+def pos_embed_on_grid(pos_embed: torch.Tensor, base: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+    """Position embeddings ``[1, h * w, D]`` made for the ``base`` grid, for another ``grid``: as they are on the base
+    grid, else resampled by :func:`resample_matrix` (in float32, back to their dtype)."""
+    if tuple(grid) == tuple(base):
+        return pos_embed
+    matrix = resample_matrix(tuple(base), tuple(grid), pos_embed.device)  # type: ignore[arg-type]
+    with torch.autocast(pos_embed.device.type, enabled=False):
+        return (matrix @ pos_embed[0].float()).to(pos_embed.dtype)[None]
+
+
+def key_padding_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, 1, L]`` additive attention bias from ``valid`` ``[B, L]``: 0 on valid keys, ``-inf`` on padding (the
+    padding is left out as a key; every query keeps its row)."""
+    bias = torch.zeros(valid.shape, device=valid.device, dtype=dtype)
+    return bias.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
 
 class ViTTrunk(VisionTransformer):
@@ -197,12 +216,7 @@ class ViTTrunk(VisionTransformer):
     def pos_embed_for(self, grid: tuple[int, int]) -> torch.Tensor:
         """Position embeddings ``[1, h * w, D]`` of the patches of a ``grid``: the trunk's own for its input
         size, resampled for other sizes (:func:`resample_matrix`)."""
-        base = tuple(self.patch_embed.grid_size)
-        if tuple(grid) == base:
-            return self.pos_embed
-        matrix = resample_matrix(base, tuple(grid), self.pos_embed.device)  # type: ignore[arg-type]
-        with torch.autocast(self.pos_embed.device.type, enabled=False):
-            return (matrix @ self.pos_embed[0].float()).to(self.pos_embed.dtype)[None]
+        return pos_embed_on_grid(self.pos_embed, tuple(self.patch_embed.grid_size), grid)  # type: ignore[arg-type]
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """timm's hook: ``[B, h, w, D]`` patch embeddings -> prefix tokens + patches with positions."""
@@ -270,8 +284,7 @@ class ViTTrunk(VisionTransformer):
         else:
             prefix = keep_valid.new_ones(b, tokens.shape[1] - keep_valid.shape[1])
             valid = torch.cat([prefix, keep_valid], dim=1)
-            bias = torch.zeros(valid.shape, device=tokens.device, dtype=tokens.dtype)
-            bias = bias.masked_fill(~valid, float("-inf"))[:, None, None, :]  # [B, 1, 1, L]: keys only
+            bias = key_padding_bias(valid, tokens.dtype)
             for block in self.blocks:
                 tokens = block(tokens, attn_mask=bias)
         return self.norm(tokens)
