@@ -194,18 +194,17 @@ class IBOTLoss(nn.Module):
         self.student_temp = float(student_temp)
         self.teacher_patch_temp = float(teacher_patch_temp)
         self.warmup_teacher_patch_temp = float(warmup_teacher_patch_temp)
-        self.warmup_iters = int(warmup_teacher_temp_iters)
         self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)
 
     def set_epoch_length(self, updates: int) -> None:
         """Called by the builder with the run's updates per epoch: a warm-up in epochs becomes updates (both
-        temperatures)."""
+        temperatures: the patch warm-up reads the CLS loss's)."""
         self.cls.set_epoch_length(updates)
-        self.warmup_iters = self.cls.warmup_teacher_temp_iters
 
     def teacher_patch_temp_at(self, update: int) -> float:
         """The patch teacher temperature at optimizer update ``update``."""
-        return teacher_temp_at(update, self.warmup_teacher_patch_temp, self.teacher_patch_temp, self.warmup_iters)
+        return teacher_temp_at(update, self.warmup_teacher_patch_temp, self.teacher_patch_temp,
+                               self.cls.warmup_teacher_temp_iters)
 
     def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
         """The teacher's CLS probabilities ``[G, B, K]`` of the global crops: centred and sharpened (DINO)."""
