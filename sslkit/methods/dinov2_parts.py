@@ -38,7 +38,11 @@ def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True,
         dots = x @ x.T
         dots.fill_diagonal_(-2.0)  # below any cosine: never one's own neighbour
         nearest = dots.argmax(dim=1)
-    rho = F.pairwise_distance(x, x[nearest], p=2, eps=eps)
+    # the neighbours as a one-hot product rather than x[nearest]: the same values, and a backward that is a matrix
+    # product (a fixed order of additions) instead of index_put_'s accumulation, whose atomic adds on the CPU make
+    # two identical runs differ (several rows share a nearest neighbour); x @ x.T above costs as much
+    neighbours = F.one_hot(nearest, n).to(x.dtype) @ x
+    rho = F.pairwise_distance(x, neighbours, p=2, eps=eps)
     if return_distance:
         return -torch.log(rho + eps).sum() / n, rho.detach().min()
     return -torch.log(rho + eps).sum() / n
