@@ -40,6 +40,7 @@ from sslkit.hooks import (
 )
 from sslkit.masking import MaskPlan
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
+from sslkit.parallel import parallelize
 from sslkit.reliability import PreemptionHook
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
@@ -255,15 +256,29 @@ def build_task(cfg: DictConfig) -> SSLTask:
     trunk, head = model.trunk, getattr(model, "head", None)
     frozen_now, frozen_later = freeze_parameters(model, freeze_entries(cfg.model.freeze))
     model = model.to(device)
-    if cfg.machine.channels_last:
+    fsdp = cfg.distributed.strategy == "fsdp" and world > 1
+    if cfg.machine.channels_last and not fsdp:  # FSDP2 shards contiguous parameters only (a ViT's one conv)
         model = model.to(memory_format=torch.channels_last)
-    if cfg.machine.compile:
+    if cfg.distributed.strategy == "fsdp" and world == 1:
+        logger.info("distributed.strategy=fsdp with one process: nothing to shard, the model is trained whole "
+                    "(its checkpoints load into fsdp runs of any size)")
+    per_block_compile = cfg.machine.compile and fsdp  # FSDP units are blocks: compile those, inside them
+    if cfg.machine.compile and not per_block_compile:
         kinds = tuple(t for t in (type(trunk), type(head)) if t not in (type(None), torch.nn.Identity))
         compile_parts(model, kinds, cfg.machine.compile_backend, cfg.machine.compile_mode)
     if cfg.distributed.sync_bn and world > 1:
         from sslkit.models.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, device)
+    if cfg.model.activation_checkpointing or fsdp:
+        # activation checkpointing, per-block compile, FSDP2: in that order, before the optimizer sees the parameters
+        compile_kwargs = ({"backend": cfg.machine.compile_backend,
+                           "mode": None if cfg.machine.compile_mode == "default" else cfg.machine.compile_mode}
+                          if per_block_compile else None)
+        param_dtype = torch.bfloat16 if cfg.amp.enabled and cfg.amp.dtype == "bfloat16" else None
+        model = parallelize(model, strategy=cfg.distributed.strategy, device=device, world_size=world,
+                            activation_checkpointing=cfg.model.activation_checkpointing,
+                            compile_kwargs=compile_kwargs, param_dtype=param_dtype)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**_kwargs(cfg.loss)).to(device)
     if hasattr(loss, "set_epoch_length"):  # schedules a loss takes in epochs (DINO's teacher temperature warm-up)
         loss.set_epoch_length(steps_per_epoch)
@@ -283,7 +298,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay) if o.final_weight_decay is not None
                    else build_schedule("constant", o.weight_decay))
 
-    if world > 1:  # after the optimizer saw the plain parameters; teachers (requires_grad False) get no reduction
+    if world > 1 and not fsdp:  # after the optimizer saw the plain parameters; teachers (no gradients) get no reduction
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None,
             bucket_cap_mb=cfg.distributed.bucket_cap_mb,
@@ -331,7 +346,10 @@ def build_task(cfg: DictConfig) -> SSLTask:
         logger.info("reliability.oom=skip with %d processes: gradients are reduced after backward "
                     "(distributed.manual_gradient_reduction), so every rank can skip the same step", world)
         manual_reduction = True
-    if cfg.distributed.consistency_check_every_n_steps > 0:
+    if cfg.distributed.consistency_check_every_n_steps > 0 and fsdp:
+        logger.info("distributed.consistency_check_every_n_steps: off under fsdp, where each rank holds different "
+                    "shards (there are no replicas to compare)")
+    elif cfg.distributed.consistency_check_every_n_steps > 0:
         hooks.append(ConsistencyCheckHook(cfg.distributed.consistency_check_every_n_steps))
     loaders = {"train": train_loader}
     hooks += _monitor_hooks(cfg, device, trunk, train_source, sinks, workers, pin, amp_dtype)

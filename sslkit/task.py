@@ -19,6 +19,13 @@ from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
 from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
+from sslkit.parallel import (
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_model_state,
+    load_optimizer_state,
+)
 
 __all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
@@ -431,10 +438,15 @@ class SSLTask:
         phase_idx, steps = (
             (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
         )
+        if is_sharded(self.model):  # FSDP2: gathered whole onto rank 0 (collectives: every rank is here)
+            model_state = full_model_state(self.model)
+            optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        else:
+            model_state, optimizer_state = self.base_model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.base_model.state_dict(),
+            "model": model_state,
             "loss": self.loss.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "hooks": self.hook_states(),
             "position": {
@@ -473,9 +485,12 @@ class SSLTask:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self.base_model.load_state_dict(state["model"])
+        if is_sharded(self.model):  # every rank read the whole state; each keeps its shards
+            load_full_model_state(self.model, state["model"])
+        else:
+            self.base_model.load_state_dict(state["model"])
+        load_optimizer_state(self.base_model, self.optimizer, state["optimizer"])  # numbered or named parameters
         self.loss.load_state_dict(state["loss"])
-        self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         hook_states = state.get("hooks", {})

@@ -24,7 +24,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         result = fn(rank, world, *args)
         torch.save(result, f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (sslkit's CLI shuts the group down itself)
+            dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
@@ -143,7 +144,11 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
             train(task, standard_train_step)
         finally:
             task.close()
-        state = {f"model.{k}": v.detach().clone() for k, v in task.base_model.state_dict().items()}
+        from sslkit.parallel import is_sharded
+
+        # under fsdp the whole model is gathered onto rank 0 (the others get an empty dict)
+        whole = task.state_dict(gather_rng=False)["model"] if is_sharded(task.model) else task.base_model.state_dict()
+        state = {f"model.{k}": v.detach().clone() for k, v in whole.items()}
         state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
         states[recipe] = state
     return states
@@ -162,3 +167,58 @@ def dinov2_parts_on_shard(rank: int, world: int, n: int) -> dict[str, Any]:
     loss.backward()
     return {"q": sinkhorn_knopp(logits[shard], 0.1, iterations=3), "koleo": loss.detach(), "grad": mine.grad,
             "max": all_reduce_max(logits[shard].max())}
+
+
+def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, out: str,
+                 *extra: str) -> dict[str, Any]:
+    """Train ``recipe`` (its small test form) for ``steps`` updates under ``distributed.strategy=strategy``: this
+    rank's loss at every micro-batch, the whole model state after them (rank 0; gathered under fsdp), and, under
+    fsdp, how the parameters were sharded (each teacher parameter's placements and local shape against its
+    student's)."""
+    from helpers import RECIPES, SMALL
+
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.hooks.base import SSLHook
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    losses: list[torch.Tensor] = []
+
+    class Record(SSLHook):
+        def on_loss_and_meter(self, task: Any) -> None:
+            losses.append(task.last_batch.loss.detach().clone())
+
+    cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], f"optim.max_steps={steps}",
+                          "eval.knn.enabled=false", "log.tensorboard=false", "checkpoint.every_n_epochs=0",
+                          f"distributed.strategy={strategy}", *extra, f"output_dir={out}/{recipe}-{strategy}"])
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    task = build_task(cfg)
+    task.hooks.append(Record())
+    layout = []
+    from torch.distributed.tensor import DTensor
+
+    for student, teacher in task.base_model.momentum_pairs() if hasattr(task.base_model, "momentum_pairs") else ():
+        for s, t in zip(student.parameters(), teacher.parameters(), strict=True):
+            layout.append((isinstance(t, DTensor), isinstance(s, DTensor),
+                           tuple(t.placements) == tuple(s.placements) if isinstance(t, DTensor) else None,
+                           tuple(t.to_local().shape) == tuple(s.to_local().shape) if isinstance(t, DTensor) else None))
+    try:
+        train(task, standard_train_step)
+    finally:
+        task.close()
+    state = task.state_dict()
+    return {"losses": torch.stack(losses), "model": state["model"], "layout": layout,
+            "sharded": sum(isinstance(p, DTensor) for p in task.model.parameters()),
+            "dtypes": {p.dtype for p in task.model.parameters()},
+            "params": sum(1 for _ in task.model.parameters())}
+
+
+def cli_main(rank: int, world: int, argv: list[str]) -> str:
+    """``sslkit.cli.main(argv)`` on this rank of an initialised gloo group: its exit code, or the error it raised."""
+    from sslkit.cli import main
+
+    try:
+        return str(main(list(argv)))
+    except Exception as exc:  # a crash a test injected
+        return f"{type(exc).__name__}: {exc}"

@@ -421,6 +421,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.master_port": (lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0 = a free one)"),
     "distributed.backend": (lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo"),
     "distributed.timeout_s": (lambda v: v > 0, "> 0"),
+    "distributed.strategy": (lambda v: v in ("ddp", "fsdp"), "ddp or fsdp"),
     "distributed.bucket_cap_mb": (lambda v: v > 0, "> 0"),
     "distributed.consistency_check_every_n_steps": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "optim.accumulate_steps": (lambda v: v >= 1, ">= 1"),
@@ -745,6 +746,7 @@ def validate(cfg: DictConfig) -> None:
     if trunk is not None:
         _check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)
         _check_trunk(cfg, trunk, errors)
+        _check_strategy(cfg, trunk, errors)
     _check_masking(cfg, trunk, errors)
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
@@ -801,6 +803,31 @@ def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
             if cfg.optim[key] != 1.0:
                 errors.append(f"'optim.{key}' = {cfg.optim[key]} needs a ViT's layers and patch embedding, and "
                               f"model.trunk={cfg.model.trunk} has none: set optim.{key}=1.0 or use a ViT trunk")
+
+
+def _check_strategy(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
+    """What ``distributed.strategy=fsdp`` and ``model.activation_checkpointing`` need: transformer blocks (a
+    ViT trunk), bfloat16 rather than float16, and gradients reduced during backward (docs/distributed.md)."""
+    vit = getattr(trunk, "patch_tokens", False)
+    if cfg.model.activation_checkpointing and not vit:
+        errors.append(f"'model.activation_checkpointing' = true checkpoints transformer blocks, and model.trunk="
+                      f"{cfg.model.trunk} has none: set model.activation_checkpointing=false or use a ViT trunk")
+    if cfg.distributed.strategy != "fsdp":
+        return
+    if not vit:
+        errors.append(f"'distributed.strategy' = fsdp shards a model one transformer block at a time, and model.trunk="
+                      f"{cfg.model.trunk} has none: use distributed.strategy=ddp (a CNN trunk fits on one GPU) or "
+                      "a ViT trunk")
+    if cfg.amp.enabled and cfg.amp.dtype == "float16":
+        errors.append("'amp.dtype' = float16 under distributed.strategy=fsdp: FSDP2 has no gradient scaler for "
+                      "sharded gradients here; use amp.dtype=bfloat16 (no scaler needed) or distributed.strategy=ddp")
+    if cfg.reliability.oom == "skip":
+        errors.append("'reliability.oom' = skip needs the gradients reduced after backward so every rank can drop "
+                      "the same step, and FSDP reduces them during backward: use reliability.oom=halt with "
+                      "distributed.strategy=fsdp")
+    if cfg.distributed.manual_gradient_reduction:
+        errors.append("'distributed.manual_gradient_reduction' = true is DDP's option: FSDP reduce-scatters the "
+                      "gradients itself; set it to false with distributed.strategy=fsdp")
 
 
 def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:

@@ -32,6 +32,7 @@ from sslkit.data.prefetch import Prefetcher
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
 from sslkit.hooks.base import Event
 from sslkit.optim import set_lr, set_weight_decay
+from sslkit.parallel import full_tensor, gradient_sync, is_sharded
 from sslkit.task import LastBatch, SSLTask
 from sslkit.train_steps.sample import to_sample
 
@@ -201,8 +202,10 @@ def forward_backward(task: SSLTask) -> None:
 
 
 def _sync_context(task: SSLTask, last_micro_batch: bool) -> contextlib.AbstractContextManager[None]:
-    """DDP's ``no_sync`` when its reduction must not run after this backward: under manual gradient
-    reduction, and on every micro-batch but the last when accumulating."""
+    """DDP's ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``) when its reduction must not run after this
+    backward: under manual gradient reduction, and on every micro-batch but the last when accumulating."""
+    if is_sharded(task.model):
+        return gradient_sync(task.model, last_micro_batch)
     no_sync = getattr(task.model, "no_sync", None)
     if no_sync is not None and (task.manual_gradient_reduction or not last_micro_batch):
         return no_sync()
@@ -275,13 +278,20 @@ def clip_gradients(task: SSLTask) -> torch.Tensor:
     with task.perf_stats.timer("clip_grad"):
         if not params:
             return torch.zeros((), device=task.device)
+        grads = [p.grad for p in params]
         if task.training.clip_grad_mode == "per_parameter":
-            grads = [p.grad for p in params]
-            norms = torch._foreach_norm(grads)
+            norms = [full_tensor(n) for n in torch._foreach_norm(grads)]  # sharded: each norm over all shards
             total = torch.linalg.vector_norm(torch.stack(norms))
-            torch._foreach_mul_(grads, [(clip / (n + 1e-6)).clamp(max=1.0) for n in norms])
+            factors = [(clip / (n + 1e-6)).clamp(max=1.0) for n in norms]
+            if is_sharded(task.model):
+                for g, f in zip(grads, factors, strict=True):
+                    g.mul_(f)
+            else:
+                torch._foreach_mul_(grads, factors)
         else:
-            total = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            # the norm over every rank's shards under fsdp (a DTensor made whole), the plain norm otherwise
+            total = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total, foreach=True)
     if task.last_batch is not None:
         task.last_batch.metrics["grad_norm"] = total.detach()
     return total

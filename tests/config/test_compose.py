@@ -253,3 +253,29 @@ def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     assert "sslkit: config error" in proc.stderr
     assert "'data.batch_size' must be > 0, got -4" in proc.stderr and "Set data.image_size <= 28" in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []  # nor runs/ in the working folder
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["config=simclr", "distributed.strategy=fsdp"],
+     r"'distributed.strategy' = fsdp shards a model one transformer block at a time, and model.trunk=small_cnn has "
+     r"none: use distributed.strategy=ddp"),
+    (["config=simclr", "model.activation_checkpointing=true"],
+     r"'model.activation_checkpointing' = true checkpoints transformer blocks.*set model.activation_checkpointing="
+     r"false or use a ViT trunk"),
+    (["config=mae", "distributed.strategy=fsdp", "amp.enabled=true", "amp.dtype=float16"],
+     r"'amp.dtype' = float16 under distributed.strategy=fsdp.*use amp.dtype=bfloat16"),
+    (["config=mae", "distributed.strategy=fsdp", "reliability.oom=skip"],
+     r"'reliability.oom' = skip.*use reliability.oom=halt with distributed.strategy=fsdp"),
+    (["config=mae", "distributed.strategy=fsdp", "distributed.manual_gradient_reduction=true"],
+     r"'distributed.manual_gradient_reduction' = true is DDP's option"),
+    (["config=mae", "distributed.strategy=zero3"], r"'distributed.strategy' must be ddp or fsdp"),
+])
+def test_what_fsdp_cannot_take_is_refused_with_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose_config(overrides)
+
+
+def test_fsdp_accepts_a_vit_recipe_with_bf16_and_checkpointing() -> None:
+    cfg = compose_config(["config=dinov2", "distributed.strategy=fsdp", "amp.enabled=true",
+                          "model.activation_checkpointing=true"])
+    assert cfg.distributed.strategy == "fsdp" and cfg.model.activation_checkpointing

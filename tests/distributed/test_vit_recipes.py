@@ -40,3 +40,22 @@ def test_two_ranks_train_each_vit_recipe_like_one_process(tmp_path: Path) -> Non
                 assert torch.equal(ranks[0][recipe][key], value), (recipe, key)
         moved = [k for k in ref if k.startswith("model.trunk.blocks.0.attn.qkv.weight")]
         assert moved, recipe
+
+
+def test_fsdp_on_two_ranks_trains_each_vit_recipe_like_one_process(tmp_path: Path) -> None:
+    """The same under distributed.strategy=fsdp: every ViT recipe's blocks, trunks and root sharded over the 2
+    ranks (teachers, decoders and predictors too), the whole state gathered onto rank 0 after 2 SGD updates,
+    equal to one process's with the doubled batch within the same tolerance."""
+    single = recipe_states(0, 1, NEW, 16, 2, str(tmp_path / "one"), *SGD)
+    ranks = run_ranks(recipe_states, 2, str(tmp_path / "two"), NEW, 8, 2, str(tmp_path / "two"), *SGD,
+                      "distributed.strategy=fsdp")
+    for recipe in NEW:
+        ref, got = single[recipe], ranks[0][recipe]
+        assert got.keys() == ref.keys(), recipe
+        assert not any(k.startswith("model.") for k in ranks[1][recipe])  # gathered onto rank 0 only
+        for key, value in ref.items():
+            if value.is_floating_point():
+                diff = (got[key].double() - value.double()).abs().max().item()
+                assert diff < 5e-6, (recipe, key, diff)
+            else:
+                assert torch.equal(got[key], value), (recipe, key)
