@@ -79,26 +79,28 @@ def measure(rank: int, world: int, overrides: Sequence[str], out: str) -> dict[s
             "activations": saved[0]}
 
 
-def _entry(rank: int, world: int, port: int, overrides: Sequence[str], out: str) -> None:
+def _entry(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = measure(rank, world, overrides, f"{out}/run")
+        result = [measure(rank, world, overrides, f"{out}/run{i}") for i, overrides in enumerate(runs)]
         torch.save(result, f"{out}/bytes.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def run(overrides: Sequence[str], nproc: int) -> list[dict[str, int]]:
-    """``measure`` on ``nproc`` fresh gloo processes; each rank's bytes."""
+def run(runs: Sequence[Sequence[str]], nproc: int) -> list[list[dict[str, int]]]:
+    """``measure`` of each run's overrides, one after the other on the same ``nproc`` fresh gloo processes: for
+    each run, each rank's bytes."""
     from sslkit.distributed import find_free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(nproc, find_free_port(), list(overrides), out), nprocs=nproc,
+        mp.start_processes(_entry, args=(nproc, find_free_port(), [list(r) for r in runs], out), nprocs=nproc,
                            join=True, start_method="spawn")
-        return [torch.load(f"{out}/bytes.{r}") for r in range(nproc)]
+        per_rank = [torch.load(f"{out}/bytes.{r}") for r in range(nproc)]
+    return [[per_rank[r][i] for r in range(nproc)] for i in range(len(runs))]
 
 
 def _mib(n: int) -> str:
@@ -113,12 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     if not any(o.startswith("config=") for o in overrides):
         overrides = ["config=dinov2", *overrides]
-    rows: list[tuple[str, dict[str, int]]] = []
+    names, runs = [], []
     for ac in (False, True):
         for strategy in args.strategies.split(","):
-            got = run([*overrides, f"distributed.strategy={strategy}",
-                       f"model.activation_checkpointing={str(ac).lower()}"], args.nproc)
-            rows.append((f"{strategy}{' + checkpointing' if ac else ''}", got[0]))
+            names.append(f"{strategy}{' + checkpointing' if ac else ''}")
+            runs.append([*overrides, f"distributed.strategy={strategy}",
+                         f"model.activation_checkpointing={str(ac).lower()}"])
+    rows = [(name, got[0]) for name, got in zip(names, run(runs, args.nproc), strict=True)]
     print(f"{' '.join(overrides)}; {args.nproc} gloo processes on the CPU, torch {torch.__version__}; "
           "MiB held by rank 0 after one step (ratio to the first row)")
     keys = ["parameters", "gradients", "optimizer", "activations"]

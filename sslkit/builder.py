@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Subset
 
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
-from sslkit.config.compose import ConfigError, freeze_entries
+from sslkit.config.compose import ConfigError, freeze_entries, per_process_batch
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
@@ -228,23 +228,28 @@ def build_task(cfg: DictConfig) -> SSLTask:
     if device_augment is not None and cfg.machine.compile:
         device_augment.compile(cfg.machine.compile_backend, None if cfg.machine.compile_mode == "default"
                                else cfg.machine.compile_mode)
-    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=cfg.data.batch_size,
+    batch = per_process_batch(cfg, world)
+    if cfg.data.global_batch_size > 0:
+        logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
+                    "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
+    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
                            workers=workers, pin=pin, device_augment=device_augment)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
         n = len(train_source)  # type: ignore[arg-type]
-        per_step = cfg.data.batch_size * world * accumulate
+        per_step = batch * world * accumulate
         most = max(1, n // (world * accumulate))
         cut = " (data.limit keeps only those; raise it)" if 0 < cfg.data.limit <= n else ""
+        fix = (f"Set data.global_batch_size={min(most, batch) * world * accumulate} or lower"
+               if cfg.data.global_batch_size > 0 else f"Set data.batch_size={min(most, batch)} or lower")
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size}: one optimizer step takes {cfg.data.batch_size} x {world} "
+            f"data.batch_size={batch}: one optimizer step takes {batch} x {world} "
             f"process(es) x optim.accumulate_steps={accumulate} = {per_step} images, and the training data has "
-            f"{n}{cut}: no step would run. Set data.batch_size={min(most, cfg.data.batch_size)} or lower, or "
-            "use more data."
+            f"{n}{cut}: no step would run. {fix}, or use more data."
         )
-    global_batch = cfg.data.batch_size * world * accumulate
+    global_batch = batch * world * accumulate
     if cfg.optim.max_steps > 0:
         max_iterations = cfg.optim.max_steps
         epochs = math.ceil(max_iterations / steps_per_epoch)

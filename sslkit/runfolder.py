@@ -47,6 +47,10 @@ IGNORED_KEYS = (
     "distributed.timeout_s", "distributed.master_addr", "distributed.master_port", "distributed.node_rank",
     "distributed.consistency_check_every_n_steps",
 )
+#: Keys that only split the global batch differently when ``data.global_batch_size`` is set: a run resumes with new
+#: values of these without a word (the number of processes, the strategy, the micro-batches).
+ELASTIC_KEYS = ("distributed.nproc_per_node", "distributed.num_nodes", "distributed.strategy", "data.batch_size",
+                "optim.accumulate_steps")
 #: Keys whose larger value only lengthens the run: it resumes and trains on (``max_steps`` 0 means
 #: "the epochs decide", which lengthens a run that was cut by steps).
 LENGTHENING_KEYS = ("optim.epochs", "optim.max_steps")
@@ -97,10 +101,12 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]
     """Compare two resolved configs: ``(lengthened, changed)`` as lists of (key, saved, now), keys
     of :data:`IGNORED_KEYS` left out. A missing key shows as ``<absent>``."""
     a, b = flatten_config(saved), flatten_config(now)
+    # with the same global batch the number of processes only decides how the batch is split (elastic resume)
+    elastic = a.get("data.global_batch_size", 0) == b.get("data.global_batch_size", 0) != 0
     lengthened, changed = [], []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, "<absent>"), b.get(key, "<absent>")
-        if old == new or _ignored(key):
+        if old == new or _ignored(key) or (elastic and key in ELASTIC_KEYS):
             continue
         (lengthened if _lengthens(key, old, new) else changed).append((key, old, new))
     return lengthened, changed

@@ -169,6 +169,13 @@ def dinov2_parts_on_shard(rank: int, world: int, n: int) -> dict[str, Any]:
             "max": all_reduce_max(logits[shard].max())}
 
 
+def strategy_runs(rank: int, world: int, cases: dict[str, list[str]], strategy: str, steps: int,
+                  out: str) -> dict[str, dict[str, Any]]:
+    """:func:`strategy_run` for each case (``name`` or ``recipe-variant``: its extra overrides), in one group."""
+    return {case: strategy_run(rank, world, case.split("-")[0], strategy, steps, f"{out}/{case}", *extra)
+            for case, extra in cases.items()}
+
+
 def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, out: str,
                  *extra: str) -> dict[str, Any]:
     """Train ``recipe`` (its small test form) for ``steps`` updates under ``distributed.strategy=strategy``: this

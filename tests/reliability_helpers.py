@@ -77,3 +77,19 @@ def assert_identical(a: Any, b: Any, path: str = "state") -> None:
             assert_identical(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def run_ranks_main(nproc: int, scratch: Path, *args: str) -> Any:
+    """``tools/run.py args`` on ``nproc`` gloo processes spawned by this test process (``sslkit.cli.main`` in
+    each, as under torchrun): what :func:`helpers.run_cli` does with ``distributed.nproc_per_node``, without
+    an interpreter for the launcher. Returns ``returncode`` and, as ``stdout``, the run's log.txt."""
+    from types import SimpleNamespace
+
+    from dist_workers import cli_main, run_ranks
+
+    codes = run_ranks(cli_main, nproc, str(scratch), list(args))
+    assert len(set(codes)) == 1, codes
+    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("output_dir=")))
+    log = out / "log.txt"
+    return SimpleNamespace(returncode=int(codes[0]) if codes[0].lstrip("-").isdigit() else codes[0],
+                           stdout=log.read_text() if log.exists() else "")

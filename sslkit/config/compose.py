@@ -33,6 +33,7 @@ __all__ = [
     "freeze_entries",
     "group_choices",
     "import_modules",
+    "per_process_batch",
     "recipe_diff",
     "schema",
     "show_value",
@@ -344,6 +345,7 @@ def _compile_backends() -> list[str]:
 
 _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.batch_size": (lambda v: v > 0, "> 0"),
+    "data.global_batch_size": (lambda v: v >= 0, ">= 0 (0: data.batch_size per process decides)"),
     "data.num_workers": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
                          "auto or an integer >= 0"),
     "data.pin_memory": (lambda v: v in ("auto", True, False), "auto, true or false"),
@@ -538,6 +540,26 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"'data.{split}.path' = {path}: {what}; {_PATH_SOURCES[source]}")
 
 
+def per_process_batch(cfg: DictConfig, world: int) -> int:
+    """The images one process takes per micro-batch: ``data.global_batch_size / (world x optim.accumulate_steps)``
+    when a global batch is set (it must divide; :func:`compose_config` says so), else ``data.batch_size``."""
+    g = cfg.data.global_batch_size
+    return g // (world * cfg.optim.accumulate_steps) if g > 0 else cfg.data.batch_size
+
+
+def _global_batch_errors(cfg: DictConfig) -> list[str]:
+    """``data.global_batch_size`` must split evenly over the processes and micro-batches."""
+    g, world, acc = cfg.data.global_batch_size, _world_size(cfg), cfg.optim.accumulate_steps
+    per = world * acc
+    if g <= 0 or acc < 1 or g % per == 0:
+        return []
+    lower, higher = g // per * per, -(-g // per) * per
+    options = " or ".join(str(v) for v in dict.fromkeys((lower, higher)) if v > 0)
+    return [f"'data.global_batch_size' = {g} does not split over {world} process(es) x optim.accumulate_steps={acc} "
+            f"= {per} micro-batches: set it to a multiple of {per} ({options}), or change the number of processes "
+            "or optim.accumulate_steps"]
+
+
 def _world_size(cfg: DictConfig) -> int:
     """The processes of the run: torchrun's ``WORLD_SIZE``, else ``nproc_per_node`` x ``num_nodes``."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -560,7 +582,8 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
         n = limit if n is None else min(n, limit)
     if not n:
         return
-    b, acc, world = cfg.data.batch_size, cfg.optim.accumulate_steps, _world_size(cfg)
+    acc, world = cfg.optim.accumulate_steps, _world_size(cfg)
+    b = per_process_batch(cfg, world)
     drop = cfg.data.drop_last
     per_rank = n // world if drop else -(-n // world)
     batches = per_rank // b if drop else -(-per_rank // b)
@@ -580,7 +603,8 @@ def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:
     loss = cfg.loss
     if not isinstance(loss, DictConfig) or loss.get("centering") != "sinkhorn_knopp":
         return
-    b, world = cfg.data.batch_size, _world_size(cfg)
+    world = _world_size(cfg)
+    b = per_process_batch(cfg, world)
     kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, DictConfig) else {}
     crops = int(kwargs.get("num_global", 2) or 2)
     k = OmegaConf.select(cfg, "loss.out_dim")
@@ -708,7 +732,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.decode_on == "device" and cfg.data.augment_on == "workers":
         errors.append("'data.decode_on' = device needs the augmentation on the device too (data.augment_on="
                       "workers): set data.augment_on=device or auto, or data.decode_on=auto")
-    if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1:
+    global_batch = _global_batch_errors(cfg)
+    errors.extend(global_batch)
+    if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
         _check_steps(cfg, errors)
         _check_sinkhorn(cfg, errors)
     _check_folder_paths(cfg, errors)

@@ -124,3 +124,17 @@ class FullDiskFault(_Fault):
             folder = checkpoint_dir(task.output_dir)
             os.makedirs(folder, exist_ok=True)
             os.symlink("/dev/full", os.path.join(folder, f"checkpoint_{self.step:09d}.pt.tmp.{os.getpid()}"))
+
+
+@register_hook("record_samples")
+class RecordSamples(SSLHook):
+    """Appends, per micro-batch, ``iteration micro index index ...`` (the dataset indices this rank trained on) to
+    ``<output_dir>/samples.<rank>.txt``: what the elastic-resume tests compare."""
+
+    def on_forward(self, task) -> None:
+        if not task.train:
+            return
+        indices = task.last_batch.sample["data_idx"].reshape(-1).tolist()
+        path = os.path.join(task.output_dir, f"samples.{task.rank}.txt")
+        with open(path, "a") as f:
+            f.write(" ".join(str(v) for v in (task.iteration, task.clock.micro_batch, *indices)) + "\n")

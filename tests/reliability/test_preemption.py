@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, metrics, run_cli, run_main
-from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state
+from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state, run_ranks_main
 
 from sslkit.reliability import PREEMPTED_EXIT_CODE
 
@@ -25,8 +25,8 @@ def _reference(tmp_path: Path, nproc: int = 1) -> dict:
     args = [*ARGS, f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", never, f"output_dir={out}"]
     if nproc == 1:
         run_main(*args)
-    else:
-        run_cli(*args, env=FAULT_ENV)
+    else:  # processes this test spawns, without the launcher's interpreter
+        assert run_ranks_main(nproc, tmp_path / "ref-ranks", *args).returncode == 0
     return latest_state(out)
 
 
@@ -124,5 +124,5 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     state = latest_state(out)
     assert state["position"]["iteration"] == 9 and len(state["rng"]) == 2
-    run_cli(*args, env=FAULT_ENV)
+    assert run_ranks_main(2, tmp_path / "resume-ranks", *args).returncode == 0
     assert_identical(latest_state(out), _reference(tmp_path, nproc=2))

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 from helpers import run_cli, run_main
-from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
+from reliability_helpers import (
+    BASE,
+    FAULT_ENV,
+    RECIPE_ARGS,
+    assert_identical,
+    hooks_override,
+    latest_state,
+    run_ranks_main,
+)
 
 # 2 epochs of 6 steps, a checkpoint every 4 steps: the kill after step 10 (epoch 1, 4 of 6 steps done)
 # loses steps 9-10, which the resumed run must redo exactly (from the checkpoint of step 8, mid-epoch).
@@ -14,15 +22,16 @@ STEPS = ["optim.epochs=2", "checkpoint.every_n_steps=4"]
 
 
 def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list[str]) -> None:
-    """The run SIGKILLed after step 10 is a process of its own; with one process the uninterrupted reference and the
-    resumed run go through sslkit.cli.main in this process (the same outcome, without two interpreter starts)."""
+    """The run SIGKILLed after step 10 is a process of its own (tools/run.py, with its own workers); the uninterrupted
+    reference and the resumed run go through sslkit.cli.main in this process (one process) or in processes it
+    spawns (two): the same outcome, without the launcher's interpreter starts."""
     args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *STEPS, *extra,
             f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}"]  # 6 steps per epoch
     never_fires = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
     kill_at_10 = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
 
-    def run(*more: str) -> object:
-        return run_main(*args, *more) if nproc == 1 else run_cli(*args, *more, env=FAULT_ENV)
+    def run(*more: str) -> object:  # (only the killed run needs an interpreter of its own)
+        return run_main(*args, *more) if nproc == 1 else run_ranks_main(nproc, tmp_path / "ranks", *args, *more)
 
     reference = run(never_fires, f"output_dir={tmp_path / 'ref'}")
     assert "resumed" not in reference.stdout
