@@ -279,3 +279,16 @@ def test_fsdp_accepts_a_vit_recipe_with_bf16_and_checkpointing() -> None:
     cfg = compose_config(["config=dinov2", "distributed.strategy=fsdp", "amp.enabled=true",
                           "model.activation_checkpointing=true"])
     assert cfg.distributed.strategy == "fsdp" and cfg.model.activation_checkpointing
+
+
+def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
+    from sslkit.config.compose import per_process_batch
+
+    args = ["config=simclr", "machine.device=cpu", "distributed.nproc_per_node=3", "optim.accumulate_steps=2"]
+    with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 100 does not split over 3 process\(es\) x "
+                                          r"optim.accumulate_steps=2 = 6 micro-batches: set it to a multiple of 6 "
+                                          r"\(96 or 102\)"):
+        compose_config([*args, "data.global_batch_size=100"])
+    cfg = compose_config([*args, "data.global_batch_size=96"])
+    assert per_process_batch(cfg, 3) == 16 and per_process_batch(cfg, 1) == 48
+    assert per_process_batch(compose_config(args), 3) == cfg.data.batch_size  # 0: data.batch_size per process

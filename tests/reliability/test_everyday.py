@@ -36,6 +36,19 @@ def test_config_changes_ignore_operational_keys_and_sort_lengthening() -> None:
     assert config_changes({"a": 1}, {"a": 1, "b": 2})[1] == [("b", "<absent>", 2)]
 
 
+def test_with_a_global_batch_the_number_of_processes_may_change_on_a_resume() -> None:
+    """data.global_batch_size fixes what a step computes: the processes, the strategy and the split into
+    micro-batches may change (elastic resume); without it a different number of processes is a different run."""
+    saved = {"data": {"global_batch_size": 256, "batch_size": 128}, "distributed": {"nproc_per_node": 2,
+             "strategy": "ddp"}, "optim": {"accumulate_steps": 1}}
+    now = {"data": {"global_batch_size": 256, "batch_size": 64}, "distributed": {"nproc_per_node": 4,
+           "strategy": "fsdp"}, "optim": {"accumulate_steps": 2}}
+    assert config_changes(saved, now) == ([], [])
+    saved["data"]["global_batch_size"] = now["data"]["global_batch_size"] = 0
+    assert [key for key, _, _ in config_changes(saved, now)[1]] == [
+        "data.batch_size", "distributed.nproc_per_node", "distributed.strategy", "optim.accumulate_steps"]
+
+
 def test_changed_config_does_not_resume_and_names_each_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     assert _run(capsys, "config=simclr", *QUICK, f"output_dir={out}")[0] == 0
