@@ -36,9 +36,9 @@ def test_fsdp_trains_like_ddp(tmp_path: Path) -> None:
     dino_vit and dinov2 clip the gradients, and the norm of sharded gradients is summed shard by shard, so the
     clip factor differs in the last bits and AdamW carries that on. Measured after 10 updates: max weight
     difference 0 (mae), 5.1e-7 (dinov2, 2 micro-batches per update), 8.8e-6 (dino_vit); tolerance 5e-5, as for 1
-    against 2 processes under AdamW. Under bf16 FSDP gathers the parameters in bf16 where DDP's autocast casts them per operation (layer
-    norms read them in float32), so the losses agree to bf16 rounding only (weights within 1.3e-4 after 10 updates, tolerance 5e-3); the sharded
-    parameters stay float32."""
+    against 2 processes under AdamW. Under bf16 FSDP gathers the parameters in bf16 where DDP's autocast casts them
+    per operation (layer norms read them in float32), so the losses agree to bf16 rounding only (weights within
+    1.3e-4 after 10 updates, tolerance 5e-3); the sharded parameters stay float32."""
     ddp_runs = run_ranks(strategy_runs, 2, str(tmp_path / "ddp"), CASES, "ddp", STEPS, str(tmp_path / "d"))
     fsdp_runs = run_ranks(strategy_runs, 2, str(tmp_path / "fsdp"), CASES, "fsdp", STEPS, str(tmp_path / "f"))
     for case, extra in CASES.items():
