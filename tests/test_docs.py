@@ -533,7 +533,8 @@ def test_doc_command_collector() -> None:
             "        tools/run.py\n\n```python\n    python inside_a_fence.py\n```\n      python not_four.py\n")
     assert list(commands_in(text)) == [(3, "python tools/run.py config=simclr"), (4, "pip install x#y"),
                                        (5, "torchrun --nnodes=2 tools/run.py config=dino")]
-    assert "python tools/run.py config=simclr" in COMMANDS and "python -m pytest -q -n auto" in COMMANDS
+    assert "python tools/run.py config=simclr" in COMMANDS
+    assert "python -m pytest -q -n auto --dist loadgroup" in COMMANDS
 
 
 @pytest.mark.parametrize(("command", "shown"), _params())
