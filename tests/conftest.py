@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest-xdist runs the suite on as many workers as cores (README: -n auto --dist loadgroup): one thread each, and
+    # pytest-xdist runs the suite on as many workers as cores (README: -n auto): one thread each, and
     # the same for the processes a test starts, so the workers share the cores instead of oversubscribing them
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` are skipped, not failed, where no CUDA device is visible (CI). Tests marked
-    ``multiprocess`` form one pytest-xdist group (README: ``--dist loadgroup``): they run one after another on
+    ``multiprocess`` form one pytest-xdist group (used with ``--dist loadgroup``): they run one after another on
     one worker while the others take the rest, so two of them never share the cores with their process groups
     (2 x 2-4 processes on 2 cores made every test beside them several times slower)."""
     import torch

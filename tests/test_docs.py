@@ -534,7 +534,7 @@ def test_doc_command_collector() -> None:
     assert list(commands_in(text)) == [(3, "python tools/run.py config=simclr"), (4, "pip install x#y"),
                                        (5, "torchrun --nnodes=2 tools/run.py config=dino")]
     assert "python tools/run.py config=simclr" in COMMANDS
-    assert "python -m pytest -q -n auto --dist loadgroup" in COMMANDS
+    assert 'python -m pytest -q -n auto -m "not multiprocess"' in COMMANDS
 
 
 @pytest.mark.parametrize(("command", "shown"), _params())
