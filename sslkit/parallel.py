@@ -39,13 +39,18 @@ __all__ = [
 ]
 
 
+def _blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """``module``'s ``blocks`` container (``nn.ModuleList`` or ``nn.Sequential``, as in timm's VisionTransformer,
+    MAE's decoder and I-JEPA's predictor), None if it has none."""
+    blocks = getattr(module, "blocks", None)
+    return blocks if isinstance(blocks, (nn.ModuleList, nn.Sequential)) else None
+
+
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every transformer block of ``model``: the elements of each ``blocks`` container (``nn.ModuleList`` or
-    ``nn.Sequential``, as in timm's VisionTransformer, MAE's decoder and I-JEPA's predictor), by full name."""
+    """Every transformer block of ``model``: the elements of each :func:`_blocks` container, by full name."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        blocks = getattr(module, "blocks", None)
-        if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        if (blocks := _blocks(module)) is not None:
             prefix = f"{name}.blocks" if name else "blocks"
             found += [(f"{prefix}.{i}", block) for i, block in enumerate(blocks)]
     return found
@@ -55,8 +60,7 @@ def block_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules of ``model`` (not ``model`` itself) that own a ``blocks`` container: trunks, teachers'
     trunks, decoders, predictors. Each becomes its own FSDP unit so that it can run on its own (kNN and the
     monitors call the trunk directly), deepest first."""
-    owners = [(name, m) for name, m in model.named_modules()
-              if name and isinstance(getattr(m, "blocks", None), (nn.ModuleList, nn.Sequential))]
+    owners = [(name, m) for name, m in model.named_modules() if name and _blocks(m) is not None]
     return sorted(owners, key=lambda item: -item[0].count("."))
 
 
@@ -108,9 +112,10 @@ def parallelize(model: nn.Module, *, strategy: str, device: torch.device, world_
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    owners = block_owners(model)
     for _, block in blocks:
         fully_shard(block, **kwargs)
-    for _, owner in block_owners(model):
+    for _, owner in owners:
         fully_shard(owner, **kwargs)
     fully_shard(model, **kwargs)
     # FSDP2 takes the first module to run forward as its root. kNN baselines and monitors call the trunk on its
@@ -118,7 +123,7 @@ def parallelize(model: nn.Module, *, strategy: str, device: torch.device, world_
     model._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     logger.info("distributed.strategy=fsdp: FSDP2 over %d processes (%s mesh), %d transformer block(s) and %d "
                 "block owner(s) sharded as units, then the root; parameters gathered in %s, gradients reduced in "
-                "float32", world_size, device.type, len(blocks), len(block_owners(model)),
+                "float32", world_size, device.type, len(blocks), len(owners),
                 str(param_dtype).replace("torch.", "") if param_dtype else "float32")
     return model
 

@@ -589,9 +589,10 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
     batches = per_rank // b if drop else -(-per_rank // b)
     if batches // acc == 0:
         where = "data.limit" if limit > 0 and limit == n else "data.train.kwargs.num_samples"
-        errors.append(f"'data.batch_size' = {b}: a step takes {b} x {world} process(es) x "
+        key = "data.global_batch_size" if cfg.data.global_batch_size > 0 else "data.batch_size"
+        errors.append(f"'{key}' = {cfg.data[key.split('.')[1]]}: a step takes {b} x {world} process(es) x "
                       f"optim.accumulate_steps={acc} = {b * world * acc} samples, more than the {n} training samples "
-                      f"({where}={n}): no optimizer step would run. Lower data.batch_size or raise {where}.")
+                      f"({where}={n}): no optimizer step would run. Lower {key} or raise {where}.")
 
 
 def _check_sinkhorn(cfg: DictConfig, errors: list[str]) -> None:

@@ -81,7 +81,6 @@ class MAEDecoder(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
                 nn.init.zeros_(m.bias)
 
-
     def forward(self, tokens: Tokens, restore: torch.Tensor) -> torch.Tensor:
         """Pixels ``[B, N, p * p * C]`` of every patch from the encoder's ``tokens`` of the kept patches and
         ``restore`` ``[B, N]`` (:meth:`~sslkit.masking.Masks.restore_order`)."""

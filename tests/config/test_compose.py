@@ -292,3 +292,7 @@ def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
     cfg = compose_config([*args, "data.global_batch_size=96"])
     assert per_process_batch(cfg, 3) == 16 and per_process_batch(cfg, 1) == 48
     assert per_process_batch(compose_config(args), 3) == cfg.data.batch_size  # 0: data.batch_size per process
+    # more images per step than the data holds: the message names the key the user set
+    with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 96: a step takes 16 x 3 process\(es\) x "
+                                          r"optim.accumulate_steps=2 = 96 samples.*Lower data.global_batch_size"):
+        compose_config([*args, "data.global_batch_size=96", "data=synthetic", "data.train.kwargs.num_samples=64"])

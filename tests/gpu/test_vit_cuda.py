@@ -180,3 +180,32 @@ def test_ijepa_model_and_loss_train_a_step_in_bf16_without_a_sync() -> None:
     assert torch.isfinite(out["loss"]).item() and 0.5 < out["target_std"].item() < 1.5
     assert model.predictor.mask_token.grad.abs().sum().item() > 0
     assert all(p.grad is None for p in model.teacher_trunk.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["dinov2", "ijepa"])
+def test_activation_checkpointing_changes_no_number_on_cuda(tmp_path: Path, recipe: str) -> None:
+    """model.activation_checkpointing on CUDA in bf16 under machine.deterministic=true: the recomputed blocks (drop
+    path restored from the CUDA RNG state checkpointing saves), KoLeo's one-hot neighbours and the clipping through
+    get_total_norm end 3 updates bit-identical to the run that kept every activation (the CPU twin:
+    tests/distributed/test_fsdp.py::test_activation_checkpointing_changes_no_number)."""
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    states = []
+    for ac in ("false", "true"):
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], *GPU, "machine.deterministic=true",
+                              "optim.max_steps=3", "model.trunk_kwargs.drop_path_rate=0.1", "eval.knn.enabled=false",
+                              "log.tensorboard=false", "checkpoint.every_n_epochs=0",
+                              f"model.activation_checkpointing={ac}", f"output_dir={tmp_path / ac}"])
+        (tmp_path / ac).mkdir()
+        task = build_task(cfg)
+        assert hasattr(task.base_model.trunk.blocks[0].forward, "__wrapped__") == (ac == "true")
+        try:
+            train(task, standard_train_step)
+        finally:
+            task.close()
+        states.append({k: v.detach().cpu() for k, v in task.base_model.state_dict().items()})
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key
