@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import mlp
 from torch import nn
 
-from sslkit.distributed import find_free_port
+from sslkit.distributed import find_free_port, start_processes
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:
@@ -30,8 +29,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
-    mp.start_processes(_entry, args=(world, find_free_port(), fn, args, out), nprocs=world, join=True,
-                       start_method="spawn")
+    start_processes(_entry, (world, find_free_port(), fn, args, out), world)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 

@@ -516,6 +516,8 @@ def _params() -> list[pytest.param]:
     params = []
     for command, shown in COMMANDS.items():
         marks = [pytest.mark.slow]
+        if _runs(command) and _processes(command) > 1:  # a process group: in the README's one-at-a-time part
+            marks.append(pytest.mark.multiprocess)
         for pattern, why in KNOWN_BAD.items():
             if re.search(pattern, command):
                 marks.append(pytest.mark.xfail(strict=True, reason=why))

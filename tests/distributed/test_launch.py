@@ -73,3 +73,38 @@ def test_failing_worker_stops_the_whole_run(tmp_path: Path) -> None:
     assert "injected failure on rank 1" in proc.stderr.split(header, 1)[1].split("sslkit: worker of rank", 1)[0]
     assert "a worker failed, so all workers were stopped" in proc.stderr
     assert time.time() - start < 240
+
+
+def _report(index: int, tag: str) -> None:
+    """Say what a started process sees: its index, an environment variable, its folder, and a module path."""
+    print(f"{tag} {index} env={os.environ.get('SSLKIT_TEST_MARK')} cwd={os.getcwd()} "
+          f"path={'/sslkit-test-path' in sys.path}", flush=True)
+    print(f"{tag} {index} on stderr", file=sys.stderr, flush=True)
+
+
+def test_started_processes_see_the_parents_state_at_each_start_not_the_fork_servers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server starts once, on the first call; a later call's processes still see the environment,
+    folder, sys.path and stdout/stderr of that later moment (a spawned process would, and a test's or a
+    launcher's changes in between must reach them)."""
+    from sslkit.distributed import start_processes
+
+    start_processes(_report, ("first",), 1)
+    monkeypatch.setenv("SSLKIT_TEST_MARK", "set-after")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("/sslkit-test-path")
+    files = {fd: tmp_path / f"fd{fd}.txt" for fd in (1, 2)}
+    saved = {fd: os.dup(fd) for fd in files}
+    try:
+        for fd, path in files.items():  # where this process's stdout and stderr go now
+            with path.open("wb") as f:
+                os.dup2(f.fileno(), fd)
+        start_processes(_report, ("second",), 2)
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+    out, err = files[1].read_text(), files[2].read_text()
+    for i in (0, 1):
+        assert f"second {i} env=set-after cwd={tmp_path} path=True" in out, out
+        assert f"second {i} on stderr" in err, err

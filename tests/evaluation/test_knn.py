@@ -324,9 +324,9 @@ def _dist_worker(rank: int, world: int, init: str, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_distributed_gather_unequal_sizes(tmp_path) -> None:
-    import torch.multiprocessing as mp
+    from sslkit.distributed import start_processes
 
-    mp.spawn(_dist_worker, args=(2, f"file://{tmp_path}/store", str(tmp_path)), nprocs=2, join=True)
+    start_processes(_dist_worker, (2, f"file://{tmp_path}/store", str(tmp_path)), 2)
     for name, sizes in _RANK_SIZES.items():
         expected_batches = _rank_loader(0, sizes[0]) + _rank_loader(1, sizes[1])
         pixels = torch.cat([b["input"][0] for b in expected_batches]).flatten(1)
