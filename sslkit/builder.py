@@ -339,8 +339,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
         logger.info("model.freeze: %d parameter tensor(s) frozen for the whole run (%s)", len(frozen_now),
                     ", ".join(frozen_now[:4]) + (", ..." if len(frozen_now) > 4 else ""))
     hooks.append(LogHook(cfg.log.every_n_steps, progress_bar=bool(progress), sinks=sinks))
+    sharded = fsdp if cfg.checkpoint.sharded == "auto" else bool(cfg.checkpoint.sharded)
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
-                                cfg.checkpoint.keep_last))
+                                cfg.checkpoint.keep_last, sharded=sharded, async_save=cfg.checkpoint.async_save))
     rel = cfg.reliability
     if rel.preemption_signals:
         hooks.append(PreemptionHook(list(rel.preemption_signals), rel.preemption_check_every_n_steps))

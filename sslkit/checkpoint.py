@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic writes, a pointer to the latest, keep-last-N, fallback on corruption."""
+"""Checkpoints: atomic files or sharded folders, a pointer to the latest, keep-last-N, fallback on corruption."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import logging
 import os
 import pickle
 import re
+import shutil
 from typing import Any
 
 import torch
 from iopath.common.file_io import g_pathmgr
 
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
+from sslkit.sharded_checkpoint import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
 
 __all__ = [
     "CheckpointError",
-    "atomic_write", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+    "atomic_write", "checkpoint_dir", "commit", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
 
@@ -27,7 +29,7 @@ LATEST = "latest.txt"
 class CheckpointError(UserError):
     """No checkpoint of the run folder can be read; the message says how to start afresh."""
 
-_NAME = re.compile(r"^checkpoint_(\d+)\.pt$")
+_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")
 
 
 def checkpoint_dir(output_dir: str) -> str:
@@ -55,12 +57,39 @@ def atomic_write(path: str, write: Any) -> None:
         os.close(dir_fd)
 
 
+def _complete(ckpt_dir: str, name: str) -> bool:
+    """True for a checkpoint file, and for a sharded checkpoint folder whose save finished (``.metadata``)."""
+    path = os.path.join(ckpt_dir, name)
+    return is_complete(path) if name and not name.endswith(".pt") else bool(name) and g_pathmgr.exists(path)
+
+
 def _list(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(iteration, file name) of every complete checkpoint in ``ckpt_dir``, oldest first."""
+    """(iteration, name) of every complete checkpoint in ``ckpt_dir`` (files and sharded folders), oldest first.
+    A folder whose save never finished is not one."""
     if not g_pathmgr.exists(ckpt_dir):
         return []
-    found = [(int(m.group(1)), n) for n in g_pathmgr.ls(ckpt_dir) if (m := _NAME.match(n))]
+    found = [(int(m.group(1)), n) for n in g_pathmgr.ls(ckpt_dir) if (m := _NAME.match(n)) and _complete(ckpt_dir, n)]
     return sorted(found)
+
+
+def commit(ckpt_dir: str, name: str, keep_last: int) -> None:
+    """Point ``latest.txt`` at the complete checkpoint ``name`` (a file or folder), then delete the checkpoints
+    beyond the ``keep_last`` newest (0 keeps all) and folders whose save never finished (older than ``name``)."""
+    atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
+    if keep_last > 0:
+        for _, old in _list(ckpt_dir)[:-keep_last]:
+            if old != name:
+                _remove(os.path.join(ckpt_dir, old))
+    mine = int(_NAME.match(name).group(1))  # type: ignore[union-attr]
+    remove_incomplete(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
+                      if (m := _NAME.match(n)) and not n.endswith(".pt") and int(m.group(1)) < mine)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_last: int = 3) -> str:
@@ -74,7 +103,7 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
         atomic_write(path, lambda f: torch.save(state, f))
-        atomic_write(os.path.join(ckpt_dir, LATEST), lambda f: f.write(name.encode()))
+        commit(ckpt_dir, name, keep_last)
     except (OSError, RuntimeError) as exc:
         # torch.save reports a full disk as a RuntimeError ("enforce fail at inline_container.cc")
         # with the OSError as its cause, or none at all: look for the errno in the chain.
@@ -85,10 +114,6 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
             if latest_checkpoint(ckpt_dir) != path and os.path.exists(path):
                 os.remove(path)
         raise storage_error(cause, "the checkpoint", path, latest_checkpoint(ckpt_dir)) from exc
-    if keep_last > 0:
-        for _, old in _list(ckpt_dir)[:-keep_last]:
-            if old != name:
-                os.remove(os.path.join(ckpt_dir, old))
     return path
 
 
@@ -109,15 +134,20 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:
-    """Path of the checkpoint ``latest.txt`` names (or of the newest file), None if there is none."""
+    """Path of the newest complete checkpoint: the one ``latest.txt`` names, or a newer complete one (a sharded
+    folder written in the background whose run stopped before it could name it). None if there is none."""
     pointer = os.path.join(ckpt_dir, LATEST)
+    named: tuple[int, str] | None = None
     if g_pathmgr.exists(pointer):
         with g_pathmgr.open(pointer, "r") as f:
             name = f.read().strip()
-        if name and g_pathmgr.exists(os.path.join(ckpt_dir, name)):
-            return os.path.join(ckpt_dir, name)
+        if (m := _NAME.match(name)) and _complete(ckpt_dir, name):
+            named = (int(m.group(1)), name)
     found = _list(ckpt_dir)
-    return os.path.join(ckpt_dir, found[-1][1]) if found else None
+    newest = found[-1] if found else None
+    if named is None or (newest is not None and newest[0] > named[0]):
+        named = newest
+    return os.path.join(ckpt_dir, named[1]) if named else None
 
 
 def _numpy_array_globals() -> list[Any]:
@@ -132,7 +162,11 @@ def _numpy_array_globals() -> list[Any]:
 def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read one checkpoint file without running code: ``torch.load(weights_only=True)`` takes tensors, numbers,
     strings and plain containers only (and numpy arrays, for older checkpoints). A file that holds anything
-    else (a pickled object whose loading would call a function) raises :class:`CheckpointError` naming it."""
+    else (a pickled object whose loading would call a function) raises :class:`CheckpointError` naming it.
+    A sharded checkpoint folder is read whole onto the CPU, without its optimizer state
+    (:func:`sslkit.sharded_checkpoint.read_whole`): what evaluation and export need."""
+    if os.path.isdir(path):
+        return read_whole(path)
     with g_pathmgr.open(path, "rb") as f, torch.serialization.safe_globals(_numpy_array_globals()):
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
@@ -161,8 +195,10 @@ def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> 
     ]
     for path in candidates:
         try:
+            if os.path.isdir(path):  # its model and optimizer are read into the task (SSLTask.load_state_dict)
+                return {**read_extra(path), "sharded": path}, path
             return read_checkpoint(path, map_location), path
-        except CheckpointError:
+        except (CheckpointError, RefusedCheckpoint):
             raise  # not a damaged file: one that would run code
         except Exception as exc:  # a truncated or corrupt file: fall back to an older one
             logger.error("checkpoint %s is unreadable (%s: %s); trying an older one", path,

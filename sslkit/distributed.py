@@ -325,6 +325,11 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, 
                               start_method="forkserver")
 
 
+#: Seconds the other workers have, after one exits with an error, to exit by themselves before they are stopped:
+#: the same user error reaches every rank, rank 0 says it, and a rank that got there first must not cut it off.
+EXIT_GRACE_S = 10.0
+
+
 def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: int = 1, num_nodes: int = 1,
            node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0, backend: str = "auto",
            timeout_s: float = 1800.0, device: str = "auto") -> None:
@@ -353,7 +358,7 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), nproc_per_node: i
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
-        while not context.join():
+        while not context.join(grace_period=EXIT_GRACE_S):
             pass
     finally:
         for s, handler in previous.items():

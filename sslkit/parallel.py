@@ -210,12 +210,22 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     # no AdamW state, in the checkpoint or in an uninterrupted run; the model's own load stays strict
     tuples = [{k for k, v in group.items() if isinstance(v, tuple)} for group in optimizer.param_groups]
     set_optimizer_state_dict(model, optimizer, state, options=_options(full_state_dict=True, strict=False))
-    for group, keys in zip(optimizer.param_groups, tuples, strict=True):  # it hands AdamW's betas back as a list
+    restore_tuples(optimizer, tuples)
+    drop_unsaved_optimizer_state(model, optimizer, set(state["state"]))
+
+
+def restore_tuples(optimizer: torch.optim.Optimizer, tuples: list[set[str]]) -> None:
+    """Make the param-group options named in ``tuples`` (one set per group, taken before a load) tuples again:
+    ``set_optimizer_state_dict`` hands AdamW's betas back as a list."""
+    for group, keys in zip(optimizer.param_groups, tuples, strict=True):
         group.update({k: tuple(group[k]) for k in keys if isinstance(group.get(k), list)})
-    # ... but set_optimizer_state_dict first creates every parameter's state with a zero-gradient step: drop it
-    # again where the checkpoint had none, or the first real step would count as the second (Adam's bias
-    # correction) and the resumed run would leave the uninterrupted one
-    saved = set(state["state"])
+
+
+def drop_unsaved_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    """Drop the optimizer state of every parameter of ``model`` whose name is not in ``saved``.
+    ``torch.distributed.checkpoint.state_dict`` creates every parameter's state with a zero-gradient step before a
+    load; where the checkpoint had none (a parameter with no gradient yet), the first real step would then count
+    as the second (Adam's bias correction) and the resumed run would leave the uninterrupted one."""
     for name, param in model.named_parameters():
         if name not in saved:
             optimizer.state.pop(param, None)

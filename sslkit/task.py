@@ -26,6 +26,7 @@ from sslkit.parallel import (
     load_full_model_state,
     load_optimizer_state,
 )
+from sslkit.sharded_checkpoint import load_into
 
 __all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
@@ -435,18 +436,30 @@ class SSLTask:
         gathered); rank 0 then writes the result. ``gather_rng=False`` (error paths) keeps only
         this rank's RNG state and runs no collective.
         """
-        phase_idx, steps = (
-            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
-        )
         if is_sharded(self.model):  # FSDP2: gathered whole onto rank 0 (collectives: every rank is here)
             model_state = full_model_state(self.model)
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
         else:
             model_state, optimizer_state = self.base_model.state_dict(), self.optimizer.state_dict()
+        return {"model": model_state, "optimizer": optimizer_state, **self._run_state(gather_rng)}
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """What a sharded checkpoint holds (:mod:`sslkit.sharded_checkpoint`): this rank's model and optimizer
+        state dicts as torch.distributed.checkpoint reads them (DTensor shards under FSDP2, parameters by name),
+        and the rest of :meth:`state_dict` (every rank's RNG gathered). Every rank calls it at the same point."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_state = get_model_state_dict(self.model)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
+        return model_state, optimizer_state, self._run_state(gather_rng=True)
+
+    def _run_state(self, gather_rng: bool) -> dict[str, Any]:
+        """:meth:`state_dict` but the model and the optimizer."""
+        phase_idx, steps = (
+            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
+        )
         return {
-            "model": model_state,
             "loss": self.loss.state_dict(),
-            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "hooks": self.hook_states(),
             "position": {
@@ -484,12 +497,16 @@ class SSLTask:
         return all_gather_object(local) if gather and local else [local]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        if is_sharded(self.model):  # every rank read the whole state; each keeps its shards
-            load_full_model_state(self.model, state["model"])
+        """Restore what :meth:`state_dict` returned, or what :func:`sslkit.checkpoint.load_checkpoint` read of a
+        sharded checkpoint (its ``sharded`` folder: each rank then reads its part of the model and optimizer)."""
+        if "sharded" in state:
+            load_into(state["sharded"], self.model, self.optimizer, self.base_model)
         else:
-            self.base_model.load_state_dict(state["model"])
-        load_optimizer_state(self.base_model, self.optimizer, state["optimizer"])  # numbered or named parameters
+            if is_sharded(self.model):  # every rank read the whole state; each keeps its shards
+                load_full_model_state(self.model, state["model"])
+            else:
+                self.base_model.load_state_dict(state["model"])
+            load_optimizer_state(self.base_model, self.optimizer, state["optimizer"])  # numbered or named
         self.loss.load_state_dict(state["loss"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])

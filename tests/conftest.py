@@ -1,4 +1,5 @@
-"""Shared test setup: tests/helpers.py importable from every test folder; gpu tests skipped without CUDA."""
+"""Shared test setup: tests/helpers.py and sslkit_faults importable from every test folder; gpu tests skipped
+without CUDA."""
 
 import os
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "reliability"))  # sslkit_faults: imports=[...] of tests anywhere
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist runs the suite on as many workers as cores (README: -n auto): one thread each, and

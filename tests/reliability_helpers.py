@@ -51,8 +51,14 @@ def hooks_override(recipe: str, *extra: dict[str, Any]) -> str:
 
 
 def latest_state(out: Path) -> dict[str, Any]:
-    ckpts = out / "checkpoints"
-    return torch.load(ckpts / (ckpts / "latest.txt").read_text().strip(), weights_only=False)
+    from sslkit.checkpoint import latest_checkpoint
+
+    path = Path(latest_checkpoint(str(out / "checkpoints")) or out / "checkpoints" / "latest.txt")
+    if path.is_dir():  # a sharded checkpoint: read whole, optimizer included
+        from sslkit.sharded_checkpoint import read_whole
+
+        return read_whole(str(path), optimizer=True)
+    return torch.load(path, weights_only=False)
 
 
 def assert_identical(a: Any, b: Any, path: str = "state") -> None:

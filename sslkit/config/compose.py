@@ -52,7 +52,8 @@ FREE_FORM = {
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
-_VALUE_RULES_ONLY = {"log.progress_bar", "data.num_workers", "data.pin_memory", "eval.monitors.enabled"}
+_VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
+                     "eval.monitors.enabled"}
 
 
 class ConfigError(UserError, ValueError):
@@ -387,6 +388,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.every_n_epochs": (lambda v: v >= 0, ">= 0"),
     "checkpoint.every_n_steps": (lambda v: v >= 0, ">= 0"),
     "checkpoint.keep_last": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
+    "checkpoint.sharded": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.linear.epochs": (lambda v: v >= 1, ">= 1"),

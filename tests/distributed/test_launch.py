@@ -108,3 +108,23 @@ def test_started_processes_see_the_parents_state_at_each_start_not_the_fork_serv
     for i in (0, 1):
         assert f"second {i} env=set-after cwd={tmp_path} path=True" in out, out
         assert f"second {i} on stderr" in err, err
+
+
+def _fails_at_once_but_rank_0_later() -> None:
+    if os.environ["RANK"] == "1":
+        raise SystemExit(2)  # a user error: this rank exits quietly, rank 0 says it
+    time.sleep(1.0)
+    print("rank 0 says what is wrong", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def test_a_rank_that_stops_first_does_not_cut_off_rank_0s_message(capfd: pytest.CaptureFixture) -> None:
+    """The same error reaches every rank; when rank 1 exits first, rank 0 still gets to say it (the launcher gives
+    the others a grace period instead of stopping them at once)."""
+    from torch.multiprocessing import ProcessExitedException
+
+    from sslkit.distributed import launch
+
+    with pytest.raises(ProcessExitedException):
+        launch(_fails_at_once_but_rank_0_later, (), nproc_per_node=2, backend="gloo", device="cpu")
+    assert "rank 0 says what is wrong" in capfd.readouterr().err
