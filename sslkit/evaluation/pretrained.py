@@ -13,6 +13,7 @@ from torch import nn
 from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
 from sslkit.config.compose import ConfigError, _apply_overrides, import_modules, schema, validate
 from sslkit.errors import UserError
+from sslkit.sharded_checkpoint import METADATA
 
 __all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint"]
 
@@ -49,16 +50,23 @@ class Pretrained:
 
 
 def resolve_checkpoint(spec: str) -> tuple[str, str]:
-    """``checkpoint=`` as given: a checkpoint file, or a run folder (its latest checkpoint, ``latest.txt``).
+    """``checkpoint=`` as given: a checkpoint file, a sharded checkpoint folder, or a run folder (its latest
+    checkpoint, ``latest.txt``).
 
-    Returns ``(file, run folder)``; the run folder of a file is the folder above its ``checkpoints/`` (or the
-    file's own folder). Raises :class:`CheckpointError` saying what was found instead.
+    Returns ``(checkpoint, run folder)``; the run folder of a checkpoint is the folder above its ``checkpoints/``
+    (or the checkpoint's own folder). Raises :class:`CheckpointError` saying what was found instead.
     """
     if not spec:
         raise CheckpointError("no checkpoint given: add checkpoint=RUN_DIR (a run's output_dir: its latest "
                               "checkpoint is used) or checkpoint=FILE.pt")
     path = os.path.expanduser(spec)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA)):
+        pass  # a sharded checkpoint folder itself: as a file
+    elif os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("checkpoint_"):
+        raise CheckpointError(f"checkpoint={spec}: this sharded checkpoint folder has no {METADATA}: its save never "
+                              "finished, so it is not loaded. Give the run folder (its newest complete checkpoint "
+                              "is used) or an older checkpoint.")
+    elif os.path.isdir(path):
         found = latest_checkpoint(checkpoint_dir(path))
         if found is None:
             found = latest_checkpoint(path)  # the checkpoints/ folder itself

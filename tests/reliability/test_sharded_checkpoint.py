@@ -104,3 +104,21 @@ def test_put_builds_nested_dicts_and_lists() -> None:
     _put(root, ("optimizer", "state", "a", "step"), torch.tensor(3.0))
     assert root["optimizer"]["param_groups"] == [{"params": ["a"]}, {"lr": 0.5}]
     assert root["optimizer"]["state"]["a"]["step"].item() == 3.0
+
+
+def test_evaluation_reads_a_folder_itself_or_the_run_and_refuses_an_unfinished_one(run: Path, tmp_path: Path) -> None:
+    """checkpoint= a sharded folder loads its model strictly (as the run folder does: the same weights); a folder
+    whose save never finished is refused with what to give instead."""
+    from sslkit.checkpoint import CheckpointError
+    from sslkit.evaluation.pretrained import load_pretrained
+
+    folder = run / "checkpoints" / "checkpoint_000000006"
+    got = load_pretrained(str(folder), ["machine.device=cpu"])
+    assert got.step == 6 and got.run_dir == str(run)
+    latest = load_pretrained(str(run), ["machine.device=cpu"])
+    assert latest.step == 8 and latest.path == str(run / "checkpoints" / "checkpoint_000000008")
+    unfinished = tmp_path / "checkpoint_000000009"
+    shutil.copytree(folder, unfinished)
+    os.remove(unfinished / ".metadata")
+    with pytest.raises(CheckpointError, match=r"no \.metadata: its save never finished"):
+        load_pretrained(str(unfinished))
