@@ -281,6 +281,10 @@ def plan(command: str) -> Plan:
         # traceback), for minutes: check that it gets through its start (config, build_task, the refusals,
         # the header line "machine: ...") and kill it there.
         return Plan("start")
+    if argv[0] == "torchrun" and "--rdzv-endpoint=localhost:29400" in argv:
+        # several "nodes" on this machine, each its own torchrun joining one c10d rendezvous: started as many
+        # times as --nnodes says, side by side; a finite run that every copy ends with exit 0
+        return Plan("nodes", timeout=240.0)
     if argv[:2] in (["python", "tools/run.py"], ["sslkit", "train"]) or argv[0] == "torchrun":
         return Plan("train", stop_within=STOP_WITHIN_S * _processes(command))
     raise AssertionError(f"no rule in tests/test_docs.py says how to run the doc command {command!r}")
@@ -320,7 +324,8 @@ def _processes(command: str) -> int:
     """The number of processes ``command`` trains with (``distributed.nproc_per_node``, torchrun's
     ``--nproc_per_node``)."""
     m = re.search(r"nproc_per_node=(\d+)", command)
-    return int(m.group(1)) if m else 1
+    nodes = re.search(r"--nnodes=(\d+)\b", command)
+    return (int(m.group(1)) if m else 1) * (int(nodes.group(1)) if nodes else 1)
 
 
 def _ci_steps() -> set[str]:
@@ -446,13 +451,43 @@ def _run(command: str, cwd: Path, p: Plan) -> Outcome:
 ABSOLUTE_OUTPUTS = re.compile(r"(?<!\S)output_dir=(/tmp/[^\s/]\S*)")
 
 
+def _run_nodes(command: str, cwd: Path, p: Plan) -> Outcome:
+    """``command`` started once per node (``--nnodes``) in ``cwd`` at the same time, as on several machines;
+    each must end by itself within ``p.timeout`` s. Returns the first failing copy's outcome, else node 0's
+    with every copy's output."""
+    nodes = int(re.search(r"--nnodes=(\d+)", command).group(1))  # type: ignore[union-attr]
+    procs = []
+    for i in range(nodes):
+        out, err = (cwd / f"stdout.{i}.txt").open("wb"), (cwd / f"stderr.{i}.txt").open("wb")
+        procs.append(subprocess.Popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL,
+                                      stdout=out, stderr=err, start_new_session=True))
+        _RUNNING.add(procs[-1].pid)
+    deadline = time.monotonic() + p.timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                _kill(other.pid)
+            codes.append(-1)
+    texts = [((cwd / f"stdout.{i}.txt").read_text(errors="replace"),
+              (cwd / f"stderr.{i}.txt").read_text(errors="replace")) for i in range(nodes)]
+    bad = next((i for i, c in enumerate(codes) if c != 0), None)
+    i = 0 if bad is None else bad
+    m = TRAINING_LINE.search("".join(t[0] for t in texts))
+    return Outcome(codes[i], "\n".join(t[0] for t in texts), "\n".join(t[1] for t in texts),
+                   m.group(1) if m else None, False, cwd)
+
+
 def _execute(command: str, cwd: Path, p: Plan) -> Outcome:
-    """:func:`_run`, with the command's absolute output folders removed before and after it."""
+    """:func:`_run` (or :func:`_run_nodes`), with the command's absolute output folders removed before and after
+    it."""
     absolute = [Path(m) for m in ABSOLUTE_OUTPUTS.findall(command)]
     for folder in absolute:
         shutil.rmtree(folder, ignore_errors=True)
     try:
-        return _run(command, cwd, p)
+        return _run_nodes(command, cwd, p) if p.kind == "nodes" else _run(command, cwd, p)
     finally:
         for folder in absolute:
             shutil.rmtree(folder, ignore_errors=True)
@@ -568,6 +603,12 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
         message = got.stderr.strip()
         assert got.returncode == 2, context
         assert re.match(r"sslkit( \w+)?:", message) and "\n\n" not in message and p.names in message, context
+    elif p.kind == "nodes":  # every node's torchrun ended by itself, one run over all their processes
+        assert got.returncode == 0 and got.run_dir is not None, context
+        batch = re.search(r"data\.batch_size=(\d+)", command)
+        world = _processes(command) * (int(batch.group(1)) if batch else 256)
+        assert re.search(rf"training .*global batch {world},", got.stdout), context
+        assert (got.cwd / got.run_dir / "checkpoints" / "latest.txt").exists(), context
     elif p.kind == "tool":  # ran on the tiny run and wrote what the docs say
         assert got.returncode == 0, context
         written = {"knn": "eval/knn.json", "linear": "eval/linear.json", "report": "report.md",
