@@ -26,7 +26,9 @@ setup(
         "matplotlib>=3.7",  # sslkit report's PNG plots (the Agg backend: no display needed)
     ],
     extras_require={
-        "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4"],
+        "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4"],
+        # launcher=slurm submits jobs through submitit (docs/distributed.md)
+        "slurm": ["submitit>=1.5.4"],
         # benchmarks/throughput.py --tools times kornia's augmentation against sslkit's (docs/data.md)
         "bench": ["kornia>=0.8"],
     },

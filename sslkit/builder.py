@@ -151,7 +151,7 @@ def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: b
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last,
     )
-    ignores = tuple(int(getattr(signal, name)) for name in cfg.reliability.preemption_signals)
+    ignores = tuple(int(getattr(signal, name)) for name in preemption_signals(cfg))
     collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
                         drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores,
@@ -207,6 +207,15 @@ def compile_parts(model: torch.nn.Module, kinds: tuple[type, ...], backend: str,
         model.get_submodule(name).compile(backend=backend, mode=None if mode == "default" else mode)
     logger.info("machine.compile: %d module(s) compiled with torch.compile (backend %s, mode %s): %s; the first "
                 "steps are slower while they compile", len(names), backend, mode, ", ".join(names))
+    return names
+
+
+def preemption_signals(cfg: DictConfig) -> list[str]:
+    """``reliability.preemption_signals``, and SIGUSR2 in a SLURM job (its warning before pre-emption or the time
+    limit: sslkit checkpoints, then the job requeues itself)."""
+    names = list(cfg.reliability.preemption_signals)
+    if cfg.get("launcher") == "slurm" and "SIGUSR2" not in names:
+        names.append("SIGUSR2")
     return names
 
 
@@ -343,8 +352,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last, sharded=sharded, async_save=cfg.checkpoint.async_save))
     rel = cfg.reliability
-    if rel.preemption_signals:
-        hooks.append(PreemptionHook(list(rel.preemption_signals), rel.preemption_check_every_n_steps))
+    if preemption_signals(cfg):
+        hooks.append(PreemptionHook(preemption_signals(cfg), rel.preemption_check_every_n_steps))
     manual_reduction = cfg.distributed.manual_gradient_reduction
     if rel.oom == "skip" and world > 1 and not manual_reduction:
         # DDP reduces gradients during backward: a rank whose backward ran out of memory would leave

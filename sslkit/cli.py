@@ -25,6 +25,7 @@ from sslkit.errors import (
 )
 from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
 from sslkit.runfolder import FolderPlan, prepare_output_dir, write_command, write_config
+from sslkit.slurm import in_slurm_task, submit
 from sslkit.task import SSLTask
 
 __all__ = ["console", "end_worker", "launch_workers", "main", "run", "setup_logging"]
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
               "checkpoint.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Preempted as exc:
+        LAST_STOP["signal"] = exc.signal_name  # (a SLURM task requeues its job after SIGUSR2)
         print(f"sslkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except TrainingHalted as exc:
@@ -149,6 +151,8 @@ def _usage() -> str:
 
 def _main(args: list[str]) -> int:
     cfg = compose_config(args)
+    if cfg.launcher == "slurm" and not in_slurm_task():
+        return submit(cfg, args)  # (in the job's tasks the same command trains)
     d = cfg.distributed
     torchrun = launched_by_torchrun()
     plan = prepare_output_dir(cfg, primary=not torchrun or int(os.environ["RANK"]) == 0)
@@ -174,6 +178,9 @@ def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary:
                           master_port=d.master_port, backend=d.backend, timeout_s=d.timeout_s,
                           device=cfg.machine.device)
 
+
+#: The signal that pre-empted the last run :func:`main` ran in this process (``signal``), if one did.
+LAST_STOP: dict[str, str] = {}
 
 #: What a training run's failure message ends with.
 RESUMES = " Running the same command resumes from the last checkpoint."

@@ -48,7 +48,7 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 FREE_FORM = {
     "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
     "model.trunk_kwargs", "model.head", "model.kwargs", "loss", "eval.data.train.kwargs", "eval.data.test.kwargs",
-    "masking", "model.freeze",
+    "masking", "model.freeze", "slurm.additional",
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
@@ -437,6 +437,15 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a list of signal names such as [SIGTERM, SIGUSR1] ([] = do not catch any)",
     ),
     "reliability.preemption_check_every_n_steps": (lambda v: v >= 1, ">= 1"),
+    "launcher": (lambda v: v in ("local", "slurm"), "local or slurm"),
+    "slurm.nodes": (lambda v: v >= 1, ">= 1"),
+    "slurm.gpus_per_node": (lambda v: v >= 0, ">= 0"),
+    "slurm.tasks_per_node": (lambda v: v >= 0, ">= 0 (0: gpus_per_node)"),
+    "slurm.cpus_per_task": (lambda v: v >= 1, ">= 1"),
+    "slurm.mem_gb": (lambda v: v >= 0, ">= 0"),
+    "slurm.time_min": (lambda v: v >= 1, ">= 1"),
+    "slurm.signal_delay_s": (lambda v: v >= 0, ">= 0"),
+    "slurm.max_requeues": (lambda v: v >= 0, ">= 0"),
 }
 
 

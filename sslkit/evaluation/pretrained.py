@@ -108,6 +108,7 @@ def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
     # How the training run spread over processes says nothing of this evaluation's: one process unless an override
     # says otherwise. (Kept, a run from 4 GPUs or 2 nodes would fail the device check on a 1-GPU machine.)
     cfg.distributed = schema().distributed
+    cfg.launcher = "local"  # an evaluation runs here (a SLURM-trained run's config says slurm)
     _apply_overrides(cfg, overrides)
     import_modules(cfg)
     validate(cfg)
