@@ -550,7 +550,9 @@ def _stop_commands() -> Iterator[None]:
 def _params() -> list[pytest.param]:
     params = []
     for command, shown in COMMANDS.items():
-        marks = [pytest.mark.slow]
+        # one xdist worker runs them all (--dist loadgroup): the first doc test starts every selected command, so
+        # tests of this module on two workers would run each command twice
+        marks = [pytest.mark.slow, pytest.mark.xdist_group("doc_commands")]
         if _runs(command) and _processes(command) > 1:  # a process group: in the README's one-at-a-time part
             marks.append(pytest.mark.multiprocess)
         for pattern, why in KNOWN_BAD.items():
@@ -571,7 +573,7 @@ def test_doc_command_collector() -> None:
     assert list(commands_in(text)) == [(3, "python tools/run.py config=simclr"), (4, "pip install x#y"),
                                        (5, "torchrun --nnodes=2 tools/run.py config=dino")]
     assert "python tools/run.py config=simclr" in COMMANDS
-    assert 'python -m pytest -q -n auto -m "not multiprocess"' in COMMANDS
+    assert 'python -m pytest -q -n auto --dist loadgroup -m "not multiprocess"' in COMMANDS
 
 
 @pytest.mark.parametrize(("command", "shown"), _params())
