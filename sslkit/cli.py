@@ -220,6 +220,8 @@ COMMANDS = {
               "export checkpoint=RUN_DIR output=encoder.safetensors",
     "report": "a finished run's summary and plots: sslkit report RUN_DIR",
     "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
+    "doctor": "is this machine ready? versions, GPUs, a collective, every recipe a few steps, determinism: "
+              "sslkit doctor [--device cuda] [--recipes simclr,dino_vit]",
 }
 
 
@@ -246,6 +248,10 @@ def _command(name: str) -> Any:
         from sslkit.report import main as report_main
 
         return report_main
+    if name == "doctor":
+        from sslkit.doctor import main as doctor_main
+
+        return doctor_main
     from sslkit.evaluation import tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]

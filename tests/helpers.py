@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import sslkit.doctor as _doctor
 from sslkit.hooks.base import SSLHook
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
@@ -51,42 +52,15 @@ def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int 
 REPO = Path(__file__).resolve().parents[1]
 #: Small CPU runs. machine.device=cpu: these tests mean the CPU (exact values, gloo processes), also
 #: where a GPU is visible; the GPU tests (tests/gpu, marker gpu) ask for CUDA themselves.
-SMALL = [
-    "machine.device=cpu", "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16",
-    "data.num_workers=0",
-    "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
-    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5", "log.report=false",
-]
-
+#: Every recipe small (synthetic 32 px images, a narrow trunk, tiny heads) on the CPU: sslkit doctor's settings,
+#: one source for both.
+SMALL = ["machine.device=cpu", *_doctor.SMALL]
 
 #: A small ViT for the synthetic data's 32 px crops (4 x 4 patches; 16 px local crops 2 x 2), replacing SMALL's CNN.
-VIT = ["model.trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2}"]
+VIT = list(_doctor._VIT)
 
 #: Every recipe, with the overrides (on top of SMALL) that make it small: tests that run all of them.
-RECIPES: dict[str, list[str]] = {
-    "simclr": [],
-    "moco": ["loss.queue_size=40"],
-    "mocov3": ["model.kwargs.predictor_hidden_dim=32"],
-    "byol": ["model.kwargs.predictor_hidden_dim=32"],
-    "simsiam": ["model.kwargs.predictor_hidden_dim=8"],
-    "swav": ["loss.queue_length=16", "loss.queue_start_iter=0", "model.kwargs.num_prototypes=10",
-             "data.transform.num_small=2"],
-    "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
-    "barlow_twins": [],
-    "vicreg": [],
-    "mae": [*VIT, "model.head.hidden_dim=null", "model.head.out_dim=null", "model.kwargs.decoder_dim=32",
-            "model.kwargs.decoder_depth=1", "model.kwargs.decoder_heads=2"],
-    "lejepa": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "loss.num_slices=16"],
-    "dino_vit": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
-    "mocov3_vit": [*VIT, "model.kwargs.predictor_hidden_dim=32"],
-    "simclr_vit": [*VIT],
-    "ibot": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
-    # Sinkhorn-Knopp (the recipe centres, as ibot: the audit, resume and 1 vs 2 process tests cover both)
-    "dinov2": [*VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
-               "loss.centering=sinkhorn_knopp"],
-    "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
-              "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
-}
+RECIPES: dict[str, list[str]] = _doctor.SMALL_RECIPES
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -270,8 +270,9 @@ def plan(command: str) -> Plan:
         if m := re.search(pattern, command):
             # torchrun starts its processes (8 on 2 cores) before any of them can refuse
             return Plan("refusal", names=m.expand(names), timeout=90.0 if argv[0] == "torchrun" else 30.0)
-    if argv[:2] == ["sslkit", "list"] or "--help" in argv or argv[:2] == ["python", "tools/audit.py"]:
-        return Plan("quick")
+    if argv[:2] in (["sslkit", "list"], ["sslkit", "doctor"]) or "--help" in argv or \
+            argv[:2] == ["python", "tools/audit.py"]:
+        return Plan("quick", timeout=300.0 if argv[:2] == ["sslkit", "doctor"] else 120.0)
     if _tool(argv) is not None:
         if _tool(argv) == "export" and "twin=none" not in argv:  # the tiny run's small CNN has no torchvision twin
             return Plan("refusal", names="no torchvision twin", timeout=60.0)

@@ -1,0 +1,324 @@
+"""``sslkit doctor``: is this machine ready to train? Versions, devices, a collective, every recipe, determinism.
+
+    sslkit doctor [--device auto|cpu|cuda] [--recipes simclr,dino_vit,...] [--steps 3] [--no-collective]
+
+Each check prints one row of a table (``ok``, ``FAILED`` or ``skipped``, and what it measured) and the exit status
+is 0 only when none failed:
+
+* **machine**: python, torch (and its CUDA, cuDNN, NCCL), each GPU (name, memory, compute capability, bf16), the
+  libraries sslkit uses and the optional ones (each missing one with what it is for);
+* **collective**: 2 processes in a process group (gloo on the CPU, NCCL when 2 GPUs are here) all-reduce and
+  broadcast a tensor; the values are checked and the time of a 64 MiB all-reduce reported;
+* **recipe <name>**: each recipe, small (synthetic 32 px images, a narrow trunk), ``--steps`` updates on the device
+  under bf16 autocast on CUDA: finite losses, and the time per step;
+* **deterministic**: a small dino_vit (a ViT with a teacher, multi-crop) twice under
+  ``machine.deterministic=true``: the weights after ``--steps`` updates compared tensor by tensor;
+* **data vs step**: the simclr recipe on its own data (Fashion-MNIST when installed) for 20 updates: the share of
+  the step's time spent waiting for data (``read_sample``), and img/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SMALL", "SMALL_RECIPES", "Check", "main"]
+
+#: Overrides that make any recipe small: synthetic 32 px images, a narrow trunk, tiny heads, no loader workers.
+SMALL = [
+    "data=synthetic", "data.train.kwargs.num_samples=64", "data.batch_size=16", "data.num_workers=0",
+    "model.head.hidden_dim=32", "model.head.out_dim=16", "model.trunk_kwargs={width: 8}",
+    "log.every_n_steps=2", "eval.knn.batch_size=32", "eval.knn.k=5", "log.report=false",
+]
+#: A small ViT for the synthetic data's 32 px crops (4 x 4 patches; 16 px local crops 2 x 2), replacing SMALL's CNN.
+_VIT = ["model.trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2}"]
+#: Every recipe, with the overrides (on top of :data:`SMALL`) that make it small.
+SMALL_RECIPES: dict[str, list[str]] = {
+    "simclr": [],
+    "moco": ["loss.queue_size=40"],
+    "mocov3": ["model.kwargs.predictor_hidden_dim=32"],
+    "byol": ["model.kwargs.predictor_hidden_dim=32"],
+    "simsiam": ["model.kwargs.predictor_hidden_dim=8"],
+    "swav": ["loss.queue_length=16", "loss.queue_start_iter=0", "model.kwargs.num_prototypes=10",
+             "data.transform.num_small=2"],
+    "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
+    "barlow_twins": [],
+    "vicreg": [],
+    "mae": [*_VIT, "model.head.hidden_dim=null", "model.head.out_dim=null", "model.kwargs.decoder_dim=32",
+            "model.kwargs.decoder_depth=1", "model.kwargs.decoder_heads=2"],
+    "lejepa": [*_VIT, "data.transform.num_small=2", "data.small_image_size=16", "loss.num_slices=16"],
+    "dino_vit": [*_VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
+    "mocov3_vit": [*_VIT, "model.kwargs.predictor_hidden_dim=32"],
+    "simclr_vit": [*_VIT],
+    "ibot": [*_VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8"],
+    # Sinkhorn-Knopp (the recipe centres, as ibot)
+    "dinov2": [*_VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
+               "loss.centering=sinkhorn_knopp"],
+    "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
+              "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
+}
+
+#: Libraries sslkit uses (required), and optional ones with what they are for.
+REQUIRED = ("torchvision", "timm", "omegaconf", "hydra", "fvcore", "iopath", "safetensors", "numpy", "PIL")
+OPTIONAL = {"submitit": "launcher=slurm", "onnxruntime": "sslkit export's ONNX check",
+            "umap": "UMAP plots of features", "kornia": "benchmarks/throughput.py --tools",
+            "tensorboard": "log.tensorboard"}
+
+
+@dataclass
+class Check:
+    """One row of the table."""
+
+    name: str
+    status: str  # ok | FAILED | skipped | info
+    detail: str
+
+
+def _version(module: str) -> str | None:
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "installed"))
+    except Exception:
+        return None
+
+
+def machine_checks() -> list[Check]:
+    """Versions and devices."""
+    import torch
+
+    rows = [Check("python", "info", f"{platform.python_version()} on {platform.platform()}, "
+                                    f"{os.cpu_count()} CPU core(s)")]
+    cuda = torch.version.cuda or "none"
+    rows.append(Check("torch", "info", f"{torch.__version__} (CUDA {cuda}, cuDNN "
+                                       f"{torch.backends.cudnn.version() if torch.cuda.is_available() else '-'})"))
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        rows.append(Check("NCCL", "info", nccl))
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append(Check(f"cuda:{i}", "info", f"{p.name}, {p.total_memory / 2**30:.1f} GiB, compute "
+                                                   f"{p.major}.{p.minor}, bf16 "
+                                                   f"{'yes' if torch.cuda.is_bf16_supported() else 'no'}"))
+    else:
+        rows.append(Check("GPU", "info", "none visible (torch.cuda.is_available() is False): training runs on the "
+                                         "CPU"))
+    for module in REQUIRED:
+        v = _version(module)
+        rows.append(Check(module, "ok" if v else "FAILED", v or "missing: pip install -e . installs it"))
+    for module, purpose in OPTIONAL.items():
+        v = _version(module)
+        rows.append(Check(module, "info", v or f"not installed (optional: {purpose})"))
+    return rows
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        x = torch.full((4,), float(rank + 1), device=device)
+        dist.all_reduce(x)
+        ok = bool(torch.all(x == sum(range(1, world + 1))).item())
+        y = torch.arange(4.0, device=device) * (rank + 1)
+        dist.broadcast(y, src=0)
+        ok = ok and bool(torch.equal(y.cpu(), torch.arange(4.0)))
+        big = torch.ones(16 * 2**20, device=device)  # 64 MiB of float32
+        dist.all_reduce(big)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(big)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / 3
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(f"{int(ok)} {seconds}")
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_check() -> Check:
+    """2 processes all-reduce and broadcast; the values checked, a 64 MiB all-reduce timed."""
+    import torch
+
+    from sslkit.distributed import find_free_port, start_processes
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        try:
+            start_processes(_collective_worker, (2, find_free_port(), backend, out), 2)
+            ok, seconds = open(out).read().split()
+        except Exception as exc:  # a firewall, a broken NCCL: say it, go on with the other checks
+            return Check("collective", "FAILED", f"2 processes over {backend}: {type(exc).__name__}: "
+                                                 f"{str(exc).strip().splitlines()[-1][:200]}")
+    if ok != "1":
+        return Check("collective", "FAILED", f"2 processes over {backend}: wrong values after all-reduce/broadcast")
+    note = "" if backend == "nccl" else (" (one GPU: NCCL between GPUs not checked)" if torch.cuda.is_available()
+                                         else "")
+    return Check("collective", "ok", f"2 processes over {backend}: all-reduce and broadcast right; 64 MiB "
+                                     f"all-reduce {float(seconds) * 1e3:.1f} ms{note}")
+
+
+def _train(args: list[str]) -> Any:
+    """Compose ``args``, build the task and train it; the task."""
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    cfg = compose_config(args)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    task = build_task(cfg)
+    try:
+        train(task, standard_train_step)
+    finally:
+        task.close()
+    return task
+
+
+def _device_args(device: str) -> list[str]:
+    import torch
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16"] if cuda else ["machine.device=cpu"]
+
+
+def _quiet_args(out: str, steps: int) -> list[str]:
+    return [f"optim.max_steps={steps}", "eval.knn.enabled=false", "log.tensorboard=false", "log.report=false",
+            "checkpoint.every_n_epochs=0", "checkpoint.auto_resume=false", f"output_dir={out}"]
+
+
+def recipe_check(recipe: str, device: str, steps: int, root: str) -> Check:
+    """``steps`` updates of the small recipe on the device: finite losses, time per step."""
+    args = [f"config={recipe}", *SMALL, *SMALL_RECIPES[recipe], *_device_args(device),
+            *_quiet_args(os.path.join(root, recipe), steps)]
+    t0 = time.perf_counter()
+    try:
+        task = _train(args)
+    except Exception as exc:
+        return Check(f"recipe {recipe}", "FAILED", _why(exc))
+    seconds = time.perf_counter() - t0
+    loss = float(task.last_batch.loss.detach().float().cpu()) if task.last_batch.loss is not None else math.nan
+    if task.iteration != steps or not math.isfinite(loss):
+        return Check(f"recipe {recipe}", "FAILED", f"{task.iteration} of {steps} updates, last loss {loss}")
+    return Check(f"recipe {recipe}", "ok", f"{steps} updates on {task.device}, last loss {loss:.4f}, "
+                                           f"{seconds / steps:.2f} s per update (build included)")
+
+
+def determinism_check(device: str, steps: int, root: str) -> Check:
+    """A small dino_vit twice under machine.deterministic=true: identical weights?"""
+    import torch
+
+    states = []
+    for i in range(2):
+        args = ["config=dino_vit", *SMALL, *SMALL_RECIPES["dino_vit"], *_device_args(device),
+                "machine.deterministic=true", *_quiet_args(os.path.join(root, f"det{i}"), steps)]
+        try:
+            task = _train(args)
+        except Exception as exc:
+            return Check("deterministic", "FAILED", _why(exc))
+        states.append({k: v.detach().cpu().clone() for k, v in task.base_model.state_dict().items()})
+    differ = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+    if differ:
+        worst = max((states[0][k].double() - states[1][k].double()).abs().max().item() for k in differ)
+        return Check("deterministic", "FAILED", f"dino_vit twice: {len(differ)} of {len(states[0])} tensors differ "
+                                                f"(max {worst:.2e}), e.g. {differ[0]}")
+    return Check("deterministic", "ok", f"dino_vit twice, {steps} updates: all {len(states[0])} tensors "
+                                        "identical")
+
+
+def data_check(device: str, root: str, steps: int = 20) -> Check:
+    """The simclr recipe on its own data: the share of the step spent waiting for data, and img/s."""
+    args = ["config=simclr", *_device_args(device), *_quiet_args(os.path.join(root, "data"), steps)]
+    try:
+        task = _train(args)
+    except Exception as exc:
+        return Check("data vs step", "skipped" if "fashion" in str(exc).lower() else "FAILED",
+                     _why(exc))
+    stats = task.perf_stats
+    stats.resolve()
+    total = sum(stats.totals.values()) or 1.0
+    wait = stats.totals.get("read_sample", 0.0) / total
+    rate = f", {steps * task.global_batch_size / total:.0f} img/s"
+    verdict = "the data loader keeps up" if wait < 0.2 else "the step waits for data: see docs/data.md"
+    return Check("data vs step", "ok", f"simclr on its data, {steps} updates: {wait:.0%} of the step waiting for "
+                                       f"data{rate} ({verdict})")
+
+
+def _why(exc: BaseException) -> str:
+    """An error in one line: its type and message, whitespace collapsed, at most 300 characters."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def table(rows: list[Check]) -> str:
+    """The checks as an aligned text table."""
+    width = max(len(r.name) for r in rows)
+    return "\n".join(f"{r.name:<{width}}  {r.status:<7}  {r.detail}" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sslkit doctor``; returns 0 when no check failed, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="sslkit doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--recipes", default=",".join(SMALL_RECIPES), help="comma-separated (default: all)")
+    parser.add_argument("--steps", type=int, default=3, help="updates per recipe and per deterministic run")
+    parser.add_argument("--no-collective", action="store_true", help="skip the 2-process check")
+    parser.add_argument("--no-data", action="store_true", help="skip the data vs step check")
+    a = parser.parse_args(argv)
+    import logging
+
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("sslkit doctor: error: --device cuda, but no CUDA device is visible (torch.cuda.is_available() is "
+              "False): check the driver (nvidia-smi) and that this torch was built with CUDA, or use --device cpu",
+              file=sys.stderr)
+        return 2
+    recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in SMALL_RECIPES]
+    if unknown:
+        from sslkit.suggest import did_you_mean
+
+        print(f"sslkit doctor: error: unknown recipe {unknown[0]}.{did_you_mean(unknown[0], list(SMALL_RECIPES))} "
+              f"The recipes: {', '.join(SMALL_RECIPES)}", file=sys.stderr)
+        return 2
+    logging.getLogger("sslkit").setLevel(logging.WARNING)  # the checks' own training logs are not the report
+    rows = machine_checks()
+    _say(rows)
+    steps: list[Callable[[str], Check]] = []
+    if not a.no_collective:
+        steps.append(lambda _root: collective_check())
+    steps += [lambda root, r=r: recipe_check(r, a.device, a.steps, root) for r in recipes]
+    steps.append(lambda root: determinism_check(a.device, a.steps, root))
+    if not a.no_data:
+        steps.append(lambda root: data_check(a.device, root))
+    with tempfile.TemporaryDirectory(prefix="sslkit-doctor-") as root:
+        for step in steps:
+            row = step(root)
+            rows.append(row)
+            _say([row])
+    failed = [r.name for r in rows if r.status == "FAILED"]
+    print(f"\n{table(rows)}\n\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def _say(rows: list[Check]) -> None:
+    for r in rows:
+        print(f"  {r.name}: {r.status} {r.detail}", flush=True)

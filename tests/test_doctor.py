@@ -1,0 +1,49 @@
+"""sslkit doctor: its table says what ran and what failed, its exit status follows, bad arguments get a message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sslkit import doctor
+from sslkit.cli import console
+
+
+def test_recipes_and_determinism_pass_and_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    code = console(["doctor", "--device", "cpu", "--recipes", "simclr,ijepa", "--steps", "2", "--no-collective",
+                    "--no-data"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"recipe simclr +ok +2 updates on cpu, last loss \d+\.\d+", out), out
+    assert re.search(r"recipe ijepa +ok +2 updates on cpu", out), out
+    assert re.search(r"deterministic +ok +dino_vit twice, 2 updates: all \d+ tensors identical", out), out
+    assert re.search(r"^torch +info +\d", out, flags=re.M) and "all checks passed" in out
+
+
+def test_a_failing_recipe_is_a_failed_row_and_exit_1(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(doctor.SMALL_RECIPES, "simclr", ["optim.lr=-1"])  # refused by the config check
+    code = doctor.main(["--device", "cpu", "--recipes", "simclr", "--steps", "1", "--no-collective", "--no-data"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert re.search(r"recipe simclr +FAILED +ConfigError: .*optim\.lr", out), out
+    assert out.rstrip().endswith("FAILED: recipe simclr")
+
+
+def test_bad_arguments_say_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor.main(["--recipes", "simclrr", "--no-collective", "--no-data"]) == 2
+    assert "unknown recipe simclrr" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert doctor.main(["--device", "cuda"]) == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_the_collective_check_runs_two_processes_and_checks_the_values() -> None:
+    row = doctor.collective_check()
+    assert row.status == "ok", row
+    assert re.match(r"2 processes over (gloo|nccl): all-reduce and broadcast right; 64 MiB all-reduce [\d.]+ ms",
+                    row.detail), row.detail
