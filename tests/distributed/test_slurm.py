@@ -1,6 +1,7 @@
 """launcher=slurm against a real SLURM (slurmctld + slurmd + munge on localhost, started by .ci/start_slurm.sh):
-a 2-task job trains as one run of 2 ranks; SIGUSR2 (SLURM's warning before pre-emption or the time limit)
-checkpoints, requeues and resumes; scancel checkpoints and stays cancelled. Without a SLURM here those tests are
+a 2-task job trains as one run of 2 ranks; stopped by SIGUSR2 (SLURM's warning before pre-emption or the time
+limit) and by scontrol requeue (SIGTERM, as scancel sends: a checkpoint, and no requeue of its own), it
+checkpoints, requeues, resumes and ends bit-identical to a run never stopped. Without a SLURM here those tests are
 skipped; the messages for a machine without sbatch or submitit are tested everywhere."""
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ def _slurm_up() -> bool:
 needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="needs a running SLURM (sinfo answers): CI starts one on "
                                  "localhost with .ci/start_slurm.sh")
 
-RUN = ["config=simclr", "launcher=slurm", "machine.device=cpu", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1",
-       "slurm.time_min=10", "data.batch_size=32", "optim.max_steps=1000", "log.every_n_steps=5",
-       "eval.knn.enabled=false", "checkpoint.every_n_epochs=0", "log.tensorboard=false", "log.report=false",
-       "data.num_workers=0"]
+RUN = ["config=simclr", "machine.device=cpu", "data.batch_size=32", "log.every_n_steps=5", "eval.knn.enabled=false",
+       "checkpoint.every_n_epochs=0", "log.tensorboard=false", "log.report=false", "data.num_workers=0"]
+SLURM = ["launcher=slurm", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.time_min=10"]
+#: Updates of the run that is requeued twice: enough to stop it twice on the way (it stops near steps 7 and 13).
+STEPS = 60
 
 
-def _submit(tmp_path: Path) -> tuple[str, Path]:
-    """Submit RUN from ``tmp_path`` as a user would; the job id and the run folder."""
+def _submit(tmp_path: Path, steps: int) -> tuple[str, Path]:
+    """Submit the run from ``tmp_path`` as a user would; the job id and the run folder."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *RUN], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *RUN, *SLURM, f"optim.max_steps={steps}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(r"submitted SLURM job (\d+): 1 node\(s\) x 2 task\(s\)", proc.stdout)
     assert m, proc.stdout
@@ -68,42 +70,72 @@ def _log(run: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def _restart(job: str, restarts: int) -> None:
+    """Wait for the job's requeue number ``restarts``, then let it start again."""
+    _wait(f"requeue {restarts}", lambda: _job(job).get("Restarts") == str(restarts) and
+          _job(job).get("JobState") == "PENDING")
+    # SLURM holds a requeued batch job ~2 minutes before it may start again; start it sooner, as the scheduler
+    # (not at once: slurmd refuses a relaunch within seconds of the kill, "Job credential revoked")
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, timeout=30)
+
+
+def _stop_line(log: str, signal: str) -> str:
+    """The step of the checkpoint written for ``signal`` (the last one in ``log``)."""
+    found = re.findall(rf"saved checkpoint \S+checkpoint_(\d+)\.pt \(pre-emption by {signal}\)", log)
+    assert found, log
+    return found[-1]
+
+
 @pytest.mark.multiprocess
 @needs_slurm
-def test_a_job_trains_as_two_ranks_sigusr2_requeues_it_and_scancel_ends_it(tmp_path: Path) -> None:
-    """One job of 2 tasks: SIGUSR2 checkpoints, requeues and the job resumes from that checkpoint; then scancel
-    (SIGTERM) checkpoints again and the job stays cancelled (not requeued a second time)."""
-    job, run = _submit(tmp_path)
+def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    """A 2-task job is stopped twice mid-training: SIGUSR2 (SLURM's warning before pre-emption or the time limit:
+    it checkpoints and requeues itself), then ``scontrol requeue`` (SLURM's SIGTERM: it checkpoints, SLURM
+    requeues it). Each time it resumes from the checkpoint just written, and its final state equals, bit for bit,
+    that of the same run on 2 local processes that was never stopped."""
+    from reliability_helpers import assert_identical, latest_state
+
+    ref = tmp_path / "ref"  # trained beside the job (the job mostly waits on SLURM): the numbers do not depend on it
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    reference = subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *RUN, "distributed.nproc_per_node=2",
+                                  f"optim.max_steps={STEPS}", f"output_dir={ref}"], cwd=tmp_path, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job, run = _submit(tmp_path, STEPS)
     try:
         script = (run / "slurm" / job / f"{job}_submission.sh").read_text()
         assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --ntasks-per-node=2" in script
         _wait("a first step", lambda: re.search(r"step \d+/", _log(run)) is not None)
         assert "global batch 64" in _log(run)  # 2 ranks x 32
         subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
-        _wait("the requeue", lambda: _job(job).get("Restarts") == "1" and _job(job).get("JobState") == "PENDING")
-        stopped = re.search(r"saved checkpoint \S+checkpoint_(\d+)\.pt \(pre-emption by SIGUSR2\)", _log(run))
-        assert stopped, _log(run)
+        _restart(job, 1)
+        first = _stop_line(_log(run), "SIGUSR2")
         out = (run / "slurm" / job / f"{job}_0_log.out").read_text()
         assert f"requeueing job {job} (requeue 1 of at most 10)" in out, out
-        # SLURM holds a requeued batch job ~2 minutes before it may start again; start it sooner, as the scheduler
-        # (not at once: slurmd refuses a relaunch within seconds of the kill, "Job credential revoked")
-        time.sleep(5)
-        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, timeout=30)
-        resumed = f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{stopped.group(1)}.pt"
-        _wait("the resume", lambda: resumed in _log(run))
+        resumed = f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{first}.pt"
+        _wait("the first resume", lambda: resumed in _log(run))
         _wait("a step after it", lambda: re.search(r"step \d+/", _log(run).split(resumed)[1]) is not None)
-        subprocess.run(["scancel", job], check=True, timeout=30)
-        _wait("the job to end", lambda: _job(job).get("JobState") in ("CANCELLED", "COMPLETED", "FAILED", None))
-        _wait("the SIGTERM checkpoint", lambda: re.search(r"saved checkpoint \S+ \(pre-emption by SIGTERM\)",
-                                                         _log(run).split(resumed)[1]) is not None, timeout=30)
-        assert _job(job).get("JobState") == "CANCELLED" and _job(job).get("Restarts") == "1", _job(job)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        _restart(job, 2)
+        second = _stop_line(_log(run), "SIGTERM")
+        assert int(first) < int(second) < STEPS, (first, second)
+        _wait("the job to end", lambda: _job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", None))
+        assert _job(job).get("JobState") == "COMPLETED", _job(job)
+        assert f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{second}.pt" in _log(run)
+        assert (run / "slurm" / job / f"{job}_0_log.out").read_text().count("requeueing job") == 1  # not on SIGTERM
+        assert reference.wait(timeout=300) == 0, reference.stderr.read() if reference.stderr else ""
+        expected, got = latest_state(ref), latest_state(run)
+        assert expected["position"]["iteration"] == got["position"]["iteration"] == STEPS
+        assert_identical(got, expected)
     finally:
         subprocess.run(["scancel", job], timeout=30)
+        if reference.poll() is None:
+            reference.kill()
 
 
 def test_without_sbatch_or_submitit_the_message_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*RUN, f"output_dir={tmp_path / 'run'}"]
+    args = [*RUN, *SLURM, f"output_dir={tmp_path / 'run'}"]
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     assert main(args) == 2
     err = capsys.readouterr().err
