@@ -4,8 +4,9 @@ A sharded checkpoint is a folder ``checkpoint_<iteration>/`` beside the single-f
 ``__<rank>_0.distcp`` holds its shards of the model and the optimizer (each parameter written once, by the rank
 that holds it), and ``.metadata`` says where every piece lies. ``.metadata`` is written last, by rank 0 once every
 rank's files are complete (torch writes it to a temporary name and renames it): a folder without it is a save
-that never finished, and sslkit never loads one. Everything else of the task state (hooks, position, loss,
-scaler, the config, and the RNG states of every rank gathered by rank 0) is one ``extra`` item in rank 0's file.
+that never finished, and sslkit never loads one. What is the same on every rank (hooks, position, loss, scaler, the
+config) is one ``extra`` item in rank 0's file; each rank's own state (its RNG states, its rank-local buffers such as
+SwAV's queue) is an item ``rank_state.<rank>`` in its own file. Nothing is gathered.
 
 Loading reshards: the same folder loads into an FSDP2 run on any number of processes, a DDP run or one process
 (:func:`load_into`), and into a plain state dict with no process group for evaluation and export
@@ -177,20 +178,22 @@ def _shard_files(path: str) -> set[str]:
 
 # ------------------------------------------------------------------------------------------------ write
 def save(model_state: dict[str, Any], optimizer_state: dict[str, Any], extra: dict[str, Any] | None, path: str,
-         async_save: bool = False, process_group: Any = None) -> Any:
+         async_save: bool = False, process_group: Any = None, rank_state: tuple[int, dict[str, Any]] | None = None
+         ) -> Any:
     """Write a sharded checkpoint folder ``path``: every rank calls it with its own (sharded) model and optimizer
     state dicts; ``extra`` (plain data and small tensors, the same on every rank) is written once, by rank 0
-    (pass None on the others). Returns None once the folder is complete, or with ``async_save`` a future that
-    completes when it is: the state is copied to host memory before this returns, so training may go on and
+    (pass None on the others); ``rank_state`` (rank, its own state: RNG, rank-local buffers) under the key
+    ``rank_state.<rank>``, by that rank alone. Returns None once the folder is complete, or with ``async_save`` a
+    future that completes when it is: the state is copied to host memory before this returns, so training may go on and
     change it. ``process_group``: the group the save's collectives use (an async save needs its own, so that its
     collectives in the background never meet the training's)."""
     import torch.distributed.checkpoint as dcp
 
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     if extra is not None:  # one item: torch's own save would make a file entry of every number in it
-        buffer = io.BytesIO()
-        torch.save(extra, buffer)
-        state["extra"] = buffer.getvalue()
+        state["extra"] = _bytes(extra)
+    if rank_state is not None:
+        state["rank_state"] = {str(rank_state[0]): _bytes(rank_state[1])}
     import torch.distributed as dist
 
     os.makedirs(path, exist_ok=True)
@@ -203,14 +206,42 @@ def save(model_state: dict[str, Any], optimizer_state: dict[str, Any], extra: di
     return None
 
 
+def _bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 # ------------------------------------------------------------------------------------------------ read
+def _saved_ranks(path: str) -> list[int]:
+    """The ranks whose own state the checkpoint holds (``rank_state.<rank>``), in order."""
+    return sorted(int(k.split(".", 1)[1]) for k in _metadata(path).state_dict_metadata if k.startswith("rank_state."))
+
+
+def read_rank_state(path: str, rank: int) -> tuple[int, dict[str, Any]]:
+    """(number of processes that wrote the checkpoint, the own state of rank ``rank``, or of ``rank`` modulo that
+    number when this run has more), read by this process alone."""
+    ranks = _saved_ranks(path)
+    if not ranks:
+        raise ShardedCheckpointError(f"the sharded checkpoint {path} holds no process's own state (rank_state.*): "
+                                     "it was not written by this version of sslkit")
+    mine = str(ranks[rank % len(ranks)])
+    state: dict[str, Any] = {"rank_state": {mine: io.BytesIO()}}
+    _load(state, path, no_dist=True)
+    return len(ranks), _unbytes(state["rank_state"][mine])
+
+
+def _unbytes(data: bytes) -> Any:
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
 def read_extra(path: str) -> dict[str, Any]:
     """The non-tensor part of the task state in a complete sharded checkpoint (hooks, position, loss, scaler,
-    config, every rank's RNG), read by this process alone (no collective)."""
+    config), read by this process alone (no collective)."""
     state: dict[str, Any] = {"extra": io.BytesIO()}
     _load(state, path, no_dist=True)
-    with torch.serialization.safe_globals(_numpy_globals()):
-        return torch.load(io.BytesIO(state["extra"]), weights_only=True)
+    return _unbytes(state["extra"])
 
 
 def _numpy_globals() -> list[Any]:
@@ -254,6 +285,8 @@ def read_whole(path: str, optimizer: bool = False) -> dict[str, Any]:
         _load({"model": {}}, path, no_dist=True)  # says which file is missing
         raise
     state = read_extra(path)
+    own = [read_rank_state(path, r)[1] for r in _saved_ranks(path)]
+    state["rng"], state["rank_local"] = [o["rng"] for o in own], [o["rank_local"] for o in own]
     state["model"] = {name[len("model."):]: value for name, value in flat.items() if name.startswith("model.")}
     if optimizer:
         nested: dict[str, Any] = {}

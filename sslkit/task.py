@@ -26,7 +26,7 @@ from sslkit.parallel import (
     load_full_model_state,
     load_optimizer_state,
 )
-from sslkit.sharded_checkpoint import load_into
+from sslkit.sharded_checkpoint import load_into, read_rank_state
 
 __all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
@@ -443,15 +443,19 @@ class SSLTask:
             model_state, optimizer_state = self.base_model.state_dict(), self.optimizer.state_dict()
         return {"model": model_state, "optimizer": optimizer_state, **self._run_state(gather_rng)}
 
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """What a sharded checkpoint holds (:mod:`sslkit.sharded_checkpoint`): this rank's model and optimizer
         state dicts as torch.distributed.checkpoint reads them (DTensor shards under FSDP2, parameters by name),
-        and the rest of :meth:`state_dict` (every rank's RNG gathered). Every rank calls it at the same point."""
+        the rest of :meth:`state_dict` that is the same on every rank, and this rank's own state (its RNG states
+        and rank-local buffers), which it writes under a key of its own: nothing is gathered. Every rank calls it
+        at the same point."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model_state = get_model_state_dict(self.model)
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
-        return model_state, optimizer_state, self._run_state(gather_rng=True)
+        shared = self._run_state(gather_rng=False)
+        own = {"rng": shared.pop("rng")[0], "rank_local": shared.pop("rank_local")[0]}
+        return model_state, optimizer_state, shared, own
 
     def _run_state(self, gather_rng: bool) -> dict[str, Any]:
         """:meth:`state_dict` but the model and the optimizer."""
@@ -501,6 +505,8 @@ class SSLTask:
         sharded checkpoint (its ``sharded`` folder: each rank then reads its part of the model and optimizer)."""
         if "sharded" in state:
             load_into(state["sharded"], self.model, self.optimizer, self.base_model)
+            saved_world, own = read_rank_state(state["sharded"], self.rank)
+            state = {**state, "rng": [own["rng"]] * saved_world, "rank_local": [own["rank_local"]] * saved_world}
         else:
             if is_sharded(self.model):  # every rank read the whole state; each keeps its shards
                 load_full_model_state(self.model, state["model"])

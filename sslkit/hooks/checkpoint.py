@@ -86,7 +86,7 @@ class CheckpointHook(SSLHook):
 
     def _save_sharded(self, task: SSLTask, why: str, wait: bool) -> str | None:
         self.finish_pending()
-        model_state, optimizer_state, extra = task.sharded_state_dict()
+        model_state, optimizer_state, extra, own = task.sharded_state_dict()
         name = f"checkpoint_{task.iteration:09d}"
         final = os.path.join(self.dir, name)
         rewrite = sharded_checkpoint.is_complete(final)  # the end of the run updating its last epoch's folder
@@ -103,6 +103,7 @@ class CheckpointHook(SSLHook):
             self._async_group = dist.new_group(backend="gloo")
         try:
             future = sharded_checkpoint.save(model_state, optimizer_state, extra if is_primary() else None, path,
+                                             rank_state=(task.rank, own),
                                              async_save=use_async, process_group=self._async_group if use_async
                                              else None)
         except sharded_checkpoint.ERRORS as exc:

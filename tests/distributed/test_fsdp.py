@@ -100,6 +100,12 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
         assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         sizes = [(folder / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
         assert 0.6 < sizes[1] / sizes[0] < 1.1, sizes  # each rank wrote its half (rank 0 also the run's record)
+        from sslkit.sharded_checkpoint import _metadata
+
+        storage = _metadata(str(folder)).storage_data  # each rank's own state (RNG) under its key, in its file
+        files = {index.fqn: info.relative_path for index, info in storage.items()}
+        assert (files["rank_state.0"], files["rank_state.1"], files["extra"]) == \
+            ("__0_0.distcp", "__1_0.distcp", "__0_0.distcp"), files
         # a shard file lost (a node's part never copied over): said, with what to do, and nothing trained
         lost = tmp_path / "lost"
         shutil.copytree(ref, lost)
