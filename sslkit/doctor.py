@@ -81,6 +81,8 @@ class Check:
     name: str
     status: str  # ok | FAILED | skipped | info
     detail: str
+    #: What to change, for a check that failed (or passed with a warning).
+    advice: str = ""
 
 
 def _version(module: str) -> str | None:
@@ -166,7 +168,9 @@ def collective_check() -> Check:
             ok, seconds = open(out).read().split()
         except Exception as exc:  # a firewall, a broken NCCL: say it, go on with the other checks
             return Check("collective", "FAILED", f"2 processes over {backend}: {type(exc).__name__}: "
-                                                 f"{str(exc).strip().splitlines()[-1][:200]}")
+                                                 f"{str(exc).strip().splitlines()[-1][:200]}",
+                         "processes on this machine cannot reach each other on 127.0.0.1: a firewall or a container "
+                         "without loopback; for NCCL, NCCL_DEBUG=INFO says why (NCCL_SOCKET_IFNAME, NCCL_P2P_DISABLE)")
     if ok != "1":
         return Check("collective", "FAILED", f"2 processes over {backend}: wrong values after all-reduce/broadcast")
     note = "" if backend == "nccl" else (" (one GPU: NCCL between GPUs not checked)" if torch.cuda.is_available()
@@ -212,11 +216,13 @@ def recipe_check(recipe: str, device: str, steps: int, root: str) -> Check:
     try:
         task = _train(args)
     except Exception as exc:
-        return Check(f"recipe {recipe}", "FAILED", _why(exc))
+        return Check(f"recipe {recipe}", "FAILED", _why(exc), f"python tools/run.py config={recipe} shows the whole "
+                     f"error; python tools/audit.py config={recipe} checks its step for CUDA hazards on any CPU")
     seconds = time.perf_counter() - t0
     loss = float(task.last_batch.loss.detach().float().cpu()) if task.last_batch.loss is not None else math.nan
     if task.iteration != steps or not math.isfinite(loss):
-        return Check(f"recipe {recipe}", "FAILED", f"{task.iteration} of {steps} updates, last loss {loss}")
+        return Check(f"recipe {recipe}", "FAILED", f"{task.iteration} of {steps} updates, last loss {loss}",
+                     "a non-finite loss on this device: report it with the output of sslkit doctor")
     return Check(f"recipe {recipe}", "ok", f"{steps} updates on {task.device}, last loss {loss:.4f}, "
                                            f"{seconds / steps:.2f} s per update (build included)")
 
@@ -238,7 +244,9 @@ def determinism_check(device: str, steps: int, root: str) -> Check:
     if differ:
         worst = max((states[0][k].double() - states[1][k].double()).abs().max().item() for k in differ)
         return Check("deterministic", "FAILED", f"dino_vit twice: {len(differ)} of {len(states[0])} tensors differ "
-                                                f"(max {worst:.2e}), e.g. {differ[0]}")
+                                                f"(max {worst:.2e}), e.g. {differ[0]}",
+                     "an op without a deterministic kernel on this device/version: machine.deterministic runs are "
+                     "not run-to-run identical here (docs/reliability.md); report it with this output")
     return Check("deterministic", "ok", f"dino_vit twice, {steps} updates: all {len(states[0])} tensors "
                                         "identical")
 
@@ -256,9 +264,11 @@ def data_check(device: str, root: str, steps: int = 20) -> Check:
     total = sum(stats.totals.values()) or 1.0
     wait = stats.totals.get("read_sample", 0.0) / total
     rate = f", {steps * task.global_batch_size / total:.0f} img/s"
-    verdict = "the data loader keeps up" if wait < 0.2 else "the step waits for data: see docs/data.md"
+    verdict = "the data loader keeps up" if wait < 0.2 else "data-bound: the step waits for data"
+    advice = "" if wait < 0.2 else ("more loader workers (data.num_workers), augmentation on the device "
+                                    "(data.augment_on=device, data.decode_on=device for JPEGs), docs/data.md")
     return Check("data vs step", "ok", f"simclr on its data, {steps} updates: {wait:.0%} of the step waiting for "
-                                       f"data{rate} ({verdict})")
+                                       f"data{rate} ({verdict})", advice)
 
 
 def _why(exc: BaseException) -> str:
@@ -268,9 +278,14 @@ def _why(exc: BaseException) -> str:
 
 
 def table(rows: list[Check]) -> str:
-    """The checks as an aligned text table."""
+    """The checks as an aligned text table; under a row, what to change (``-> ...``) where there is something."""
     width = max(len(r.name) for r in rows)
-    return "\n".join(f"{r.name:<{width}}  {r.status:<7}  {r.detail}" for r in rows)
+    lines = []
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {r.status:<7}  {r.detail}")
+        if r.advice:
+            lines.append(f"{'':<{width}}  {'':<7}  -> {r.advice}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

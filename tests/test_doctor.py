@@ -28,6 +28,7 @@ def test_a_failing_recipe_is_a_failed_row_and_exit_1(monkeypatch: pytest.MonkeyP
     out = capsys.readouterr().out
     assert code == 1
     assert re.search(r"recipe simclr +FAILED +ConfigError: .*optim\.lr", out), out
+    assert re.search(r"^ +-> python tools/run.py config=simclr shows the whole error", out, flags=re.M), out
     assert out.rstrip().endswith("FAILED: recipe simclr")
 
 
