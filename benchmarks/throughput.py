@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py [--device cuda|cpu] [--quick] [--presets simclr_rn50,multicrop,rn18_32,...]
                                     [--steps 20] [--warmup 5] [--compile] [--tools] [key=value ...]
+    python benchmarks/throughput.py --strategy ddp,fsdp [--nproc N] [--presets dinov2_vit_s16,...] [...]
 
 In one process, for each preset:
 
@@ -38,6 +39,13 @@ shrinks everything (64 px crops, 32 px small crops, batch 16, 4 steps) so that `
 ends in a few minutes on 2 cores and prints the same table. ``--tools`` adds the augmentation alone,
 batched ops against kornia's (where kornia is installed), on one batch already on the device.
 Overrides (``data.batch_size=128``, ``data.num_workers=8``) apply to every run.
+
+``--strategy ddp,fsdp`` times the model step on ``--nproc`` processes (default: every GPU, 2 on the CPU) under
+each ``distributed.strategy``, on synthetic views of the preset's shapes (the data pipelines are the single-process
+table's business): (a) the plain PyTorch step (forward, loss, backward, optimizer step, the method's hooks) on the
+model as sslkit builds it under that strategy (DDP-wrapped, or ``fully_shard`` per block, then the modules that
+own blocks, then the root), and (c) sslkit's full step on it, both as global images/s over all processes, with
+c / a and each process's peak GPU memory. ``fsdp`` takes the ViT presets only (a CNN is refused under it).
 """
 
 from __future__ import annotations
@@ -173,7 +181,8 @@ def preset_overrides(preset: Preset, data: Path | None, samples: int, device: st
         source = ["data=folder", f"data.train.path={data}"]
     else:
         source = ["data=synthetic", f"data.train.kwargs.num_samples={samples}",
-                  f"data.train.kwargs.image_size={preset.image_size}"]
+                  f"data.train.kwargs.image_size={preset.image_size}",
+                  f"data.test.kwargs.image_size={preset.image_size}"]
     crops = [f"data.image_size={preset.image_size}"]
     if preset.num_small:
         crops += [f"data.small_image_size={preset.small_size}", f"data.transform.num_small={preset.num_small}"]
@@ -318,6 +327,89 @@ def tool_rates(preset: Preset, device: torch.device, steps: int) -> list[tuple[s
     return rows
 
 
+# ------------------------------------------------------------------------------------------- strategies
+def _is_vit(preset: Preset) -> bool:
+    return "vit" in preset.recipe or preset.recipe in ("mae", "ibot", "ijepa", "lejepa", "dinov2") or \
+        preset.recipe.startswith(("dinov2_", "ibot_", "ijepa_"))
+
+
+def strategy_worker(names: list[str], quick: bool, strategies: list[str], steps: int, warmup: int, device: str,
+                    extra: list[str], scratch: str, out: str) -> None:
+    """One process of ``--strategy`` (its process group is up): (a) and (c) for each preset and strategy; rank 0
+    prints the machine and writes the rows to ``out``."""
+    import dataclasses
+    import json
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows, header = [], False
+    for name in names:
+        preset = dataclasses.replace(_quick(PRESETS[name]) if quick else PRESETS[name], jpeg=False)
+        for strategy in strategies:
+            if strategy == "fsdp" and not _is_vit(preset):
+                rows.append({"preset": name, "strategy": strategy, "note": "a CNN: fsdp shards ViTs only"})
+                continue
+            samples = preset.batch * world * (warmup + steps + 2)
+            base = [*preset_overrides(preset, None, samples, device), f"distributed.strategy={strategy}", *extra]
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            folder = os.path.join(scratch, f"{name}-{strategy}")
+            raw_task = build_task(bench_config(warmup + steps, base, os.path.join(folder, "raw")))
+            if not header and rank == 0:
+                print("\n".join(machine_header(raw_task.config, raw_task.device)), flush=True)
+                header = True
+            raw = raw_rate(raw_task, preset, steps, warmup) * world  # each process's batch: global images/s
+            raw_task.close()
+            del raw_task
+            full, task = step_rate(base, os.path.join(folder, "step"), steps, warmup)
+            task.close()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+            peaks = [None] * world
+            dist.all_gather_object(peaks, peak)
+            rows.append({"preset": name, "strategy": strategy, "views": preset.describe(), "batch": preset.batch,
+                         "raw": raw, "full": full, "peak_gib": peaks})
+            if rank == 0:
+                print(f"{name} {strategy}: raw step {raw:,.0f} img/s, full step {full:,.0f} img/s", flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def measure_strategies(args: argparse.Namespace, names: list[str], steps: int, warmup: int, overrides: list[str],
+                       scratch: Path) -> int:
+    """``--strategy``: start the processes, then print their table."""
+    import json
+
+    from sslkit.distributed import launch
+
+    strategies = [s for s in args.strategy.split(",") if s]
+    if bad := [s for s in strategies if s not in ("ddp", "fsdp")]:
+        print(f"throughput.py: --strategy {','.join(bad)}: choose ddp, fsdp or both (ddp,fsdp)", file=sys.stderr)
+        return 2
+    nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if nproc < 2:
+        print(f"throughput.py: --strategy needs 2 processes or more, and --nproc / the GPUs here give {nproc}: on one "
+              "GPU there is nothing to shard (run without --strategy)", file=sys.stderr)
+        return 2
+    extra = [*(["machine.compile=true"] if args.compile else []), *overrides]
+    out = scratch / "rows.json"
+    launch(strategy_worker, (names, args.quick, strategies, steps, warmup, args.device, extra, str(scratch),
+                             str(out)), nproc_per_node=nproc, device=args.device)
+    rows = json.loads(out.read_text())
+    print()
+    print(f"{nproc} processes; images/s over all of them; peak GPU memory per process")
+    print("| preset | strategy | views | batch per process | (c) step img/s | (a) raw img/s | c / a | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "note" in r:
+            print(f"| {r['preset']} | {r['strategy']} | {r['note']} | | | | | |")
+            continue
+        peak = "-" if r["peak_gib"][0] is None else " / ".join(f"{g:.2f}" for g in r["peak_gib"])
+        print(f"| {r['preset']} | {r['strategy']} | {r['views']} | {r['batch']} | {r['full']:,.0f} | "
+              f"{r['raw']:,.0f} | {r['full'] / r['raw']:.2f} | {peak} |")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and print the table; returns 0."""
@@ -329,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out first (default 5, quick 1)")
     parser.add_argument("--compile", action="store_true", help="machine.compile=true for (a) and (c)")
     parser.add_argument("--tools", action="store_true", help="also time the augmentation alone: ours vs kornia")
+    parser.add_argument("--strategy", default="", help="ddp, fsdp or ddp,fsdp: the model step on --nproc processes")
+    parser.add_argument("--nproc", type=int, default=0, help="processes for --strategy (default: the GPUs, 2 on CPU)")
     args, overrides = parser.parse_known_args(argv)
     if bad := [o for o in overrides if "=" not in o]:
         parser.error(f"not an option nor a key=value override: {' '.join(bad)}")
@@ -347,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("sslkit").setLevel(logging.WARNING)
     scratch = Path(tempfile.mkdtemp(prefix="sslkit_throughput_"))
     try:
+        if args.strategy:
+            return measure_strategies(args, names, steps, warmup, overrides, scratch)
         return _measure(args, names, steps, warmup, overrides, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

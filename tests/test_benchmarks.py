@@ -144,9 +144,10 @@ def test_throughput_quick_prints_every_pipeline_with_its_ratio(tmp_path: Path) -
         assert float(ratio) == pytest.approx(step_rate / raw_rate, abs=0.01)
 
 
-def test_throughput_names_the_attention_kernel_a_vit_runs(tmp_path: Path) -> None:
-    """The ViT presets' table column: the scaled_dot_product_attention kernels seen in a profiled step (the CPU's
-    flash kernel here; on CUDA flash, efficient or cudnn), '-' for a model without attention."""
+def _throughput_module() -> ModuleType:
+    """benchmarks/throughput.py imported in this process."""
+    if "sslkit_bench_throughput" in sys.modules:
+        return sys.modules["sslkit_bench_throughput"]
     with pytest.MonkeyPatch.context() as mp:  # SSLKIT_MALLOC_TUNED keeps its import from re-executing pytest
         mp.setenv("SSLKIT_MALLOC_TUNED", "1")
         mp.syspath_prepend(str(REPO / "benchmarks"))  # it imports overhead.py by module name
@@ -155,6 +156,41 @@ def test_throughput_names_the_attention_kernel_a_vit_runs(tmp_path: Path) -> Non
         throughput = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = throughput  # dataclasses look their module up
         spec.loader.exec_module(throughput)
+    return throughput
+
+
+@pytest.mark.multiprocess
+def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--strategy ddp,fsdp on 2 CPU processes: (a) and (c) under each strategy for a ViT preset with c / a =
+    step / raw, a CNN preset refused under fsdp in its row; a single process or an unknown strategy is refused."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("SSLKIT_MALLOC_TUNED", None)
+    base = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick"]
+    proc = subprocess.run([*base, "--presets", "mae_vit_s16", "--strategy", "ddp,fsdp", "--steps", "1", "--warmup",
+                           "1", "model.trunk_kwargs.depth=2", "model.kwargs.decoder_depth=1"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^machine: .+ cores", proc.stdout, re.M) and "2 processes; images/s over all" in proc.stdout
+    rows = re.findall(r"^\| mae_vit_s16 \| (ddp|fsdp) \| 1x64 \| 16 \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| - \|$",
+                      proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["ddp", "fsdp"], proc.stdout
+    for _strategy, step, raw, ratio in rows:
+        step_rate, raw_rate = (float(v.replace(",", "")) for v in (step, raw))
+        assert step_rate > 0 and float(ratio) == pytest.approx(step_rate / raw_rate, rel=0.05)  # (rates rounded)
+    throughput = _throughput_module()
+    assert not throughput._is_vit(throughput.PRESETS["rn18_32"])  # its fsdp row: "a CNN: fsdp shards ViTs only"
+    assert all(throughput._is_vit(throughput.PRESETS[n]) for n in throughput.PRESETS if "vit" in n)
+    for bad, said in ((["--strategy", "zero3"], "choose ddp, fsdp"), (["--strategy", "fsdp", "--nproc", "1"],
+                                                                       "needs 2 processes")):
+        assert throughput.main(["--device", "cpu", *bad]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_throughput_names_the_attention_kernel_a_vit_runs(tmp_path: Path) -> None:
+    """The ViT presets' table column: the scaled_dot_product_attention kernels seen in a profiled step (the CPU's
+    flash kernel here; on CUDA flash, efficient or cudnn), '-' for a model without attention."""
+    throughput = _throughput_module()
     from helpers import RECIPES
 
     from sslkit.builder import build_task
