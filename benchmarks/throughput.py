@@ -45,7 +45,8 @@ each ``distributed.strategy``, on synthetic views of the preset's shapes (the da
 table's business): (a) the plain PyTorch step (forward, loss, backward, optimizer step, the method's hooks) on the
 model as sslkit builds it under that strategy (DDP-wrapped, or ``fully_shard`` per block, then the modules that
 own blocks, then the root), and (c) sslkit's full step on it, both as global images/s over all processes, with
-c / a and each process's peak GPU memory. ``fsdp`` takes the ViT presets only (a CNN is refused under it).
+c / a and each process's peak GPU memory. A preset the config check refuses under a strategy (a CNN under
+``fsdp``) gets a row saying why.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ import torch  # noqa: E402
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.cli import setup_logging  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
+from sslkit.config.compose import ConfigError  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.stages import precision, prepare_sample, split_loss  # noqa: E402
@@ -328,9 +330,10 @@ def tool_rates(preset: Preset, device: torch.device, steps: int) -> list[tuple[s
 
 
 # ------------------------------------------------------------------------------------------- strategies
-def _is_vit(preset: Preset) -> bool:
-    return "vit" in preset.recipe or preset.recipe in ("mae", "ibot", "ijepa", "lejepa", "dinov2") or \
-        preset.recipe.startswith(("dinov2_", "ibot_", "ijepa_"))
+def _refusal(exc: ConfigError) -> str:
+    """The first reason of a config refusal, on one line (a table cell)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[1] if len(lines) > 1 else lines[0]).replace("|", "/")[:160]
 
 
 def strategy_worker(names: list[str], quick: bool, strategies: list[str], steps: int, warmup: int, device: str,
@@ -347,15 +350,17 @@ def strategy_worker(names: list[str], quick: bool, strategies: list[str], steps:
     for name in names:
         preset = dataclasses.replace(_quick(PRESETS[name]) if quick else PRESETS[name], jpeg=False)
         for strategy in strategies:
-            if strategy == "fsdp" and not _is_vit(preset):
-                rows.append({"preset": name, "strategy": strategy, "note": "a CNN: fsdp shards ViTs only"})
-                continue
             samples = preset.batch * world * (warmup + steps + 2)
             base = [*preset_overrides(preset, None, samples, device), f"distributed.strategy={strategy}", *extra]
+            folder = os.path.join(scratch, f"{name}-{strategy}")
+            try:
+                cfg = bench_config(warmup + steps, base, os.path.join(folder, "raw"))
+            except ConfigError as exc:  # the config check's own refusal (a CNN under fsdp): its row says it
+                rows.append({"preset": name, "strategy": strategy, "note": f"refused: {_refusal(exc)}"})
+                continue
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            folder = os.path.join(scratch, f"{name}-{strategy}")
-            raw_task = build_task(bench_config(warmup + steps, base, os.path.join(folder, "raw")))
+            raw_task = build_task(cfg)
             if not header and rank == 0:
                 print("\n".join(machine_header(raw_task.config, raw_task.device)), flush=True)
                 header = True

@@ -179,8 +179,19 @@ def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
         step_rate, raw_rate = (float(v.replace(",", "")) for v in (step, raw))
         assert step_rate > 0 and float(ratio) == pytest.approx(step_rate / raw_rate, rel=0.05)  # (rates rounded)
     throughput = _throughput_module()
-    assert not throughput._is_vit(throughput.PRESETS["rn18_32"])  # its fsdp row: "a CNN: fsdp shards ViTs only"
-    assert all(throughput._is_vit(throughput.PRESETS[n]) for n in throughput.PRESETS if "vit" in n)
+    from sslkit.config.compose import ConfigError
+
+    def fsdp_config(name: str) -> object:  # what each process composes for a preset under fsdp
+        preset = throughput._quick(throughput.PRESETS[name])
+        return throughput.bench_config(2, [*throughput.preset_overrides(preset, tmp_path, 64, "cpu"),
+                                           "distributed.strategy=fsdp"], str(tmp_path / name))
+
+    with pytest.raises(ConfigError) as refused:  # a CNN: its fsdp row says the config check's refusal
+        fsdp_config("rn18_32")
+    assert "distributed.strategy" in throughput._refusal(refused.value) and "\n" not in throughput._refusal(
+        refused.value)
+    for name in (n for n in throughput.PRESETS if "vit" in n):  # every ViT preset is timed under fsdp
+        fsdp_config(name)
     for bad, said in ((["--strategy", "zero3"], "choose ddp, fsdp"), (["--strategy", "fsdp", "--nproc", "1"],
                                                                        "needs 2 processes")):
         assert throughput.main(["--device", "cpu", *bad]) == 2
