@@ -17,6 +17,7 @@ torch's checkpoint record classes, and ``extra`` with ``torch.load(weights_only=
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -82,22 +83,39 @@ class _RecordUnpickler(pickle.Unpickler):
         return found
 
 
+@functools.lru_cache(maxsize=4)
+def _read_metadata(path: str, stamp: tuple[int, int]) -> Any:
+    """``path``'s ``.metadata`` unpickled by :class:`_RecordUnpickler`, once per version of the file (``stamp``:
+    its mtime and size): a resume reads it for the run's record, its own state and the model, and it grows with
+    the number of tensors times the number of ranks."""
+    with open(os.path.join(path, METADATA), "rb") as f:
+        try:
+            return _RecordUnpickler(f).load()
+        except pickle.UnpicklingError as exc:
+            raise RefusedCheckpoint(
+                f"{os.path.join(path, METADATA)} holds {str(exc).removeprefix('GLOBAL ')}, which loading "
+                "would call: sslkit reads only torch's checkpoint records there, so it refuses this folder. "
+                "A checkpoint sslkit wrote never holds one: if you did not make this folder, do not load it."
+            ) from None
+
+
+def _metadata(path: str) -> Any:
+    """The checkpoint folder ``path``'s records (``.metadata``), read safely, shared by every read of it."""
+    info = os.stat(os.path.join(path, METADATA))
+    return _read_metadata(path, (info.st_mtime_ns, info.st_size))
+
+
 def _reader(path: str) -> Any:
-    """A FileSystemReader of ``path`` whose ``.metadata`` is read by :class:`_RecordUnpickler`."""
+    """A FileSystemReader of ``path`` whose ``.metadata`` is :func:`_metadata`'s."""
+    import copy
+
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(path, METADATA), "rb") as f:
-                try:
-                    metadata = _RecordUnpickler(f).load()
-                except pickle.UnpicklingError as exc:
-                    raise RefusedCheckpoint(
-                        f"{os.path.join(path, METADATA)} holds {str(exc).removeprefix('GLOBAL ')}, which loading "
-                        "would call: sslkit reads only torch's checkpoint records there, so it refuses this folder. "
-                        "A checkpoint sslkit wrote never holds one: if you did not make this folder, do not load it."
-                    ) from None
+            metadata = copy.copy(_metadata(path))  # this load's id on a copy: the shared records stay as read
             if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta = copy.copy(metadata.storage_meta)
                 metadata.storage_meta.load_id = self.load_id
             return metadata
 
@@ -121,10 +139,6 @@ def _planner(**kwargs: Any) -> Any:
                 self.state_dict[fqn] = obj
 
     return SafePlanner(**kwargs)
-
-
-def _metadata(path: str) -> Any:
-    return _reader(path).read_metadata()
 
 
 def _load(state: dict[str, Any], path: str, no_dist: bool, process_group: Any = None) -> None:
