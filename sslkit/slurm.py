@@ -54,13 +54,12 @@ def _tasks_per_node(s: DictConfig) -> int:
 def executor(cfg: DictConfig) -> Any:
     """A submitit executor for ``cfg.slurm`` whose logs go to ``<output_dir>/slurm/<job id>/``."""
     submitit = _submitit()
-    cluster = "slurm"
     if shutil.which("sbatch") is None:
         raise UserError("launcher=slurm needs SLURM's sbatch, which is not on this machine's PATH: submit from a "
                         "cluster's login node (where sbatch works), or use launcher=local to train here")
     s = cfg.slurm
     folder = os.path.join(os.path.abspath(cfg.output_dir), "slurm", "%j")
-    ex = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
     params: dict[str, Any] = {
         "name": s.job_name or os.path.basename(os.path.normpath(cfg.output_dir)),
         "nodes": int(s.nodes), "tasks_per_node": _tasks_per_node(s), "cpus_per_task": int(s.cpus_per_task),
