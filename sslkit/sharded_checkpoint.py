@@ -124,14 +124,14 @@ def _reader(path: str) -> Any:
 
 def _planner(**kwargs: Any) -> Any:
     """A DefaultLoadPlanner that reads byte items with ``torch.load(weights_only=True)`` (torch's own runs any
-    pickled code in them)."""
+    pickled code in them), onto the CPU as one-file checkpoints are read."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             with torch.serialization.safe_globals(_numpy_globals()):
-                obj = torch.load(value, weights_only=True)
+                obj = torch.load(value, map_location="cpu", weights_only=True)
             fqn = read_item.dest_index.fqn
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -246,8 +246,10 @@ def read_rank_state(path: str, rank: int) -> tuple[int, dict[str, Any]]:
 
 
 def _unbytes(data: bytes) -> Any:
+    """An item :func:`_bytes` wrote, read without running code and onto the CPU (a GPU run's loss and hook states
+    hold CUDA tensors: evaluation on a machine without one reads them too; a resume moves them where they go)."""
     with torch.serialization.safe_globals(_numpy_globals()):
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def read_extra(path: str) -> dict[str, Any]:

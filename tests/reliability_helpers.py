@@ -58,7 +58,7 @@ def latest_state(out: Path) -> dict[str, Any]:
         from sslkit.sharded_checkpoint import read_whole
 
         return read_whole(str(path), optimizer=True)
-    return torch.load(path, weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)  # as the folder is read: on the CPU
 
 
 def assert_identical(a: Any, b: Any, path: str = "state") -> None:

@@ -209,3 +209,31 @@ def test_activation_checkpointing_changes_no_number_on_cuda(tmp_path: Path, reci
         states.append({k: v.detach().cpu() for k, v in task.base_model.state_dict().items()})
     for key, value in states[0].items():
         assert torch.equal(value, states[1][key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_sharded_checkpoints_of_a_cuda_run_resume_bit_identically(tmp_path: Path, async_save: str) -> None:
+    """checkpoint.sharded=true on CUDA (with async_save: the state staged from the GPU to host memory while the run
+    goes on): a deterministic dinov2 run killed mid-epoch resumes from its folder onto the GPU and ends identical to
+    the uninterrupted run, folders holding the same state as that run's files; the folder's CUDA loss and hook
+    states read onto the CPU, as a file's are."""
+    from sslkit.checkpoint import latest_checkpoint
+
+    recipe = "dinov2"
+    args = [f"config={recipe}", *BASE, *(RECIPE_ARGS.get(recipe) or RECIPES[recipe]), *GPU,
+            "machine.deterministic=true", "optim.epochs=2", "checkpoint.every_n_steps=4"]
+    sharded = ["checkpoint.sharded=true", f"checkpoint.async_save={async_save}"]
+    never = hooks_override(recipe, {"name": "fault_signal", "step": 10**6})
+    kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    run_cli(*args, never, f"output_dir={tmp_path / 'files'}", env=FAULT_ENV)
+    reference = latest_state(tmp_path / "files")
+    out = tmp_path / "killed"
+    assert run_cli(*args, *sharded, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    assert latest_checkpoint(str(out / "checkpoints")) is not None  # a complete folder (an async one may not be)
+    run_cli(*args, *sharded, kill, f"output_dir={out}", env=FAULT_ENV)
+    got = latest_state(out)  # the folder read whole, optimizer included (parameters by name)
+    for key in ("loss", "hooks", "position"):
+        assert_identical(got[key], reference[key], key)
+    assert_identical({k: got["model"][k] for k in sorted(got["model"])},
+                     {k: reference["model"][k] for k in sorted(reference["model"])})
