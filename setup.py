@@ -27,9 +27,18 @@ setup(
         "matplotlib>=3.7",  # sslkit report's PNG plots (the Agg backend: no display needed)
     ],
     extras_require={
-        "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4"],
+        "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4", "onnx>=1.16", "onnxruntime>=1.18",
+                 "onnxscript>=0.1", "wandb>=0.17", "mlflow>=2.12", "umap-learn>=0.5"],
         # launcher=slurm submits jobs through submitit (docs/distributed.md)
         "slurm": ["submitit>=1.5.4"],
+        # sslkit export format=onnx writes the trunk with torch.onnx's exporter (onnxscript) and checks it with
+        # onnxruntime before writing (docs/evaluation.md)
+        "onnx": ["onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
+        # log.wandb.enabled / log.mlflow.enabled: the run's metrics in Weights & Biases or MLflow (docs/report.md)
+        "wandb": ["wandb>=0.17"],
+        "mlflow": ["mlflow>=2.12"],
+        # sslkit viz kind=embedding draws a UMAP map with umap-learn (a PCA map without it), docs/evaluation.md
+        "viz": ["umap-learn>=0.5"],
         # benchmarks/throughput.py --tools times kornia's augmentation against sslkit's (docs/data.md)
         "bench": ["kornia>=0.8"],
     },

@@ -369,7 +369,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     loaders = {"train": train_loader}
     hooks += _monitor_hooks(cfg, device, trunk, train_source, sinks, workers, pin, amp_dtype)
     if cfg.eval.knn.enabled:
-        knn = _knn_hook(cfg, train_source, sinks, workers, pin)
+        knn = _knn_hook(cfg, train_source, sinks, workers, pin, device)
         if knn is not None:
             hooks.append(knn)
 
@@ -526,7 +526,30 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
     return sets[0], sets[1], num_classes
 
 
-def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool) -> KNNHook | None:
+def knn_subsample(setting: Any, device: torch.device) -> int:
+    """Samples per split of the kNN curve (``eval.knn.subsample``): ``auto`` is 2000 on the CPU and all (0) on a GPU,
+    where the whole kNN is cheap."""
+    if setting == "auto":
+        return 0 if device.type == "cuda" else 2000
+    return int(setting)
+
+
+def _fixed_subset(ds: Dataset, n: int, seed: int) -> Dataset:
+    """``n`` samples of ``ds`` drawn once by ``seed`` (the same on every rank, every epoch and every resume), in
+    dataset order; ``ds`` itself when it holds no more than ``n`` (or ``n`` is 0)."""
+    size = len(ds)  # type: ignore[arg-type]
+    if n <= 0 or n >= size:
+        return ds
+    g = torch.Generator().manual_seed(seed)
+    picked = torch.randperm(size, generator=g)[:n].sort().values.tolist()
+    sub = Subset(ds, picked)
+    sub.num_classes = getattr(ds, "num_classes", 0)  # type: ignore[attr-defined]
+    sub.channels = getattr(ds, "channels", 3)  # type: ignore[attr-defined]
+    return sub
+
+
+def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool,
+              device: torch.device) -> KNNHook | None:
     try:
         train_source, test_source, num_classes = eval_sources(cfg, train_source)
     except (DataSourceError, ConfigError) as exc:
@@ -543,10 +566,18 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers:
                                      "std": [1.0] * channels})
         raw = (_loader(cfg, train_source, identity, train=False, **loading),
                _loader(cfg, test_source, identity, train=False, **loading))
+    curve = None
+    if k.every_n_epochs > 0:  # the curve: a fixed subsample on the CPU (eval.knn.subsample), apart from the final kNN
+        n = knn_subsample(k.subsample, device)
+        subsets = [_fixed_subset(s, n, cfg.seed + i) for i, s in enumerate((train_source, test_source))]
+        curve = tuple(_loader(cfg, s, cfg.data.eval_transform, train=False, **loading) for s in subsets)
+        logger.info("kNN curve every %d epoch(s) on %s train and %s test samples (eval.knn.subsample=%s), logged as "
+                    "knn_curve_top1; the final kNN uses every sample", k.every_n_epochs,
+                    *(len(s) for s in subsets), k.subsample)  # type: ignore[arg-type]
     kind, last_n = str(cfg.eval.vit_features), int(cfg.eval.vit_last_n)
     if kind != "pool":
         logger.info("kNN reads the ViT's %s features (eval.vit_features)%s", kind,
                     f", the last {last_n} blocks" if kind == "cls_last_n" else "")
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
                    every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw,
-                   features=kind, last_n=last_n)
+                   features=kind, last_n=last_n, curve_loaders=curve)

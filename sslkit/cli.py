@@ -216,8 +216,10 @@ COMMANDS = {
                 "sslkit finetune checkpoint=RUN_DIR",
     "extract": "features and labels to a file (= tools/extract_features.py): sslkit extract checkpoint=RUN_DIR "
                "split=test output=feats.npz",
-    "export": "the trunk for torchvision (ResNets) or timm (ViTs), as safetensors (= tools/export.py): sslkit "
-              "export checkpoint=RUN_DIR output=encoder.safetensors",
+    "export": "the trunk for torchvision (ResNets) or timm (ViTs), as safetensors or ONNX (= tools/export.py): "
+              "sslkit export checkpoint=RUN_DIR [format=onnx]",
+    "viz": "look at what the model learned: attention maps, patch PCA, an embedding map, nearest neighbours "
+           "(= tools/visualize.py): sslkit viz checkpoint=RUN_DIR [kind=attention,pca,embedding,neighbors]",
     "report": "a finished run's summary and plots: sslkit report RUN_DIR",
     "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
     "doctor": "is this machine ready? versions, GPUs, a collective, every recipe a few steps, determinism: "
@@ -252,6 +254,10 @@ def _command(name: str) -> Any:
         from sslkit.doctor import main as doctor_main
 
         return doctor_main
+    if name == "viz":
+        from sslkit.viz import viz_main
+
+        return viz_main
     from sslkit.evaluation import tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]

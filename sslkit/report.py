@@ -108,6 +108,9 @@ def summarize(run_dir: str) -> dict[str, Any]:
     if knn:
         info["knn"] = {"top1": knn[-1]["knn_top1"], "top5": knn[-1].get("knn_top5"), "step": knn[-1].get("step"),
                        "from": "metrics.jsonl"}
+    curve = _last_per_step([{**r, "phase": "train"} for r in records if "knn_curve_top1" in r], "knn_curve_top1")
+    if curve:
+        info["knn_curve"] = curve
     for name in ("knn", "linear"):
         found = _read_json(os.path.join(run_dir, "eval", f"{name}.json"))
         if found is not None and found.get("top1") is not None:
@@ -165,6 +168,12 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
                      f"(step {entry.get('step')}, {entry['from']}{extra})")
         if "tool" in entry:
             lines.append(f"  - again with sslkit knn: top-1 {_fmt(entry['tool']['top1'])}")
+    if info.get("knn_curve"):
+        points = info["knn_curve"]
+        shown = " -> ".join(f"{v:.3f}" for _, v in points[-8:])
+        best_step, best = max(points, key=lambda p: p[1])
+        lines.append(f"- kNN curve ({len(points)} points{', the last 8' if len(points) > 8 else ''}): {shown}; best "
+                     f"{best:.4f} at step {best_step}")
     if "linear" not in info:
         lines.append(f"- linear probe: not run (sslkit linear checkpoint={info['run_dir']})")
     if info["monitors"]:
@@ -213,22 +222,33 @@ def _plots(run_dir: str, info: dict[str, Any], records: list[dict[str, Any]]) ->
             ax.set_title(f"{info['name']}: {label}")
             ax.grid(alpha=0.3)
             save(fig, name)
-    curves = []
+    # (title, x label, [(legend, points, style)]): one axis per title
+    curves: list[tuple[str, str, list[tuple[str, list[tuple[Any, float]], str]]]] = []
+    knn_lines = []
+    curve = _last_per_step([{**r, "phase": "train"} for r in records if "knn_curve_top1" in r], "knn_curve_top1")
+    if curve:
+        knn_lines.append(("every epoch (eval.knn.every_n_epochs; a fixed subsample on the CPU)", curve, "o-"))
     knn = [(int(r.get("step", 0)), float(r["knn_top1"])) for r in records if "knn_top1" in r]
     if knn:
-        curves.append(("kNN top-1 (training)", "step", knn))
+        knn_lines.append(("end of run (every sample)", knn, "*"))
+    if knn_lines:
+        curves.append(("kNN top-1", "step", knn_lines))
     for key in sorted({k for r in records for k in r if k.startswith(("online_linear", "rankme_"))}):
         points = [(int(r.get("step", 0)), float(r[key])) for r in records if isinstance(r.get(key), int | float)]
         if points:
-            curves.append((key, "step", points))
+            curves.append((key, "step", [("", points, "o-")]))
     linear = info.get("linear") or info.get("linear_tool")
     if linear and linear.get("curve"):
         curves.append(("linear probe top-1 (sslkit linear)", "probe epoch",
-                       [(e, v) for e, v in linear["curve"] if e is not None and v is not None]))
+                       [("", [(e, v) for e, v in linear["curve"] if e is not None and v is not None], "o-")]))
     if curves:
         fig, axes = plt.subplots(len(curves), 1, figsize=(6, 2.6 * len(curves)), squeeze=False)
-        for ax, (label, xlabel, points) in zip(axes[:, 0], curves):
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3)
+        for ax, (label, xlabel, lines) in zip(axes[:, 0], curves):
+            for legend, points, style in lines:
+                ax.plot([x for x, _ in points], [y for _, y in points], style, markersize=3 if style == "o-" else 10,
+                        label=legend or None)
+            if any(legend for legend, _, _ in lines):
+                ax.legend(fontsize=7)
             ax.set_title(label)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)

@@ -89,3 +89,42 @@ def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
     assert "finished at step 2" in text and "optim.lr: 0.3 -> 0.2" in text and "kNN top-1" in text
     assert "log.report" not in text  # SMALL turns it off, this run on: as its recipe
     assert (out / "plots" / "loss.png").read_bytes().startswith(PNG)
+
+
+def test_a_knn_curve_on_a_fixed_subsample_every_epoch_apart_from_the_final_knn(tmp_path: Path) -> None:
+    """eval.knn.every_n_epochs=1 with eval.knn.subsample=20: one knn_curve_top1 per epoch, on 20 samples of each
+    split drawn once by the seed; the last point (the final weights) is the weighted kNN of those samples' features
+    as sslkit extract gives them; the final knn_top1 uses every sample; the report draws both."""
+    import numpy as np
+    import torch
+
+    from sslkit.builder import knn_subsample
+    from sslkit.evaluation import weighted_knn
+    from tests.helpers import metrics, run_sslkit
+
+    out = tmp_path / "curve"
+    run_main("config=simclr", *SMALL, "optim.epochs=3", "log.tensorboard=false", "eval.knn.every_n_epochs=1",
+             "eval.knn.subsample=20", "data.test.kwargs={num_samples: 48}", "log.report=true", f"output_dir={out}")
+    records = metrics(out)
+    curve = [r for r in records if "knn_curve_top1" in r]
+    final = [r for r in records if "knn_top1" in r]
+    assert [(r["epoch"], r["step"]) for r in curve] == [(0, 4), (1, 8), (2, 12)]
+    assert len(final) == 1 and final[0]["step"] == 12 and "knn_top1" not in curve[-1]
+    feats = {}
+    for split in ("train", "test"):
+        code, _, err = run_sslkit("extract", f"checkpoint={out}", f"split={split}", f"output={tmp_path / split}.npz")
+        assert code == 0, err
+        data = np.load(tmp_path / f"{split}.npz")
+        feats[split] = (torch.from_numpy(data["features"]), torch.from_numpy(data["labels"]))
+    seed = 0  # the recipe's seed; the train split's draw uses it, the test split's seed + 1
+    picked = {split: torch.randperm(len(feats[split][0]), generator=torch.Generator().manual_seed(seed + i))[:20]
+              for i, split in enumerate(("train", "test"))}
+    sub = {split: (f[picked[split]], y[picked[split]]) for split, (f, y) in feats.items()}
+    expected = weighted_knn(*sub["train"], *sub["test"], num_classes=10, k=5, temperature=0.1)
+    assert curve[-1]["knn_curve_top1"] == pytest.approx(expected["knn_top1"], abs=1e-9)
+    whole = weighted_knn(*feats["train"], *feats["test"], num_classes=10, k=5, temperature=0.1)
+    assert final[0]["knn_top1"] == pytest.approx(whole["knn_top1"], abs=1e-9)
+    text = (out / "report.md").read_text()
+    assert "kNN curve (3 points)" in text and (out / "plots" / "eval.png").read_bytes().startswith(PNG)
+    assert knn_subsample("auto", torch.device("cpu")) == 2000 and knn_subsample("auto", torch.device("cuda")) == 0
+    assert knn_subsample(500, torch.device("cuda")) == 500

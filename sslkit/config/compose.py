@@ -48,12 +48,12 @@ CONFIG_DIRS: list[Path] = [PACKAGE_CONFIG_DIR.parents[1] / "configs"]
 FREE_FORM = {
     "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
     "model.trunk_kwargs", "model.head", "model.kwargs", "loss", "eval.data.train.kwargs", "eval.data.test.kwargs",
-    "masking", "model.freeze", "slurm.additional",
+    "masking", "model.freeze", "slurm.additional", "log.mlflow.tags",
 }
 GROUPS = ("config", "data")
 #: Keys that take values of several types; their value rule alone checks them.
 _VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
-                     "eval.monitors.enabled"}
+                     "eval.monitors.enabled", "eval.knn.subsample"}
 
 
 class ConfigError(UserError, ValueError):
@@ -420,6 +420,10 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.knn.temperature": (lambda v: v > 0 and _finite(v), "> 0"),
     "eval.knn.batch_size": (lambda v: v > 0, "> 0"),
     "eval.knn.every_n_epochs": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
+    "eval.knn.subsample": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                           "auto (2000 samples per split on the CPU, all on a GPU), 0 (all) or a number of "
+                           "samples"),
+    "log.wandb.mode": (lambda v: v in ("auto", "online", "offline"), "auto, online or offline"),
     "distributed.nproc_per_node": (lambda v: v >= 1, ">= 1"),
     "distributed.num_nodes": (lambda v: v >= 1, ">= 1"),
     "distributed.master_port": (lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0 = a free one)"),

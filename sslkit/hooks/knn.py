@@ -27,7 +27,8 @@ class KNNHook(SSLHook):
 
     The train split (with the eval transform) is the memory bank, the test split the queries.
     Runs on ``on_end`` once (a finished run that is started again reports the stored result
-    instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0, and, with
+    instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0 (``knn_curve_top1``, on
+    ``curve_loaders`` when given: a fixed subsample, the cheap curve of a CPU run), and, with
     ``baselines``, once at the start of a fresh run's first phase for the random-init trunk and the pixels
     (raw in [0, 1] through ``raw_pixel_loaders``, and as the eval transform normalises them).
     Results go to the log and the sinks (metrics.jsonl). ``features`` and ``last_n`` say what is read from a
@@ -50,6 +51,7 @@ class KNNHook(SSLHook):
         raw_pixel_loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
         features: str = "pool",
         last_n: int = 4,
+        curve_loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
     ) -> None:
         self.train_loader = train_loader
         self.test_loader = test_loader
@@ -61,6 +63,7 @@ class KNNHook(SSLHook):
         self.sinks = sinks or []
         self.raw_pixel_loaders = raw_pixel_loaders
         self.features, self.last_n = str(features), int(last_n)
+        self.curve_loaders = curve_loaders
         self.results: dict[str, float] = {}
         self.done = False
         #: The step and the settings of the final evaluation in ``results`` (-1 and {} before it).
@@ -68,12 +71,16 @@ class KNNHook(SSLHook):
         self.done_with: dict[str, Any] = {}
         self._warned = False
 
-    def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None) -> dict[str, float]:
-        """kNN accuracies of ``encoder`` (by default the trunk, read as ``features`` says)."""
+    def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None,
+                 loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None
+                 ) -> dict[str, float]:
+        """kNN accuracies of ``encoder`` (by default the trunk, read as ``features`` says) on ``loaders`` (memory,
+        queries; by default the whole train and test splits)."""
         if encoder is None:
             encoder = FeatureEncoder(task.base_model.trunk, self.features, self.last_n)
-        train_f, train_y = extract_features(encoder, self.train_loader, task.device, task.amp_dtype)
-        test_f, test_y = extract_features(encoder, self.test_loader, task.device, task.amp_dtype)
+        memory, queries = loaders or (self.train_loader, self.test_loader)
+        train_f, train_y = extract_features(encoder, memory, task.device, task.amp_dtype)
+        test_f, test_y = extract_features(encoder, queries, task.device, task.amp_dtype)
         return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self._k(len(train_f)),
                             self.temperature)
 
@@ -123,9 +130,11 @@ class KNNHook(SSLHook):
         self._report(task, results, prefix)
 
     def on_phase_end(self, task: SSLTask) -> None:
-        """Every ``every_n_epochs`` train epochs, if > 0."""
+        """Every ``every_n_epochs`` train epochs, if > 0: a point of the curve, ``knn_curve_top1`` (on
+        ``curve_loaders``, a fixed subsample, when given), apart from the final ``knn_top1``."""
         if task.train and self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0:
-            self._report(task, self.evaluate(task))
+            found = self.evaluate(task, loaders=self.curve_loaders)
+            self._report(task, {k.replace("knn_", "knn_curve_"): v for k, v in found.items()})
 
     @property
     def settings(self) -> dict[str, Any]:
