@@ -1,4 +1,4 @@
-"""Export a trained trunk as a state_dict for its torchvision (ResNets) or timm (ViTs) twin, with its normalisation."""
+"""Export a trunk as weights for its torchvision (ResNets) or timm (ViTs) twin or as ONNX, with its normalisation."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import copy
 import json
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -13,8 +15,9 @@ from torch import nn
 
 from sslkit.checkpoint import atomic_write
 from sslkit.evaluation.pretrained import Pretrained, ToolError, normalisation
+from sslkit.suggest import did_you_mean
 
-__all__ = ["export_main", "export_trunk", "export_vit", "timm_twin", "torchvision_twin"]
+__all__ = ["export_main", "export_onnx", "export_trunk", "export_vit", "timm_twin", "torchvision_twin"]
 
 logger = logging.getLogger("sslkit")
 
@@ -24,14 +27,20 @@ _TWINS = {"resnet18": "resnet18", "resnet34": "resnet34", "resnet50": "resnet50"
 #: ``twin=``: what the exported weights must load into.
 TWIN_MODES = ("auto", "torchvision", "timm", "none")
 
+#: ``format=``: what is written, and the extensions of each.
+FORMATS = {"safetensors": (".safetensors",), "pt": (".pt", ".pth"), "onnx": (".onnx",)}
+
 EXPORT_KEYS = {
     "checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
-    "output": "the file: .safetensors (default <run>/export/encoder.safetensors) or .pt",
+    "output": "the file: .safetensors (default <run>/export/encoder.safetensors), .pt or .onnx (default "
+              "<run>/export/encoder.onnx with format=onnx)",
+    "format": "safetensors | pt (weights) | onnx (the trunk as an ONNX graph, checked with onnxruntime); default: "
+              "output's extension, else safetensors",
     "features": "trunk (default) | teacher (the momentum encoder of BYOL, MoCo, DINO)",
     "twin": "auto (default: torchvision for a ResNet, timm for a ViT) | torchvision (must load strictly into "
             "torchvision.models.<trunk>) | timm (a ViT: must load strictly into timm.create_model(arch, num_classes=0, "
             "**kwargs)) | none (sslkit's own trunk, e.g. small_cnn or the small-image stem; loads into sslkit's trunk "
-            "builder)",
+            "builder); not with format=onnx, whose graph is the architecture",
 }
 
 
@@ -135,6 +144,172 @@ def export_vit(trunk: nn.Module) -> tuple[dict[str, torch.Tensor], str, dict[str
     return state, arch, kwargs, left_out
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# ONNX
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: The ONNX graph's input and output names.
+ONNX_INPUT, ONNX_OUTPUT = "pixels", "features"
+#: onnxruntime's features must equal PyTorch's elementwise to ``ONNX_ATOL + ONNX_RTOL * |PyTorch's|`` (measured
+#: differences, float32 on the CPU: below 6e-6 for small_cnn, ResNet-18/50 and ViT-Tiny/Small/Base, docs/evaluation.md).
+ONNX_ATOL, ONNX_RTOL = 1e-4, 1e-3
+#: The batch size the graph is traced with, and those it is checked with (the batch axis is dynamic).
+_TRACED_BATCH, _CHECKED_BATCHES = 2, (1, 5)
+#: Weights above this many bytes go to a ``<file>.data`` next to the graph (a protobuf file holds at most 2 GiB).
+_ONNX_SINGLE_FILE_BYTES = 1536 * 2**20
+
+
+def _onnx_modules() -> tuple[Any, Any]:
+    """``(onnx, onnxruntime)``; one of them or ``onnxscript`` (the exporter's) missing is a :class:`ToolError`."""
+    import importlib
+
+    found = []
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            raise ToolError(f"format=onnx needs the Python module '{name}', which is not installed: "
+                            "pip install 'sslkit[onnx]' (onnx, onnxscript and onnxruntime)") from None
+    return found[0], found[2]
+
+
+def _write_onnx(model: nn.Module, x: torch.Tensor, path: str, external_data: bool) -> str:
+    """Write ``model`` traced on ``x`` to ``path`` (alone in its folder) with a dynamic batch axis, its weights in
+    ``<path>.data`` if ``external_data``; returns the exporter used: torch.export's (``dynamo``, preferred) or, where
+    that fails, the TorchScript one (``torchscript``)."""
+    import warnings
+
+    try:
+        program = torch.onnx.export(model, (x,), None, input_names=[ONNX_INPUT], output_names=[ONNX_OUTPUT],
+                                    dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True, verbose=False)
+        program.save(path, external_data=external_data)
+        return "dynamo"
+    except Exception as exc:  # any failure of torch.export: try the older exporter
+        first = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    logger.warning("export: torch.onnx.export(dynamo=True) failed (%s); trying the TorchScript exporter", first)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its deprecation and tracer warnings: the check below decides
+            torch.onnx.export(model, (x,), path, input_names=[ONNX_INPUT], output_names=[ONNX_OUTPUT],
+                              dynamic_axes={ONNX_INPUT: {0: "batch"}, ONNX_OUTPUT: {0: "batch"}}, dynamo=False)
+    except Exception as exc:
+        raise ToolError(f"this trunk cannot be exported to ONNX: the dynamo exporter says {first}; the TorchScript "
+                        f"exporter says {type(exc).__name__}: {exc}") from None
+    if external_data:  # its own choice of files (one per tensor, if any): rewritten as the one <file>.data
+        import onnx
+
+        proto = onnx.load(path)
+        folder, name = os.path.split(path)
+        for other in os.listdir(folder):
+            if other != name:
+                os.remove(os.path.join(folder, other))
+        onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{name}.data")
+    return "torchscript"
+
+
+def _check_onnx(path: str, model: nn.Module, shape: tuple[int, int, int], dim: int) -> tuple[int, dict[str, float]]:
+    """Run the graph at ``path`` with onnxruntime (CPU) on random inputs of the batch sizes it was not traced with and
+    compare with ``model``'s features; returns ``(opset, {batch size: max abs difference})``. A fixed batch axis, a
+    wrong name or shape, or a difference above the tolerance is a :class:`ToolError`: a bug."""
+    import numpy as np
+
+    onnx, ort = _onnx_modules()
+    bug = "nothing was written; please report this as a bug"
+    graph = onnx.load(path, load_external_data=False)
+    opset = next((int(o.version) for o in graph.opset_import if o.domain in ("", "ai.onnx")), 0)
+    first = graph.graph.input[0].type.tensor_type.shape.dim[0] if graph.graph.input else None
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise ToolError(f"onnxruntime cannot load the exported graph ({type(exc).__name__}: {exc}); {bug}") from None
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    names = ([i.name for i in inputs], [o.name for o in outputs])
+    if names != ([ONNX_INPUT], [ONNX_OUTPUT]):
+        raise ToolError(f"the exported graph's inputs and outputs are {names}, not {ONNX_INPUT!r} -> "
+                        f"{ONNX_OUTPUT!r}; {bug}")
+    batch = inputs[0].shape[0]
+    if isinstance(batch, int) or first is None or first.HasField("dim_value") or not first.dim_param:
+        raise ToolError(f"the exported graph's input {ONNX_INPUT!r} has the shape {inputs[0].shape}: its batch axis "
+                        f"is fixed, not dynamic; {bug}")
+    if list(inputs[0].shape[1:]) != list(shape):
+        raise ToolError(f"the exported graph's input {ONNX_INPUT!r} has the shape {inputs[0].shape}, not "
+                        f"[batch, {', '.join(map(str, shape))}]; {bug}")
+    g = torch.Generator().manual_seed(0)
+    measured: dict[str, float] = {}
+    for n in _CHECKED_BATCHES:
+        x = torch.randn(n, *shape, generator=g)
+        with torch.no_grad():
+            want = model(x).float().numpy()
+        try:
+            got = np.asarray(session.run([ONNX_OUTPUT], {ONNX_INPUT: x.numpy()})[0])
+        except Exception as exc:
+            raise ToolError(f"onnxruntime cannot run the exported graph on a {tuple(x.shape)} input "
+                            f"({type(exc).__name__}: {exc}); {bug}") from None
+        if got.shape != want.shape or got.shape != (n, dim):
+            raise ToolError(f"on a {tuple(x.shape)} input the exported graph gives features of shape {got.shape}, "
+                            f"PyTorch {want.shape}; {bug}")
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        worst = float(np.nanmax(diff)) if diff.size else 0.0
+        if not np.all(diff <= ONNX_ATOL + ONNX_RTOL * np.abs(want)):  # NaN fails too
+            worst = float("nan") if np.isnan(diff).any() else worst
+            raise ToolError(f"the exported graph gives other features than the PyTorch trunk on a {tuple(x.shape)} "
+                            f"input: max abs difference {worst:.3g} (allowed: {ONNX_ATOL:g} + {ONNX_RTOL:g} x "
+                            f"|features|); {bug}")
+        measured[str(n)] = worst
+    return opset, measured
+
+
+def export_onnx(trunk: nn.Module, path: str, channels: int, image_size: int) -> dict[str, Any]:
+    """Write ``trunk`` (a float32 CPU copy in eval mode) as an ONNX graph to ``path``: input ``pixels``
+    ``[batch, channels, image_size, image_size]``, output ``features`` ``[batch, D]``, the batch axis dynamic.
+
+    It is exported next to ``path`` first and checked (:func:`_check_onnx`: onnxruntime against PyTorch on batch sizes
+    other than the traced one), then moved into place with ``os.replace``; a failed check writes nothing. Returns the
+    ``onnx`` entry of ``encoder.json``."""
+    onnx, ort = _onnx_modules()
+    model = copy.deepcopy(trunk).to("cpu", torch.float32).eval()
+    shape = (int(channels), int(image_size), int(image_size))
+    x = torch.randn(_TRACED_BATCH, *shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dim = int(model(x).shape[1])
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    external = size > _ONNX_SINGLE_FILE_BYTES
+    folder = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(path)
+    staging = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=folder)  # its own folder: the .data's name
+    try:
+        tmp = os.path.join(staging, name)
+        exporter = _write_onnx(model, x, tmp, external)
+        opset, measured = _check_onnx(tmp, model, shape, dim)
+        data = tmp + ".data"
+        external = os.path.exists(data)
+        if external:
+            os.replace(data, path + ".data")
+        elif os.path.exists(path + ".data"):
+            os.remove(path + ".data")  # an earlier export's weights, which this graph does not read
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    side = f"{image_size}x{image_size}"
+    return {
+        "opset": opset, "exporter": f"torch.onnx.export ({exporter})",
+        "input": {"name": ONNX_INPUT, "shape": ["batch", *shape], "dtype": "float32"},
+        "output": {"name": ONNX_OUTPUT, "shape": ["batch", dim], "dtype": "float32"},
+        "dynamic_axes": f"batch (axis 0) only: the image size is fixed at {side} (resize and crop images to it)",
+        "external_data": f"{name}.data" if external else None,
+        "tolerance": {"atol": ONNX_ATOL, "rtol": ONNX_RTOL,
+                      "rule": "|onnxruntime - torch| <= atol + rtol * |torch| on every feature"},
+        "checked": {"provider": "CPUExecutionProvider", "traced_batch": _TRACED_BATCH, "inputs": "randn",
+                    "max_abs_difference": measured},
+        "onnxruntime": str(ort.__version__), "onnx": str(onnx.__version__), "torch": str(torch.__version__),
+        "load": f"import onnxruntime; features = onnxruntime.InferenceSession('{name}', "
+                f"providers=['CPUExecutionProvider']).run(['{ONNX_OUTPUT}'], {{'{ONNX_INPUT}': x}})[0]  # x: float32 "
+                f"[batch, {channels}, {image_size}, {image_size}], pixels in [0, 1] normalised (x - mean) / std as "
+                "'input' says",
+    }
+
+
 def _save(path: str, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     if path.endswith(".safetensors"):
         from safetensors.torch import save
@@ -179,66 +354,121 @@ def _builder_kwargs(cfg: Any, channels: int) -> dict[str, Any]:
     return json.loads(json.dumps(trunk_arguments(cfg, builder, channels), default=str))
 
 
+def _format(opts: dict[str, str]) -> str:
+    """What ``format=`` and ``output=`` ask for: ``safetensors``, ``pt`` or ``onnx``; an unknown format, an output of
+    another extension, or ``format=onnx`` with an explicit ``twin=`` is a :class:`ToolError` naming both."""
+    output, given = opts.get("output"), opts.get("format")
+    if given is not None and given not in FORMATS:
+        raise ToolError(f"format={given}: use format={', format='.join(FORMATS)}.{did_you_mean(given, FORMATS)}")
+    by_extension = next((f for f, exts in FORMATS.items() if output and output.lower().endswith(exts)), None)
+    if output and by_extension is None:
+        wanted = " or ".join(FORMATS[given]) if given else ".safetensors, .pt or .onnx"
+        raise ToolError(f"output={output}: the file's extension says the format: {wanted}")
+    if given and by_extension and given != by_extension:
+        raise ToolError(f"output={output} is a .{output.rpartition('.')[2]} file but format={given} writes "
+                        f"{' or '.join(FORMATS[given])}: give one of them, or matching ones")
+    fmt = given or by_extension or "safetensors"
+    if fmt == "onnx" and opts.get("twin", "auto") != "auto":
+        raise ToolError(f"twin={opts['twin']} does not apply to format=onnx: the ONNX graph is the architecture, it "
+                        "loads into no torchvision or timm model. Leave twin= out, or export weights "
+                        "(format=safetensors) for a twin.")
+    return fmt
+
+
+def _architecture(trunk: nn.Module, cfg: Any, channels: int) -> str:
+    """What the trunk is, in words: ``timm <arch>``, ``torchvision.models.<name>`` or ``sslkit trunk <name>``."""
+    vit = timm_twin(trunk)
+    if vit is not None:
+        return f"timm {vit[0]}"
+    name, _ = torchvision_twin(cfg, channels)
+    return f"torchvision.models.{name}" if name else f"sslkit trunk {cfg.model.trunk}"
+
+
 def _export(args: list[str]) -> int:
     from sslkit.evaluation.tools import _features_part, _module, _pretrained, parse_tool_args
 
     opts, overrides = parse_tool_args("export", args, EXPORT_KEYS)
     output = opts.get("output")
-    if output and not output.endswith((".safetensors", ".pt", ".pth")):
-        raise ToolError(f"output={output}: the file's extension says the format: .safetensors or .pt")
     twin_mode = opts.get("twin", "auto")
     if twin_mode not in TWIN_MODES:
         raise ToolError(f"twin={twin_mode}: use twin={', twin='.join(TWIN_MODES)}")
+    fmt = _format(opts)
+    if fmt == "onnx":
+        _onnx_modules()  # said before the checkpoint is read
     pre: Pretrained = _pretrained("export", opts, overrides)
     part = _features_part(opts, ("trunk", "teacher"))
     trunk = _module(pre, part)
-    channels = next(p for p in trunk.parameters() if p.ndim == 4).shape[1]
-    kind, twin = _twin(twin_mode, trunk, pre.config, int(channels))
-    path = output or os.path.join(pre.run_dir, "export", "encoder.safetensors")
+    channels = int(next(p for p in trunk.parameters() if p.ndim == 4).shape[1])
+    path = output or os.path.join(pre.run_dir, "export", f"encoder{FORMATS[fmt][0]}")
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     file = os.path.basename(path)
-    loader = "safetensors.torch.load_file" if path.endswith(".safetensors") else "torch.load"
-    norm = normalisation(pre.config, int(channels))
+    norm = normalisation(pre.config, channels)
     meta: dict[str, Any]
-    if kind == "timm":
-        state, arch, kwargs, left_out = export_vit(trunk)
-        meta = {
-            "architecture": f"timm {arch}", "timm_arch": arch, "timm_kwargs": kwargs,
-            "classifier": "none (num_classes=0): the model's output is the pooled features "
-                          f"({'the CLS token' if kwargs.get('global_pool') == 'token' else 'the mean patch token'})",
-            "left_out": left_out or None,
-            "load": f"m = timm.create_model('{arch}', num_classes=0, **encoder_json['timm_kwargs']); "
-                    f"m.load_state_dict({loader}('{file}'))"}
+    state: dict[str, torch.Tensor] = {}
+    if fmt == "onnx":
+        vit = timm_twin(trunk)
+        image_size = int(vit[1]["img_size"]) if vit is not None else int(norm["image_size"])
+        entry = export_onnx(trunk, path, channels, image_size)
+        meta = {"architecture": _architecture(trunk, pre.config, channels), "format": "onnx", "onnx": entry,
+                "load": entry["load"]}
+        if vit is not None:
+            meta.update({"timm_arch": vit[0], "timm_kwargs": vit[1]})
     else:
-        state = export_trunk(trunk, twin)
-        meta = {
-            "architecture": f"torchvision.models.{twin}" if twin else f"sslkit trunk {pre.config.model.trunk}",
-            "classifier": "fc = torch.nn.Identity()" if twin else None,
-            "load": (f"m = torchvision.models.{twin}(); m.fc = torch.nn.Identity(); "
-                     f"m.load_state_dict({loader}('{file}'))") if twin else
-                    (f"import sslkit.models; m = sslkit.registry.TRUNKS.get('{pre.config.model.trunk}')"
-                     f"(**encoder_json['builder_kwargs']); m.load_state_dict({loader}('{file}'))")}
+        kind, twin = _twin(twin_mode, trunk, pre.config, channels)
+        loader = "safetensors.torch.load_file" if fmt == "safetensors" else "torch.load"
+        if kind == "timm":
+            state, arch, kwargs, left_out = export_vit(trunk)
+            pooled = "the CLS token" if kwargs.get("global_pool") == "token" else "the mean patch token"
+            meta = {
+                "architecture": f"timm {arch}", "timm_arch": arch, "timm_kwargs": kwargs,
+                "classifier": f"none (num_classes=0): the model's output is the pooled features ({pooled})",
+                "left_out": left_out or None,
+                "load": f"m = timm.create_model('{arch}', num_classes=0, **encoder_json['timm_kwargs']); "
+                        f"m.load_state_dict({loader}('{file}'))"}
+        else:
+            state = export_trunk(trunk, twin)
+            meta = {
+                "architecture": f"torchvision.models.{twin}" if twin else f"sslkit trunk {pre.config.model.trunk}",
+                "classifier": "fc = torch.nn.Identity()" if twin else None,
+                "load": (f"m = torchvision.models.{twin}(); m.fc = torch.nn.Identity(); "
+                         f"m.load_state_dict({loader}('{file}'))") if twin else
+                        (f"import sslkit.models; m = sslkit.registry.TRUNKS.get('{pre.config.model.trunk}')"
+                         f"(**encoder_json['builder_kwargs']); m.load_state_dict({loader}('{file}'))")}
+        meta["format"] = fmt
     meta.update({"trunk_kwargs": dict(pre.config.model.trunk_kwargs),
-                 "builder_kwargs": _builder_kwargs(pre.config, int(channels)), "in_channels": int(channels),
+                 "builder_kwargs": _builder_kwargs(pre.config, channels), "in_channels": channels,
                  "feature_dim": int(getattr(trunk, "out_dim", 0)) or None, "input": norm,
                  "method": str(pre.config.method.name), "features": part, "checkpoint": pre.path, "step": pre.step})
-    _save(path, state, meta)
+    if fmt != "onnx":
+        _save(path, state, meta)
     sidecar = os.path.splitext(path)[0] + ".json"
     text = json.dumps(meta, indent=1)
     atomic_write(sidecar, lambda f: f.write(text.encode()))
-    logger.info("export: %d tensors of the %s (step %d) -> %s (%s); input: pixels in [0, 1], mean %s, std %s; "
-                "details in %s", len(state), part, pre.step, path, meta["architecture"], norm["mean"], norm["std"],
-                sidecar)
+    if fmt == "onnx":
+        checked = meta["onnx"]["checked"]["max_abs_difference"]
+        logger.info("export: the %s (step %d) as an ONNX graph -> %s (%s, opset %d); input %r %s, pixels in [0, 1], "
+                    "mean %s, std %s; onnxruntime matches PyTorch (max abs difference %s, allowed %g + %g x "
+                    "|features|); details in %s", part, pre.step, path, meta["architecture"], meta["onnx"]["opset"],
+                    ONNX_INPUT, meta["onnx"]["input"]["shape"], norm["mean"], norm["std"],
+                    ", ".join(f"{v:.2g} at batch {k}" for k, v in checked.items()), ONNX_ATOL, ONNX_RTOL, sidecar)
+    else:
+        logger.info("export: %d tensors of the %s (step %d) -> %s (%s); input: pixels in [0, 1], mean %s, std %s; "
+                    "details in %s", len(state), part, pre.step, path, meta["architecture"], norm["mean"],
+                    norm["std"], sidecar)
     return 0
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """``sslkit export checkpoint=RUN_DIR output=encoder.safetensors [features=teacher] [twin=auto|timm|none]``"""
+    """``sslkit export checkpoint=RUN_DIR [output=encoder.safetensors] [format=safetensors|pt|onnx]
+    [features=teacher] [twin=auto|torchvision|timm|none]``"""
     from sslkit.evaluation.tools import run_tool
 
     keys = "\n".join(f"  {k}=...  {v}" for k, v in EXPORT_KEYS.items())
-    usage = ("usage: sslkit export checkpoint=RUN_DIR|FILE [output=encoder.safetensors] [key=value ...]\n\n"
+    usage = ("usage: sslkit export checkpoint=RUN_DIR|FILE [output=encoder.safetensors] [format=onnx] "
+             "[key=value ...]\n\n"
              "The trunk's weights as a plain state_dict that loads with strict=True into the matching torchvision "
-             "model (a ResNet, fc = nn.Identity()) or timm model (a ViT, num_classes=0), and its input normalisation "
-             "and the model's arguments in a .json next to it.\n\n" + keys)
+             "model (a ResNet, fc = nn.Identity()) or timm model (a ViT, num_classes=0), or with format=onnx the trunk "
+             "as an ONNX graph (input 'pixels' [batch, C, H, W], output 'features' [batch, D], the batch axis dynamic, "
+             "checked with onnxruntime before it is written); and its input normalisation and the model's arguments "
+             "in a .json next to it.\n\n" + keys)
     return run_tool("export", _export, argv, usage)
