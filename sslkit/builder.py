@@ -373,6 +373,10 @@ def build_task(cfg: DictConfig) -> SSLTask:
         if knn is not None:
             hooks.append(knn)
 
+    if rank == 0:  # log.wandb, log.mlflow: last, so that a failure above opens no tracker run that nothing ends
+        from sslkit.trackers import build_trackers
+
+        sinks += build_trackers(cfg)  # the list the log and kNN hooks hold: they write to the trackers too
     task = SSLTask(
         Training(model=model, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule, wd_schedule=wd_schedule,
                  scaler=scaler, amp_dtype=amp_dtype, accumulate_steps=accumulate, global_batch_size=global_batch,

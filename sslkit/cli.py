@@ -42,6 +42,7 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
     the command-line arguments, kept in the folder for the run's report.
     """
     from sslkit.builder import build_task
+    from sslkit.trackers import finish_trackers
     from sslkit.trainer import train
 
     rank = get_rank()
@@ -66,10 +67,14 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
                 logger.info("resumed from %s", path)
         step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
         train(task, step)
+    except BaseException as exc:
+        finish_trackers(task, exc)  # W&B / MLflow: KILLED after a pre-emption or Ctrl-C, FAILED after an error
+        raise
     finally:
         task.close()
     if rank == 0 and cfg.log.report:
         _write_report(cfg.output_dir)
+    finish_trackers(task, artifacts=rank == 0 and bool(cfg.log.report))  # FINISHED, with report.md and plots
     return task
 
 

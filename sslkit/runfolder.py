@@ -37,7 +37,7 @@ COMMAND_FILE = "command.json"
 PREVIOUS = "previous"
 #: What a run writes into its folder; a fresh start moves these aside.
 RUN_FILES = ("config.yaml", "command.json", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "eval",
-             "report.md", "plots")
+             "report.md", "plots", "trackers.json", "wandb", "viz", "export")
 
 #: Keys that do not change what is computed, only where, how fast or how it is reported: a run
 #: resumes with new values of these without a word. (Prefixes end with a dot.)
