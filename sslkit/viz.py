@@ -185,7 +185,7 @@ def embed_2d(features: Tensor, method: str = "auto", seed: int = 0) -> tuple[np.
         else:
             n_neighbors = max(2, min(15, x.shape[0] - 1))
             reducer = umap.UMAP(n_components=2, n_neighbors=n_neighbors, min_dist=0.1, metric="cosine",
-                                random_state=seed)
+                                random_state=seed, n_jobs=1)  # seeded: one thread (umap-learn's rule)
             coords = reducer.fit_transform(x.numpy())
             from importlib.metadata import version as installed
 

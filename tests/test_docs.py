@@ -274,7 +274,8 @@ def plan(command: str) -> Plan:
             argv[:2] == ["python", "tools/audit.py"]:
         return Plan("quick", timeout=300.0 if argv[:2] == ["sslkit", "doctor"] else 120.0)
     if _tool(argv) is not None:
-        if _tool(argv) == "export" and "twin=none" not in argv:  # the tiny run's small CNN has no torchvision twin
+        if _tool(argv) == "export" and not {"twin=none", "format=onnx"} & set(argv):
+            # the tiny run's small CNN has no torchvision twin
             return Plan("refusal", names="no torchvision twin", timeout=60.0)
         return Plan("tool", names=_tool(argv) or "", timeout=90.0)
     if argv[:2] in (["python", "benchmarks/overhead.py"], ["python", "benchmarks/throughput.py"]):
@@ -293,7 +294,7 @@ def plan(command: str) -> Plan:
 
 #: The tools run on a trained run: ``sslkit <sub>`` or ``python tools/<script>`` -> the subcommand.
 TOOLS = {"eval_knn.py": "knn", "eval_linear.py": "linear", "extract_features.py": "extract", "export.py": "export",
-         "eval_finetune.py": "finetune"}
+         "eval_finetune.py": "finetune", "visualize.py": "viz"}
 
 
 def _tool(argv: list[str]) -> str | None:
@@ -615,7 +616,9 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
     elif p.kind == "tool":  # ran on the tiny run and wrote what the docs say
         assert got.returncode == 0, context
         written = {"knn": "eval/knn.json", "linear": "eval/linear.json", "report": "report.md",
-                   "finetune": "eval/finetune.json"}
+                   "finetune": "eval/finetune.json", "viz": "viz/index.html"}
+        if p.names == "export" and "format=onnx" in command and "output=" not in command:
+            assert (got.cwd / DOC_RUN / "export" / "encoder.onnx").exists(), context
         if p.names in written:
             assert (got.cwd / DOC_RUN / written[p.names]).exists(), context
         for path in re.findall(r"(?<!\S)output=(\S+)", command):
