@@ -620,11 +620,11 @@ def _neighbors(job: Job) -> dict[str, Any]:
     shown = job.shown()
     if not shown.classes:
         shown.classes = classes
-    with torch.no_grad():
-        from sslkit.evaluation.tools import feature_encoder
+    from sslkit.evaluation.features import extract_features
+    from sslkit.evaluation.tools import _amp, feature_encoder
 
-        enc = feature_encoder(job.trunk, cfg).eval()
-        q = enc(shown.inputs.to(job.pre.device)).float().cpu()
+    batch = [{"input": [shown.inputs], "target": torch.tensor(shown.labels)}]  # as the memory: the same autocast
+    q, _ = extract_features(feature_encoder(job.trunk, cfg), batch, job.pre.device, _amp(cfg), normalize=True)
     sims, idx = nearest(mem_f, q, k)
     vote_k = min(int(cfg.eval.knn.k), len(mem_f))
     scores = knn_class_scores(mem_f, mem_y, q, num_classes, vote_k, float(cfg.eval.knn.temperature))

@@ -81,3 +81,28 @@ def test_a_multi_gpu_checkpoint_evaluates_on_this_gpu_and_too_many_extract_proce
     said = capfd.readouterr().err
     assert f"Set distributed.nproc_per_node={n - 1}, or machine.device=cpu" in said, said
     assert "Traceback" not in said and not out.exists()
+
+
+def test_viz_on_cuda_draws_what_the_cpu_draws(tmp_path: Path) -> None:
+    """sslkit viz of a tiny ViT on the GPU: the same neighbours and kept patches as on the CPU (the attention and
+    features in float32 on both; the kNN memory as the kNN tool reads it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from helpers import RECIPES, run_sslkit
+
+    out = tmp_path / "vit"
+    run_main("config=simclr_vit", *SMALL, *RECIPES["simclr_vit"], "optim.max_steps=2", "eval.knn.enabled=false",
+             "machine.device=cuda", f"output_dir={out}")
+    found = {}
+    for device in ("cpu", "cuda"):
+        code, _, err = run_sslkit("viz", f"checkpoint={out}", f"machine.device={device}", "n=3", "k=4",
+                                  "method=pca", "samples=40", f"output={tmp_path / device}")
+        assert code == 0, err
+        found[device] = {kind: json.loads((tmp_path / device / kind / f"{kind}.json").read_text())
+                         for kind in ("attention", "pca", "neighbors")}
+    cpu, cuda = found["cpu"], found["cuda"]
+    for a, b in zip(cpu["attention"]["images"], cuda["attention"]["images"]):  # a patch at the boundary may flip
+        assert all(abs(x - y) <= 1 for x, y in zip(a["kept_patches"], b["kept_patches"]))
+    for a, b in zip(cpu["neighbors"]["queries"], cuda["neighbors"]["queries"]):
+        assert a["similarities"] == pytest.approx(b["similarities"], abs=1e-3)
+    assert cpu["pca"]["explained_variance_ratio"] == pytest.approx(cuda["pca"]["explained_variance_ratio"], abs=1e-3)
