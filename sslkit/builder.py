@@ -531,10 +531,10 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
 
 
 def knn_subsample(setting: Any, device: torch.device) -> int:
-    """Samples per split of the kNN curve (``eval.knn.subsample``): ``auto`` is 2000 on the CPU and all (0) on a GPU,
+    """Samples per split of the kNN curve (``eval.knn.subsample``): ``auto`` is 5000 on the CPU and all (0) on a GPU,
     where the whole kNN is cheap."""
     if setting == "auto":
-        return 0 if device.type == "cuda" else 2000
+        return 0 if device.type == "cuda" else 5000
     return int(setting)
 
 
@@ -570,18 +570,21 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers:
                                      "std": [1.0] * channels})
         raw = (_loader(cfg, train_source, identity, train=False, **loading),
                _loader(cfg, test_source, identity, train=False, **loading))
-    curve = None
+    curve, curve_k = None, None
     if k.every_n_epochs > 0:  # the curve: a fixed subsample on the CPU (eval.knn.subsample), apart from the final kNN
         n = knn_subsample(k.subsample, device)
         subsets = [_fixed_subset(s, n, cfg.seed + i) for i, s in enumerate((train_source, test_source))]
         curve = tuple(_loader(cfg, s, cfg.data.eval_transform, train=False, **loading) for s in subsets)
-        logger.info("kNN curve every %d epoch(s) on %s train and %s test samples (eval.knn.subsample=%s), logged as "
-                    "knn_curve_top1; the final kNN uses every sample", k.every_n_epochs,
-                    *(len(s) for s in subsets), k.subsample)  # type: ignore[arg-type]
+        # k scaled with the memory: 200 neighbours of 2000 reach far further than 200 of 60000 (on Fashion-MNIST
+        # SimCLR features, 0.776 against the whole kNN's 0.853; 7 of them give 0.825, 17 of 5000 give 0.849)
+        curve_k = max(1, round(k.k * len(subsets[0]) / len(train_source)))  # type: ignore[arg-type]
+        logger.info("kNN curve every %d epoch(s) on %s train and %s test samples (eval.knn.subsample=%s) with k=%d "
+                    "(eval.knn.k scaled to the memory), logged as knn_curve_top1; the final kNN uses every sample",
+                    k.every_n_epochs, *(len(s) for s in subsets), k.subsample, curve_k)  # type: ignore[arg-type]
     kind, last_n = str(cfg.eval.vit_features), int(cfg.eval.vit_last_n)
     if kind != "pool":
         logger.info("kNN reads the ViT's %s features (eval.vit_features)%s", kind,
                     f", the last {last_n} blocks" if kind == "cls_last_n" else "")
     return KNNHook(memory, queries, num_classes, k=k.k, temperature=k.temperature,
                    every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw,
-                   features=kind, last_n=last_n, curve_loaders=curve)
+                   features=kind, last_n=last_n, curve_loaders=curve, curve_k=curve_k)

@@ -93,8 +93,9 @@ def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
 
 def test_a_knn_curve_on_a_fixed_subsample_every_epoch_apart_from_the_final_knn(tmp_path: Path) -> None:
     """eval.knn.every_n_epochs=1 with eval.knn.subsample=20: one knn_curve_top1 per epoch, on 20 samples of each
-    split drawn once by the seed; the last point (the final weights) is the weighted kNN of those samples' features
-    as sslkit extract gives them; the final knn_top1 uses every sample; the report draws both."""
+    split drawn once by the seed, with k scaled to the smaller memory; the last point (the final weights) is the
+    weighted kNN of those samples' features as sslkit extract gives them; the final knn_top1 uses every sample with
+    eval.knn.k; the report draws both."""
     import numpy as np
     import torch
 
@@ -120,11 +121,12 @@ def test_a_knn_curve_on_a_fixed_subsample_every_epoch_apart_from_the_final_knn(t
     picked = {split: torch.randperm(len(feats[split][0]), generator=torch.Generator().manual_seed(seed + i))[:20]
               for i, split in enumerate(("train", "test"))}
     sub = {split: (f[picked[split]], y[picked[split]]) for split, (f, y) in feats.items()}
-    expected = weighted_knn(*sub["train"], *sub["test"], num_classes=10, k=5, temperature=0.1)
+    # k scaled to the memory: eval.knn.k=5 on 20 of the 64 train samples -> round(5 * 20 / 64) = 2
+    expected = weighted_knn(*sub["train"], *sub["test"], num_classes=10, k=2, temperature=0.1)
     assert curve[-1]["knn_curve_top1"] == pytest.approx(expected["knn_top1"], abs=1e-9)
     whole = weighted_knn(*feats["train"], *feats["test"], num_classes=10, k=5, temperature=0.1)
     assert final[0]["knn_top1"] == pytest.approx(whole["knn_top1"], abs=1e-9)
     text = (out / "report.md").read_text()
     assert "kNN curve (3 points)" in text and (out / "plots" / "eval.png").read_bytes().startswith(PNG)
-    assert knn_subsample("auto", torch.device("cpu")) == 2000 and knn_subsample("auto", torch.device("cuda")) == 0
+    assert knn_subsample("auto", torch.device("cpu")) == 5000 and knn_subsample("auto", torch.device("cuda")) == 0
     assert knn_subsample(500, torch.device("cuda")) == 500

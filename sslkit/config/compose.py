@@ -421,7 +421,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.knn.batch_size": (lambda v: v > 0, "> 0"),
     "eval.knn.every_n_epochs": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
     "eval.knn.subsample": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-                           "auto (2000 samples per split on the CPU, all on a GPU), 0 (all) or a number of "
+                           "auto (5000 samples per split on the CPU, all on a GPU), 0 (all) or a number of "
                            "samples"),
     "log.wandb.mode": (lambda v: v in ("auto", "online", "offline"), "auto, online or offline"),
     "distributed.nproc_per_node": (lambda v: v >= 1, ">= 1"),

@@ -28,8 +28,8 @@ class KNNHook(SSLHook):
     The train split (with the eval transform) is the memory bank, the test split the queries.
     Runs on ``on_end`` once (a finished run that is started again reports the stored result
     instead of recomputing it), after every ``every_n_epochs`` train epochs if > 0 (``knn_curve_top1``, on
-    ``curve_loaders`` when given: a fixed subsample, the cheap curve of a CPU run), and, with
-    ``baselines``, once at the start of a fresh run's first phase for the random-init trunk and the pixels
+    ``curve_loaders`` with ``curve_k`` neighbours when given: a fixed subsample, the cheap curve of a CPU run), and,
+    with ``baselines``, once at the start of a fresh run's first phase for the random-init trunk and the pixels
     (raw in [0, 1] through ``raw_pixel_loaders``, and as the eval transform normalises them).
     Results go to the log and the sinks (metrics.jsonl). ``features`` and ``last_n`` say what is read from a
     ViT trunk (``eval.vit_features``: :class:`~sslkit.evaluation.FeatureEncoder`); a CNN gives ``pool``, its own.
@@ -52,6 +52,7 @@ class KNNHook(SSLHook):
         features: str = "pool",
         last_n: int = 4,
         curve_loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
+        curve_k: int | None = None,
     ) -> None:
         self.train_loader = train_loader
         self.test_loader = test_loader
@@ -64,6 +65,7 @@ class KNNHook(SSLHook):
         self.raw_pixel_loaders = raw_pixel_loaders
         self.features, self.last_n = str(features), int(last_n)
         self.curve_loaders = curve_loaders
+        self.curve_k = curve_k
         self.results: dict[str, float] = {}
         self.done = False
         #: The step and the settings of the final evaluation in ``results`` (-1 and {} before it).
@@ -72,17 +74,17 @@ class KNNHook(SSLHook):
         self._warned = False
 
     def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None,
-                 loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None
-                 ) -> dict[str, float]:
+                 loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
+                 k: int | None = None) -> dict[str, float]:
         """kNN accuracies of ``encoder`` (by default the trunk, read as ``features`` says) on ``loaders`` (memory,
-        queries; by default the whole train and test splits)."""
+        queries; by default the whole train and test splits) with ``k`` neighbours (by default ``self.k``)."""
         if encoder is None:
             encoder = FeatureEncoder(task.base_model.trunk, self.features, self.last_n)
         memory, queries = loaders or (self.train_loader, self.test_loader)
         train_f, train_y = extract_features(encoder, memory, task.device, task.amp_dtype)
         test_f, test_y = extract_features(encoder, queries, task.device, task.amp_dtype)
-        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, self._k(len(train_f)),
-                            self.temperature)
+        used = self._k(len(train_f)) if k is None else min(k, len(train_f))
+        return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, used, self.temperature)
 
     def _k(self, memory: int) -> int:
         """k, or the memory size when k is larger, which is said once in the log (every memory sample would
@@ -96,10 +98,10 @@ class KNNHook(SSLHook):
             self._warned = True
         return memory
 
-    def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "") -> None:
+    def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "", k: int | None = None) -> None:
         record: dict[str, Any] = {"step": task.iteration, "epoch": task.epoch, "phase": "eval"}
-        record.update({prefix + k: v for k, v in results.items()})
-        logger.info("kNN at step %d (k=%d, T=%g) %s", task.iteration, self.k, self.temperature,
+        record.update({prefix + key: v for key, v in results.items()})
+        logger.info("kNN at step %d (k=%d, T=%g) %s", task.iteration, k or self.k, self.temperature,
                     ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith(prefix + "knn")))
         for sink in self.sinks:
             sink.write(record)
@@ -133,8 +135,8 @@ class KNNHook(SSLHook):
         """Every ``every_n_epochs`` train epochs, if > 0: a point of the curve, ``knn_curve_top1`` (on
         ``curve_loaders``, a fixed subsample, when given), apart from the final ``knn_top1``."""
         if task.train and self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0:
-            found = self.evaluate(task, loaders=self.curve_loaders)
-            self._report(task, {k.replace("knn_", "knn_curve_"): v for k, v in found.items()})
+            found = self.evaluate(task, loaders=self.curve_loaders, k=self.curve_k)
+            self._report(task, {key.replace("knn_", "knn_curve_"): v for key, v in found.items()}, k=self.curve_k)
 
     @property
     def settings(self) -> dict[str, Any]:
