@@ -456,9 +456,13 @@ def _int(opts: dict[str, str], key: str, default: int, low: int) -> int:
 
 
 def _attention(job: Job) -> dict[str, Any]:
-    mass = float(job.opts.get("mass", "0.6"))
-    if not 0 < mass <= 1:
-        raise ToolError(f"mass={job.opts['mass']}: the share of attention kept, in (0, 1]")
+    raw = job.opts.get("mass", "0.6")
+    try:
+        mass = float(raw)
+    except ValueError:
+        mass = float("nan")
+    if not 0 < mass <= 1:  # (NaN fails too)
+        raise ToolError(f"mass={raw}: give the share of attention kept, a number in (0, 1], e.g. mass=0.6")
     shown = job.shown()
     x = shown.inputs.to(job.pre.device)
     weights, prefix = cls_attention(job.trunk, x)

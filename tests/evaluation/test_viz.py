@@ -268,6 +268,7 @@ def test_viz_reads_a_folder_skips_an_unreadable_image_and_says_so(vit_run: Path,
     (("kind=pca", "images={broken}"), "none of the 1 images could be read"),
     (("kind=attention", "image_size=30"), "multiples of its patch size, 8"),
     (("mass=1.5", "kind=attention"), "mass=1.5"),
+    (("mass=most", "kind=attention"), "mass=most: give the share"),
     (("features=teacher",), "has no teacher"),
     (("n=lots",), "n=lots: give a whole number"),
 ])
