@@ -23,13 +23,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``gpu`` are skipped, not failed, where no CUDA device is visible (CI). Tests marked
     ``multiprocess`` form one pytest-xdist group (used with ``--dist loadgroup``): they run one after another on
     one worker while the others take the rest, so two of them never share the cores with their process groups
-    (2 x 2-4 processes on 2 cores made every test beside them several times slower)."""
+    (2 x 2-4 processes on 2 cores made every test beside them several times slower). The SLURM job's test
+    (``slurm_job``), which mostly waits on SLURM, is a group of its own: it runs beside them."""
     import torch
 
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            if "multiprocess" in item.keywords:
-                item.add_marker(pytest.mark.xdist_group(name="multiprocess"))
+            # (prepended: it overrides a group of the test's own, such as the doc commands')
+            if "slurm_job" in item.keywords:  # mostly waits on SLURM's scheduler: beside the others, in its own group
+                item.add_marker(pytest.mark.xdist_group(name="slurm"), append=False)
+            elif "multiprocess" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group(name="multiprocess"), append=False)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -87,7 +87,9 @@ def _stop_line(log: str, signal: str) -> str:
     return found[-1]
 
 
-@needs_slurm  # not with the multiprocess tests: the job mostly waits on SLURM, so it runs beside the others
+@pytest.mark.multiprocess
+@pytest.mark.slurm_job
+@needs_slurm
 def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     """A 2-task job is stopped twice mid-training: SIGUSR2 (SLURM's warning before pre-emption or the time limit:
     it checkpoints and requeues itself), then ``scontrol requeue`` (SLURM's SIGTERM: it checkpoints, SLURM
