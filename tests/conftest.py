@@ -23,15 +23,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``gpu`` are skipped, not failed, where no CUDA device is visible (CI). Tests marked
     ``multiprocess`` form one pytest-xdist group (used with ``--dist loadgroup``): they run one after another on
     one worker while the others take the rest, so two of them never share the cores with their process groups
-    (2 x 2-4 processes on 2 cores made every test beside them several times slower). The SLURM job's test
-    (``slurm_job``), which mostly waits on SLURM, is a group of its own: it runs beside them."""
+    (2 x 2-4 processes on 2 cores made every test beside them several times slower). Tests marked ``beside``
+    (the SLURM job, which mostly waits on SLURM, and the throughput benchmark, which asserts no time) form a
+    second group that runs beside them."""
     import torch
 
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             # (prepended: it overrides a group of the test's own, such as the doc commands')
-            if "slurm_job" in item.keywords:  # mostly waits on SLURM's scheduler: beside the others, in its own group
-                item.add_marker(pytest.mark.xdist_group(name="slurm"), append=False)
+            if "beside" in item.keywords:  # no deadline of its own (the SLURM job mostly waits on SLURM): beside
+                item.add_marker(pytest.mark.xdist_group(name="beside"), append=False)
             elif "multiprocess" in item.keywords:
                 item.add_marker(pytest.mark.xdist_group(name="multiprocess"), append=False)
     if torch.cuda.is_available():

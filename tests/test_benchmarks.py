@@ -160,6 +160,7 @@ def _throughput_module() -> ModuleType:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.beside
 def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """--strategy ddp,fsdp on 2 CPU processes: (a) and (c) under each strategy for a ViT preset with c / a =

@@ -88,7 +88,7 @@ def _stop_line(log: str, signal: str) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slurm_job
+@pytest.mark.beside
 @needs_slurm
 def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     """A 2-task job is stopped twice mid-training: SIGUSR2 (SLURM's warning before pre-emption or the time limit:
