@@ -125,7 +125,12 @@ def _limited(ds: Dataset, limit: int) -> Dataset:
     """The first ``limit`` samples of ``ds`` (all if 0), keeping ``num_classes`` and ``channels``."""
     if limit <= 0 or limit >= len(ds):  # type: ignore[arg-type]
         return ds
-    sub = Subset(ds, range(limit))
+    return _subset(ds, range(limit))
+
+
+def _subset(ds: Dataset, indices: Any) -> Dataset:
+    """``Subset(ds, indices)`` that keeps the dataset's ``num_classes`` and ``channels``."""
+    sub = Subset(ds, indices)
     sub.num_classes = getattr(ds, "num_classes", 0)  # type: ignore[attr-defined]
     sub.channels = getattr(ds, "channels", 3)  # type: ignore[attr-defined]
     return sub
@@ -352,8 +357,9 @@ def build_task(cfg: DictConfig) -> SSLTask:
     hooks.append(CheckpointHook(out, cfg.checkpoint.every_n_epochs, cfg.checkpoint.every_n_steps,
                                 cfg.checkpoint.keep_last, sharded=sharded, async_save=cfg.checkpoint.async_save))
     rel = cfg.reliability
-    if preemption_signals(cfg):
-        hooks.append(PreemptionHook(preemption_signals(cfg), rel.preemption_check_every_n_steps))
+    signals = preemption_signals(cfg)
+    if signals:
+        hooks.append(PreemptionHook(signals, rel.preemption_check_every_n_steps))
     manual_reduction = cfg.distributed.manual_gradient_reduction
     if rel.oom == "skip" and world > 1 and not manual_reduction:
         # DDP reduces gradients during backward: a rank whose backward ran out of memory would leave
@@ -545,11 +551,7 @@ def _fixed_subset(ds: Dataset, n: int, seed: int) -> Dataset:
     if n <= 0 or n >= size:
         return ds
     g = torch.Generator().manual_seed(seed)
-    picked = torch.randperm(size, generator=g)[:n].sort().values.tolist()
-    sub = Subset(ds, picked)
-    sub.num_classes = getattr(ds, "num_classes", 0)  # type: ignore[attr-defined]
-    sub.channels = getattr(ds, "channels", 3)  # type: ignore[attr-defined]
-    return sub
+    return _subset(ds, torch.randperm(size, generator=g)[:n].sort().values.tolist())
 
 
 def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers: int, pin: bool,

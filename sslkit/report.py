@@ -46,12 +46,12 @@ def _read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
-def _last_per_step(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    """``(step, value)`` of the train records holding ``key``; a step logged twice (a resumed run repeats the steps
-    after its last checkpoint) keeps its last value."""
+def _last_per_step(records: list[dict[str, Any]], key: str, phase: str = "train") -> list[tuple[int, float]]:
+    """``(step, value)`` of the ``phase`` records holding ``key``; a step logged twice (a resumed run repeats the
+    steps after its last checkpoint) keeps its last value."""
     found: dict[int, float] = {}
     for r in records:
-        if r.get("phase") == "train" and key in r and isinstance(r[key], int | float):
+        if r.get("phase") == phase and key in r and isinstance(r[key], int | float):
             found[int(r.get("step", 0))] = float(r[key])
     return sorted(found.items())
 
@@ -108,7 +108,7 @@ def summarize(run_dir: str) -> dict[str, Any]:
     if knn:
         info["knn"] = {"top1": knn[-1]["knn_top1"], "top5": knn[-1].get("knn_top5"), "step": knn[-1].get("step"),
                        "from": "metrics.jsonl"}
-    curve = _last_per_step([{**r, "phase": "train"} for r in records if "knn_curve_top1" in r], "knn_curve_top1")
+    curve = _last_per_step(records, "knn_curve_top1", phase="eval")
     if curve:
         info["knn_curve"] = curve
     for name in ("knn", "linear"):
@@ -225,9 +225,9 @@ def _plots(run_dir: str, info: dict[str, Any], records: list[dict[str, Any]]) ->
     # (title, x label, [(legend, points, style)]): one axis per title
     curves: list[tuple[str, str, list[tuple[str, list[tuple[Any, float]], str]]]] = []
     knn_lines = []
-    curve = _last_per_step([{**r, "phase": "train"} for r in records if "knn_curve_top1" in r], "knn_curve_top1")
-    if curve:
-        knn_lines.append(("every epoch (eval.knn.every_n_epochs; a fixed subsample on the CPU)", curve, "o-"))
+    if info.get("knn_curve"):
+        knn_lines.append(("every epoch (eval.knn.every_n_epochs; a fixed subsample on the CPU)", info["knn_curve"],
+                          "o-"))
     knn = [(int(r.get("step", 0)), float(r["knn_top1"])) for r in records if "knn_top1" in r]
     if knn:
         knn_lines.append(("end of run (every sample)", knn, "*"))

@@ -232,19 +232,26 @@ class Shown:
         return self.classes[label] if label < len(self.classes) else str(label)
 
 
+def _eval_transform(cfg: DictConfig, size: int | None) -> dict[str, Any]:
+    """The run's eval transform (``data.eval_transform``, its ``name`` included), at ``size`` when given: the crop
+    ``size`` and the resize before it scaled alike."""
+    spec = dict(cfg.data.eval_transform)
+    spec.setdefault("name", "eval")
+    spec.setdefault("image_size", int(cfg.data.image_size))
+    if size is not None:
+        if spec.get("resize"):
+            spec["resize"] = round(int(spec["resize"]) * size / int(spec["image_size"]))
+        spec["image_size"] = size
+    return spec
+
+
 def _transforms(cfg: DictConfig, channels: int, size: int | None) -> tuple[Any, Any]:
     """(model transform, display transform): the run's eval transform (at ``size`` when given) and the same crop
     without normalisation."""
     from sslkit.data.transforms import build_transform
 
-    spec = {k: v for k, v in dict(cfg.data.eval_transform).items() if k != "name"}
-    spec.setdefault("image_size", int(cfg.data.image_size))
-    if size is not None:
-        old = int(spec["image_size"])
-        if spec.get("resize"):
-            spec["resize"] = round(int(spec["resize"]) * size / old)
-        spec["image_size"] = size
-    name = str(cfg.data.eval_transform.get("name", "eval"))
+    spec = _eval_transform(cfg, size)
+    name = str(spec.pop("name"))
     model_t = build_transform(name, where="data.eval_transform.name", **spec)
     display_t = build_transform(name, where="data.eval_transform.name",
                                 **{**spec, "mean": [0.0] * channels, "std": [1.0] * channels})
@@ -253,9 +260,8 @@ def _transforms(cfg: DictConfig, channels: int, size: int | None) -> tuple[Any, 
 
 def _dataset(pre: Pretrained, images: str | None, split: str, channels: int) -> tuple[Any, list[str], str]:
     """The images to draw: ``(dataset, class names, what it is)``."""
-    from sslkit.builder import _limited, eval_specs
-    from sslkit.data import build_source
     from sslkit.data.sources import DataSourceError, FileListDataset, FolderDataset
+    from sslkit.evaluation.tools import eval_split
 
     if images:
         path = os.path.expanduser(images)
@@ -268,11 +274,7 @@ def _dataset(pre: Pretrained, images: str | None, split: str, channels: int) -> 
         except DataSourceError as exc:
             raise ToolError(f"images={images}: {exc}") from None
         return ds, list(getattr(ds, "classes", [])), path
-    source, path, kwargs, where = eval_specs(pre.config)[split]
-    if path is None and source in ("folder", "filelist"):
-        raise ToolError(f"{where}.path is not set: a {source} source needs the path of its {split} set (or give "
-                        "images=FOLDER)")
-    ds = _limited(build_source(source, split, path, **kwargs), pre.config.data.limit)
+    ds, source, path = eval_split(pre.config, split, " (or give images=FOLDER)")
     inner = getattr(ds, "dataset", ds)
     names = list(getattr(inner, "classes", []) or CLASS_NAMES.get(str(source), []))
     return ds, names, f"the {split} split of {source}" + (f" ({path})" if path else "")
@@ -546,21 +548,15 @@ def _pca(job: Job) -> dict[str, Any]:
 
 def _features_of(job: Job, ds: Any, indices: list[int]) -> tuple[Tensor, Tensor]:
     """The kNN protocol's features (``eval.vit_features``) of ``ds[indices]``, through the kNN tool's loader."""
+    from omegaconf import OmegaConf
     from torch.utils.data import Subset
 
     from sslkit.evaluation.features import extract_features
     from sslkit.evaluation.tools import _amp, _loader, feature_encoder
 
     cfg = job.pre.config
-    sub = Subset(ds, indices)
-    transform = dict(cfg.data.eval_transform)
-    if job.size is not None:
-        transform = {**transform, "image_size": job.size}
-        if transform.get("resize"):
-            transform["resize"] = round(int(transform["resize"]) * job.size / int(cfg.data.eval_transform.image_size))
-    from omegaconf import OmegaConf
-
-    loader = _loader(cfg, sub, OmegaConf.create(transform), job.pre.device, int(cfg.eval.knn.batch_size))
+    transform = OmegaConf.create(_eval_transform(cfg, job.size))
+    loader = _loader(cfg, Subset(ds, indices), transform, job.pre.device, int(cfg.eval.knn.batch_size))
     return extract_features(feature_encoder(job.trunk, cfg), loader, job.pre.device, _amp(cfg), normalize=True)
 
 

@@ -36,7 +36,8 @@ from sslkit.evaluation.pretrained import Pretrained, ToolError, load_pretrained
 from sslkit.registry import UnknownNameError
 from sslkit.suggest import did_you_mean
 
-__all__ = ["extract_main", "feature_encoder", "knn_main", "linear_main", "parse_tool_args", "run_tool", "train_crop"]
+__all__ = ["eval_split", "extract_main", "feature_encoder", "knn_main", "linear_main", "parse_tool_args", "run_tool",
+           "train_crop"]
 
 logger = logging.getLogger("sslkit")
 
@@ -171,6 +172,19 @@ def _sources(cfg: DictConfig) -> tuple[Any, Any, int]:
     from sslkit.builder import eval_sources
 
     return eval_sources(cfg)
+
+
+def eval_split(cfg: DictConfig, split: str, advice: str = "") -> tuple[Any, str, str | None]:
+    """The evaluation set ``split`` (train or test) as :func:`~sslkit.builder.eval_specs` names it, cut to
+    ``data.limit``: ``(dataset, source name, path)``. A folder or file-list source without its path is a
+    :class:`ToolError` naming the key (``advice`` added)."""
+    from sslkit.builder import _limited, eval_specs
+    from sslkit.data import build_source
+
+    source_name, path, kwargs, where = eval_specs(cfg)[split]
+    if path is None and source_name in ("folder", "filelist"):
+        raise ToolError(f"{where}.path is not set: a {source_name} source needs the path of its {split} set{advice}")
+    return _limited(build_source(source_name, split, path, **kwargs), cfg.data.limit), str(source_name), path
 
 
 def _features_part(opts: dict[str, str], allowed: tuple[str, ...]) -> str:
@@ -440,15 +454,7 @@ def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> Non
     cfg = pre.config
     part = _features_part(opts, ("trunk", "teacher", "projector"))
     normalize = opts.get("normalize", "false").lower() in ("1", "true", "yes")
-    from sslkit.builder import eval_specs
-
-    source_name, path, kwargs, where = eval_specs(cfg)[split]
-    from sslkit.builder import _limited
-    from sslkit.data import build_source
-
-    if path is None and source_name in ("folder", "filelist"):
-        raise ToolError(f"{where}.path is not set: a {source_name} source needs the path of its {split} set")
-    source = _limited(build_source(source_name, split, path, **kwargs), cfg.data.limit)
+    source, _, _ = eval_split(cfg, split)
     loader = _loader(cfg, source, cfg.data.eval_transform, pre.device, int(cfg.eval.linear.batch_size_features))
     encoder = _encoder(pre, part)
     encoder.eval()
