@@ -63,6 +63,16 @@ VIT = list(_doctor._VIT)
 RECIPES: dict[str, list[str]] = _doctor.SMALL_RECIPES
 
 
+#: MAE in the paper's shape (ViT-S/16 at 224 px: 196 patches, 49 kept; a 512-d decoder) on synthetic 224 px images
+#: (both splits: the test split's size is its own), 3 updates. Trained in bf16 by tests/gpu/test_vit_cuda.py; its
+#: config is composed on the CPU too (tests/config/test_compose.py), so a new config check cannot break it unseen.
+MAE_VIT_S16_224 = ["config=mae", *SMALL, "data.train.kwargs.image_size=224", "data.test.kwargs.image_size=224",
+                   "data.image_size=224", "data.patch_size=16", "model.trunk=vit_small",
+                   "model.trunk_kwargs={pos_embed: sincos}", "model.head.hidden_dim=null", "model.head.out_dim=null",
+                   "model.kwargs.decoder_dim=512", "model.kwargs.decoder_depth=2", "model.kwargs.decoder_heads=16",
+                   "optim.max_steps=3", "eval.knn.enabled=false"]
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             check: bool = True) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run_cli
+from helpers import MAE_VIT_S16_224, REPO, run_cli
 
 from sslkit.config.compose import ConfigError, compose_config, schema
 
@@ -195,6 +195,13 @@ def test_crops_that_fit_are_accepted() -> None:
     cfg = compose_config(["data=synthetic", "data.train.kwargs.image_size=64", "data.test.kwargs.image_size=64",
                           "data.image_size=64"])
     assert cfg.data.eval_transform.image_size == 64
+
+
+def test_the_gpu_tests_paper_scale_configs_compose_here() -> None:
+    """tests/gpu runs only where a GPU is lent: its configs are checked on every machine, so a new check of the
+    config cannot refuse them unseen (the 224 px MAE test did, until the test split's size was set too)."""
+    cfg = compose_config([*MAE_VIT_S16_224, "amp.enabled=true", "amp.dtype=bfloat16"])  # (the device: here)
+    assert (cfg.data.image_size, cfg.data.patch_size, cfg.data.eval_transform.image_size) == (224, 16, 224)
 
 
 def test_folder_paths_are_checked(tmp_path: Path) -> None:

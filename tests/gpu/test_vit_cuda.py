@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, SMALL, run_cli
+from helpers import MAE_VIT_S16_224, RECIPES, SMALL, run_cli
 from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
 
 from sslkit.masking import BlockMasking, MultiBlockMasking, RandomMasking, SampleKeys
@@ -96,11 +96,7 @@ def test_deterministic_vit_runs_and_resumes_are_bit_identical(tmp_path: Path, re
 def test_mae_at_vit_s16_224_trains_in_bf16(tmp_path: Path) -> None:
     """The paper's shape: ViT-S/16 at 224 px (196 patches, 49 kept), a 512-d decoder, on synthetic images."""
     out = tmp_path / "run"
-    proc = run_cli("config=mae", *SMALL, *GPU, "data.train.kwargs.image_size=224", "data.image_size=224",
-                   "data.patch_size=16", "model.trunk=vit_small", "model.trunk_kwargs={pos_embed: sincos}",
-                   "model.head.hidden_dim=null", "model.head.out_dim=null", "model.kwargs.decoder_dim=512",
-                   "model.kwargs.decoder_depth=2", "model.kwargs.decoder_heads=16", "optim.max_steps=3",
-                   "eval.knn.enabled=false", f"output_dir={out}")
+    proc = run_cli(*MAE_VIT_S16_224, *GPU, f"output_dir={out}")
     assert "step 3/3" in proc.stdout
 
 
@@ -117,16 +113,18 @@ def test_distillation_parts_on_cuda_equal_the_cpu_and_never_sync() -> None:
     mask = BlockMasking(probability=0.8, ratio_min=0.1, ratio_max=0.35, min_patches=2)(
         SampleKeys(0, 0, torch.arange(8)), (4, 4)).mask
 
-    def parts(device: str) -> list[torch.Tensor]:
-        index, w = masked_slots(mask.to(device), 6)
-        probs = torch.softmax(gather_slots(tokens.to(device), index) @ proj.to(device), -1)
-        return [sinkhorn_knopp(logits.to(device), 0.05, 3, weight.to(device)), koleo_loss(x.to(device)),
-                index, w, masked_patch_loss(student.to(device), probs, w)]
+    def parts(mask, tokens, proj, logits, weight, x, student) -> list[torch.Tensor]:
+        index, w = masked_slots(mask, 6)
+        probs = torch.softmax(gather_slots(tokens, index) @ proj, -1)
+        return [sinkhorn_knopp(logits, 0.05, 3, weight), koleo_loss(x), index, w, masked_patch_loss(student, probs, w)]
 
-    cpu = parts("cpu")
+    inputs = (mask, tokens, proj, logits, weight, x, student)
+    cpu = parts(*inputs)
+    on_gpu = [t.cuda() for t in inputs]  # (a copy from pageable host memory synchronises: before the check)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gpu = parts("cuda")
+        gpu = parts(*on_gpu)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(cpu, gpu):
