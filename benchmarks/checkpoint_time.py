@@ -29,8 +29,8 @@ import torch
 
 from sslkit.builder import build_task
 from sslkit.checkpoint import load_checkpoint
-from sslkit.cli import setup_logging
 from sslkit.config.compose import compose_config
+from sslkit.console import setup_logging
 from sslkit.hooks.checkpoint import CheckpointHook
 from sslkit.train_steps.standard import standard_train_step
 

@@ -64,9 +64,9 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
-from sslkit.cli import setup_logging  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import compose_config  # noqa: E402
+from sslkit.console import setup_logging  # noqa: E402
 from sslkit.data.seeding import mix_seed  # noqa: E402
 from sslkit.hooks import CheckpointHook, ConsistencyCheckHook, KNNHook, LogHook  # noqa: E402
 from sslkit.hooks.base import Event, SSLHook  # noqa: E402

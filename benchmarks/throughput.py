@@ -70,9 +70,9 @@ reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before to
 import torch  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
-from sslkit.cli import setup_logging  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import ConfigError  # noqa: E402
+from sslkit.console import setup_logging  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.stages import precision, prepare_sample, split_loss  # noqa: E402

@@ -83,7 +83,8 @@ def set_determinism(deterministic: bool, device: torch.device) -> None:
     """
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(deterministic)
+    if deterministic or torch.are_deterministic_algorithms_enabled():  # (off by default: the call imports inductor)
+        torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 

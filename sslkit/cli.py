@@ -1,34 +1,25 @@
-"""The ``tools/run.py`` entry point: compose the config, set up the output folder, build, resume, train."""
+"""The ``tools/run.py`` entry point: compose the config, set up the output folder, build, resume, train.
+
+Light to import (no torch): ``sslkit --help`` and ``python tools/run.py --help`` answer before torch would have
+loaded; every function imports what it runs (tests/test_imports.py holds the list of what must stay out).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAGE_ERRNOS, UserError, storage_error
 
-from sslkit import registry as R
-from sslkit.checkpoint import checkpoint_dir, load_checkpoint
-from sslkit.config.compose import ConfigError, compose_config, format_recipe_diff
-from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
-from sslkit.data.sources import DataSourceError
-from sslkit.distributed import get_rank, init_process_group, launched_by_torchrun, shutdown
-from sslkit.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_STOPPED,
-    STORAGE_ERRNOS,
-    UserError,
-    storage_error,
-)
-from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
-from sslkit.runfolder import FolderPlan, prepare_output_dir, write_command, write_config
-from sslkit.slurm import in_slurm_task, submit
-from sslkit.task import SSLTask
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-__all__ = ["console", "end_worker", "launch_workers", "main", "run", "setup_logging"]
+    from sslkit.runfolder import FolderPlan
+    from sslkit.task import SSLTask
+
+__all__ = ["console", "main", "run"]
 
 logger = logging.getLogger("sslkit")
 
@@ -41,7 +32,12 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
     :func:`main` before any worker starts); ``summary`` the config as a diff against its recipe; ``argv``
     the command-line arguments, kept in the folder for the run's report.
     """
+    from sslkit import registry as R
     from sslkit.builder import build_task
+    from sslkit.checkpoint import checkpoint_dir, load_checkpoint
+    from sslkit.console import setup_logging
+    from sslkit.distributed import get_rank
+    from sslkit.runfolder import write_command, write_config
     from sslkit.trackers import finish_trackers
     from sslkit.trainer import train
 
@@ -100,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
     traceback means a bug in sslkit (or in user code it runs).
     """
+    from sslkit.console import debug_flag
+
     args, debug = debug_flag(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         _print(_usage())
@@ -107,36 +105,49 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = False  # a log file on a full disk must not print tracebacks
     try:
         return _main(args)
-    except KeyboardInterrupt:
-        if debug:
+    except BaseException as exc:  # (sorted in _exit_status, which imports the classes: this module stays light)
+        status = _exit_status(exc, debug)
+        if status is None:
             raise
+        return status
+
+
+def _exit_status(exc: BaseException, debug: bool) -> int | None:
+    """The exit status of a run that ended with ``exc``, its message printed; None for what is re-raised (a bug,
+    or anything but a pre-emption with ``--debug``)."""
+    from sslkit import registry as R
+    from sslkit.guard import TrainingHalted
+    from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted
+
+    if isinstance(exc, KeyboardInterrupt) and not debug:
         print("sslkit: interrupted at once (a second Ctrl-C, or one before training started); no checkpoint was "
               "written for the steps since the last one. Run the same command again to resume from the last "
               "checkpoint.", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Preempted as exc:
+    if isinstance(exc, Preempted):
         LAST_STOP["signal"] = exc.signal_name  # (a SLURM task requeues its job after SIGUSR2)
         print(f"sslkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
-    except TrainingHalted as exc:
-        if debug:
-            raise
+    if debug:
+        return None
+    if isinstance(exc, TrainingHalted):
         print(f"sslkit: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
-    except (UserError, R.UnknownNameError) as exc:
-        if debug:
-            raise
+    if isinstance(exc, UserError | R.UnknownNameError):
+        from sslkit.config.compose import ConfigError
+        from sslkit.data.sources import DataSourceError
+        from sslkit.distributed import launched_by_torchrun
+
         if launched_by_torchrun() and os.environ.get("RANK", "0") != "0":
             return getattr(exc, "exit_code", EXIT_BAD_INPUT)  # rank 0 says it once, not every rank
         kind = "config error" if isinstance(exc, ConfigError | R.UnknownNameError) else (
             "data error" if isinstance(exc, DataSourceError) else "error")
         print(f"sslkit: {kind}: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_BAD_INPUT)
-    except OSError as exc:
-        if debug or exc.errno not in STORAGE_ERRNOS:
-            raise
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'), known=False)}", file=sys.stderr)
         return EXIT_STOPPED
+    return None
 
 
 def _print(text: str) -> None:
@@ -155,6 +166,11 @@ def _usage() -> str:
 
 
 def _main(args: list[str]) -> int:
+    from sslkit.config.compose import compose_config, format_recipe_diff
+    from sslkit.distributed import init_process_group, launched_by_torchrun, shutdown
+    from sslkit.runfolder import prepare_output_dir
+    from sslkit.slurm import in_slurm_task, submit
+
     cfg = compose_config(args)
     if cfg.launcher == "slurm" and not in_slurm_task():
         return submit(cfg, args)  # (in the job's tasks the same command trains)
@@ -177,6 +193,8 @@ def _main(args: list[str]) -> int:
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:
     """Spawn this node's training workers; their failures become a message and an exit status."""
+    from sslkit.console import launch_workers
+
     d = cfg.distributed
     return launch_workers(_worker_main, (args, plan, summary), "sslkit", RESUMES, nproc_per_node=d.nproc_per_node,
                           num_nodes=d.num_nodes, node_rank=d.node_rank, master_addr=d.master_addr,
@@ -197,6 +215,12 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
     A pre-empted worker exits with :data:`PREEMPTED_EXIT_CODE` (rank 0 has logged why); a user
     error is printed by rank 0 and ends the worker with its exit code, without a traceback.
     """
+    from sslkit.config.compose import compose_config
+    from sslkit.console import end_worker
+    from sslkit.distributed import get_rank
+    from sslkit.guard import TrainingHalted
+    from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted
+
     try:
         run(compose_config(args), plan if get_rank() == 0 else None, summary, args)
     except Preempted:

@@ -1,4 +1,6 @@
-"""What every command-line entry point shares: the log's set-up, the ``--debug`` flag, and spawned workers' exits."""
+"""What every command-line entry point shares: the log's set-up, the ``--debug`` flag, and spawned workers' exits.
+
+Light to import (no torch): the entry points import it before they know whether they will train."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from sslkit.distributed import get_rank, launch
 from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 
 __all__ = ["debug_flag", "end_worker", "launch_workers", "setup_logging"]
@@ -48,6 +49,7 @@ def launch_workers(fn: Any, fn_args: tuple[Any, ...], who: str = "sslkit", then:
     already printed by rank 0; a worker that raised printed its traceback itself."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+    from sslkit.distributed import launch
     from sslkit.reliability import PREEMPTED_EXIT_CODE
 
     try:
@@ -74,6 +76,8 @@ def end_worker(exc: BaseException, who: str = "sslkit", what: str = "error") -> 
     """End a spawned worker on a user's error (or a halt) without a traceback: rank 0 prints
     ``"<who>: <what>: <exc>"``, and every rank exits with the error's status, which
     :func:`launch_workers` passes on."""
+    from sslkit.distributed import get_rank
+
     if get_rank() == 0:
         print(f"{who}: {what}: {exc}", file=sys.stderr)
     sys.exit(getattr(exc, "exit_code", EXIT_STOPPED))

@@ -72,6 +72,9 @@ REQUIRED = ("torchvision", "timm", "omegaconf", "hydra", "fvcore", "iopath", "sa
 OPTIONAL = {"submitit": "launcher=slurm", "onnxruntime": "sslkit export's ONNX check",
             "umap": "UMAP plots of features", "kornia": "benchmarks/throughput.py --tools",
             "tensorboard": "log.tensorboard"}
+#: The distribution of an optional module, where its name differs (its version is read without importing it: umap's
+#: import alone compiles for about 5 s).
+DISTRIBUTIONS = {"umap": "umap-learn"}
 
 
 @dataclass
@@ -86,10 +89,25 @@ class Check:
 
 
 def _version(module: str) -> str | None:
+    """The version of ``module`` once imported (a required one must import), or None."""
     try:
         return str(getattr(importlib.import_module(module), "__version__", "installed"))
     except Exception:
         return None
+
+
+def _installed(module: str) -> str | None:
+    """The installed version of an optional ``module`` from its distribution's metadata, without importing it; None
+    where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    if find_spec(module) is None:
+        return None
+    try:
+        return version(DISTRIBUTIONS.get(module, module))
+    except PackageNotFoundError:
+        return "installed"
 
 
 def machine_checks() -> list[Check]:
@@ -116,7 +134,7 @@ def machine_checks() -> list[Check]:
         v = _version(module)
         rows.append(Check(module, "ok" if v else "FAILED", v or "missing: pip install -e . installs it"))
     for module, purpose in OPTIONAL.items():
-        v = _version(module)
+        v = _installed(module)
         rows.append(Check(module, "info", v or f"not installed (optional: {purpose})"))
     return rows
 

@@ -15,7 +15,7 @@ One component serves every method that hides patches (MAE, LeJEPA's variants, iB
   per view, which the step hands to the model as ``model(views, masks=...)``.
 
 A ViT applies a mask by dropping patches (``Masks.keep``: MAE, I-JEPA's context) or by replacing them
-with its mask token (``Masks.mask``: iBOT, DINOv2), :meth:`sslkit.models.vit.ViTTrunk.forward_tokens`.
+with its mask token (``Masks.mask``: iBOT, DINOv2), :meth:`sslkit.models.vit_trunk.ViTTrunk.forward_tokens`.
 """
 
 from __future__ import annotations

@@ -28,18 +28,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from sslkit.errors import UserError
 
-__all__ = ["ERRORS", "METADATA", "RefusedCheckpoint", "ShardedCheckpointError", "is_complete", "load_into",
+__all__ = ["METADATA", "RefusedCheckpoint", "ShardedCheckpointError", "failures", "is_complete", "load_into",
            "read_extra", "read_whole", "remove_incomplete", "save"]
 
 logger = logging.getLogger("sslkit")
 
-#: What a failed save or load raises: torch.distributed.checkpoint's CheckpointException (a BaseException, which
-#: holds each rank's error in ``failures``) and ordinary errors.
-ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+def failures() -> tuple[type[BaseException], ...]:
+    """What a failed save or load raises: torch.distributed.checkpoint's CheckpointException (a BaseException, which
+    holds each rank's error in ``failures``) and ordinary errors. A function, for ``except failures():`` (evaluated
+    when an error is on its way): torch.distributed.checkpoint's import takes about a second (DTensor), so it is
+    imported only by the runs that write or read sharded checkpoints."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
 
 #: The file torch.distributed.checkpoint writes last: a folder holds a complete checkpoint only once it exists.
 METADATA = ".metadata"
@@ -153,7 +159,7 @@ def _load(state: dict[str, Any], path: str, no_dist: bool, process_group: Any = 
                      process_group=process_group)
     except ShardedCheckpointError:
         raise
-    except ERRORS as exc:
+    except failures() as exc:
         missing = sorted(f for f in _shard_files(path) if not os.path.isfile(os.path.join(path, f)))
         if missing:
             raise ShardedCheckpointError(
@@ -297,7 +303,7 @@ def read_whole(path: str, optimizer: bool = False) -> dict[str, Any]:
         flat.update(planner.state_dict)  # (the byte items land in the planner's copy of the dict)
     except ShardedCheckpointError:
         raise
-    except ERRORS:
+    except failures():
         _load({"model": {}}, path, no_dist=True)  # says which file is missing
         raise
     state = read_extra(path)

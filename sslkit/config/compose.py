@@ -19,7 +19,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sslkit import registry as R
-from sslkit.distributed import launched_by_torchrun
 from sslkit.errors import UserError
 from sslkit.suggest import did_you_mean as _nearest
 
@@ -337,6 +336,10 @@ def _probability(v: Any) -> bool:
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+#: torch.compile's own backends: accepted without importing torch._dynamo (about a second and a half).
+_BUILTIN_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
 def _compile_backends() -> list[str]:
     """The backends torch.compile knows here."""
     import torch._dynamo
@@ -367,7 +370,8 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.vit_last_n": (lambda v: v >= 1, ">= 1"),
     "machine.num_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
     "machine.compile_mode": (lambda v: v in _COMPILE_MODES, " | ".join(_COMPILE_MODES)),
-    "machine.compile_backend": (lambda v: v in _compile_backends(), "a torch.compile backend: inductor, aot_eager "
+    "machine.compile_backend": (lambda v: v in _BUILTIN_BACKENDS or v in _compile_backends(),
+                                "a torch.compile backend: inductor, aot_eager "
                                 "or eager (torch._dynamo.list_backends())"),
     "optim.lr": (lambda v: v > 0 and _finite(v), "> 0 and finite"),
     "optim.final_lr": (lambda v: v >= 0 and _finite(v), ">= 0 and finite"),
@@ -735,6 +739,8 @@ def validate(cfg: DictConfig) -> None:
     d = cfg.distributed
     if not errors:
         _check_device(cfg, errors)
+    from sslkit.distributed import launched_by_torchrun
+
     if d.num_nodes > 1 and not launched_by_torchrun():
         try:
             socket.getaddrinfo(str(d.master_addr), None)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torchvision.ops import roi_align
 
 from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps
 
@@ -167,6 +166,8 @@ def _resize_boxes(x: torch.Tensor, boxes: torch.Tensor, s: int) -> torch.Tensor:
     rois = torch.stack([rows, left, top, left + bw, top + bh], 1)
     # sampling_ratio=-1: per box, ceil(crop / s) samples per output pixel and axis: one (plain bilinear, as
     # F.interpolate) when the crop is enlarged, an average of several (a box filter) when it is shrunk
+    from torchvision.ops import roi_align  # (imported on the first device crop, not with sslkit)
+
     return roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
 
 

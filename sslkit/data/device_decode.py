@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from sslkit.data.device_augment import PackedImages
 from sslkit.data.sources import DataSourceError
@@ -74,28 +73,31 @@ class DeviceDecoder:
 
     def __init__(self, channels: int, describe: Callable[[int], str] = lambda i: f"sample {i}") -> None:
         """Decode to ``channels`` channels; ``describe`` names a sample by its dataset index."""
-        self.mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+        self.channels = channels
         self.describe = describe
         self._warned: set[int] = set()
 
     def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         """JPEG bytes to uint8 ``[C, H, W]`` on ``device``: one batched call, then one by one and on the CPU
         for what it refuses; None for a file nothing decodes."""
+        from torchvision.io import ImageReadMode, decode_image, decode_jpeg  # (imported when JPEGs are decoded)
+
         if not data:
             return []
+        mode = ImageReadMode.GRAY if self.channels == 1 else ImageReadMode.RGB
         try:
-            return list(decode_jpeg(data, mode=self.mode, device=device))
+            return list(decode_jpeg(data, mode=mode, device=device))
         except RuntimeError:
             pass
         out: list[torch.Tensor | None] = []
         for d in data:
             try:
-                out.append(decode_jpeg(d, mode=self.mode, device=device))
+                out.append(decode_jpeg(d, mode=mode, device=device))
                 continue
             except RuntimeError:
                 pass
             try:  # what the device decoder does not take (CMYK, lossless, ...) the CPU may
-                out.append(decode_image(d, mode=self.mode).to(device))
+                out.append(decode_image(d, mode=mode).to(device))
             except RuntimeError:
                 out.append(None)
         return out

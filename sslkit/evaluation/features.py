@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sslkit.distributed import gather_no_grad, is_distributed
-from sslkit.models.vit import FEATURE_KINDS
+from sslkit.models.tokens import FEATURE_KINDS
 
 __all__ = ["FeatureEncoder", "extract_features", "pixel_features"]
 

@@ -106,7 +106,7 @@ class CheckpointHook(SSLHook):
                                              rank_state=(task.rank, own),
                                              async_save=use_async, process_group=self._async_group if use_async
                                              else None)
-        except sharded_checkpoint.ERRORS as exc:
+        except sharded_checkpoint.failures() as exc:
             self._raise_storage(exc, path)
             raise
         self._saved = (task.iteration, extra["hooks"])
@@ -147,7 +147,7 @@ class CheckpointHook(SSLHook):
         self._pending = None
         try:
             future.result()
-        except sharded_checkpoint.ERRORS as exc:
+        except sharded_checkpoint.failures() as exc:
             self._raise_storage(exc, os.path.join(self.dir, name))
             raise
         self._commit(name)

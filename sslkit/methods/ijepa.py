@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.models.vision_transformer import Block
 from torch import nn
 
 from sslkit.masking import Masks
@@ -18,7 +17,7 @@ from sslkit.methods.dinov2_parts import gather_slots, masked_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
-from sslkit.models.vit import key_padding_bias, pos_embed_on_grid, sincos_pos_embed
+from sslkit.models.tokens import key_padding_bias, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["IJEPA", "IJEPALoss", "IJEPAModel", "IJEPAPredictor", "build_ijepa", "ijepa_loss"]
@@ -52,6 +51,8 @@ class IJEPAPredictor(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid)[None])
         norm = partial(nn.LayerNorm, eps=1e-6)
+        from timm.models.vision_transformer import Block  # (timm: imported when one is built)
+
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=norm)
                                      for _ in range(depth)])
         self.norm = norm(dim)

@@ -7,13 +7,12 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.models.vision_transformer import Block
 from torch import nn
 
 from sslkit.masking import Masks
 from sslkit.method import Method, register_method
 from sslkit.models.output import ModelOutput
-from sslkit.models.vit import Tokens, pos_embed_on_grid, sincos_pos_embed
+from sslkit.models.tokens import Tokens, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["MAE", "MAEDecoder", "MAELoss", "MAEModel", "build_mae", "mae_loss", "patchify"]
@@ -71,6 +70,8 @@ class MAEDecoder(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid)[None])
         norm = partial(nn.LayerNorm, eps=1e-6)
+        from timm.models.vision_transformer import Block  # (timm: imported when one is built)
+
         self.blocks = nn.Sequential(*[Block(dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=norm)
                                       for _ in range(depth)])
         self.norm = norm(dim)

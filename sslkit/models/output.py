@@ -22,7 +22,7 @@ class ModelOutput:
       teacher's logits of the global crops (DINO);
     * ``scores``: prototype scores (SwAV);
     * ``prototypes``: the prototype matrix, detached (SwAV);
-    * ``tokens``: per view, a ViT trunk's output tokens (:class:`~sslkit.models.vit.Tokens`: CLS, registers,
+    * ``tokens``: per view, a ViT trunk's output tokens (:class:`~sslkit.models.tokens.Tokens`: CLS, registers,
       patches), so dense and masked methods read patch features without hooks into the trunk; None for CNNs;
     * ``masks``: per view, the :class:`~sslkit.masking.Masks` the model applied (None for a view left whole):
       which patches a masked loss is computed on;

@@ -45,8 +45,8 @@ def encode_views(trunk: nn.Module, views: Sequence[torch.Tensor]) -> tuple[list[
     """The trunk's features of each view and, for a ViT (a trunk with ``forward_tokens``), its tokens too.
 
     Views of equal shape go through one forward, as :func:`forward_views`. A ViT's features are its pooled
-    tokens (:meth:`~sslkit.models.vit.ViTTrunk.pool_tokens`), the very tensors of the tokens returned
-    (:class:`~sslkit.models.vit.Tokens`, one per view), so the model output carries both for one forward.
+    tokens (:meth:`~sslkit.models.vit_trunk.ViTTrunk.pool_tokens`), the very tensors of the tokens returned
+    (:class:`~sslkit.models.tokens.Tokens`, one per view), so the model output carries both for one forward.
     """
     if not hasattr(trunk, "forward_tokens"):
         return forward_views(trunk, views), None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from sslkit.registry import register_trunk
@@ -89,6 +88,8 @@ def build_resnet(
     SimCLR and most SSL papers), for images of 32-96 pixels. Weights are random: SSL trains
     from scratch, and nothing is downloaded.
     """
+    import torchvision  # (imported when a ResNet is built: about a second, with torch._dynamo through its ops)
+
     builders = {18: torchvision.models.resnet18, 34: torchvision.models.resnet34,
                 50: torchvision.models.resnet50, 101: torchvision.models.resnet101}
     net = builders[depth](weights=None, zero_init_residual=zero_init_residual)

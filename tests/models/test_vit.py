@@ -13,7 +13,9 @@ from timm.layers import resample_abs_pos_embed
 
 from sslkit.audit import StepAudit
 from sslkit.config.compose import ConfigError, compose_config
-from sslkit.models.vit import ViTTrunk, build_vit, resample_matrix, sincos_pos_embed
+from sslkit.models.tokens import resample_matrix, sincos_pos_embed
+from sslkit.models.vit import build_vit
+from sslkit.models.vit_trunk import ViTTrunk
 
 
 def _vit(**kwargs) -> ViTTrunk:

@@ -1,0 +1,84 @@
+"""ViT token arithmetic without timm: the Tokens a ViT returns, position embeddings (sine-cosine, resampled to
+another grid), key-padding biases, and the feature kinds an evaluation reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FEATURE_KINDS", "Tokens", "key_padding_bias", "pos_embed_on_grid", "resample_matrix", "sincos_pos_embed"]
+
+#: The features an evaluation may read from a ViT (``eval.vit_features``): the trunk's own pooling, the CLS
+#: token, the mean of the patch tokens, both concatenated, or DINO's CLS tokens of the last n blocks.
+FEATURE_KINDS = ("pool", "cls", "avg", "cls+avg", "cls_last_n")
+
+
+@dataclass
+class Tokens:
+    """A ViT's output tokens for one batch, after the final norm.
+
+    * ``cls``: ``[B, D]`` the CLS token;
+    * ``registers``: ``[B, R, D]`` the register tokens (``R = reg_tokens``, 0 by default);
+    * ``patches``: ``[B, n, D]`` the patch tokens: all ``N = h * w`` of them in raster order, or, when the
+      encoder dropped patches (``keep``), the ``K`` kept ones in the order of ``keep``;
+    * ``grid``: ``(h, w)``, the patch grid of the input;
+    * ``keep``: ``[B, K]`` the raster indices of the patches the encoder saw, or None (all of them).
+    """
+
+    cls: torch.Tensor
+    registers: torch.Tensor
+    patches: torch.Tensor
+    grid: tuple[int, int]
+    keep: torch.Tensor | None = None
+
+
+def sincos_pos_embed(dim: int, grid: tuple[int, int]) -> torch.Tensor:
+    """Fixed 2-D sine-cosine position embeddings ``[h * w, dim]`` (MAE, MoCo v3), raster order.
+
+    The patch in row ``i``, column ``j`` gets ``[sin(j w), cos(j w), sin(i w), cos(i w)]`` with the
+    frequencies ``w_k = 10000 ** (-k / (dim / 4))``, ``k < dim / 4``: the column half first, as MAE's
+    ``get_2d_sincos_pos_embed``. ``dim`` must be a multiple of 4. Computed in float64, returned as float32.
+    """
+    if dim % 4:
+        raise ValueError(f"sin-cos position embeddings need an embedding size divisible by 4, got {dim}")
+    h, w = grid
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)  # i of each patch, raster order
+    cols = torch.arange(w, dtype=torch.float64).repeat(h)  # j
+    a, b = cols[:, None] * omega, rows[:, None] * omega
+    return torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], dim=1).float()
+
+
+def resample_matrix(old: tuple[int, int], new: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The ``[new_h * new_w, old_h * old_w]`` matrix of timm's position-embedding resampling.
+
+    ``timm.layers.resample_abs_pos_embed`` resizes the embedding grid with bicubic interpolation
+    (antialiased, float32). That map is linear, so it is this matrix, made by interpolating the identity;
+    applying it is a matmul, whose backward is deterministic on CUDA, where ``upsample_bicubic2d``'s
+    backward raises under ``torch.use_deterministic_algorithms(True)`` (``machine.deterministic``).
+    """
+    n = old[0] * old[1]
+    eye = torch.eye(n, device=device, dtype=torch.float32).reshape(n, 1, *old)
+    with torch.no_grad():
+        out = F.interpolate(eye, size=new, mode="bicubic", antialias=True, align_corners=False)
+    return out.reshape(n, new[0] * new[1]).T.contiguous()
+
+
+def pos_embed_on_grid(pos_embed: torch.Tensor, base: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+    """Position embeddings ``[1, h * w, D]`` made for the ``base`` grid, for another ``grid``: as they are on the base
+    grid, else resampled by :func:`resample_matrix` (in float32, back to their dtype)."""
+    if tuple(grid) == tuple(base):
+        return pos_embed
+    matrix = resample_matrix(tuple(base), tuple(grid), pos_embed.device)  # type: ignore[arg-type]
+    with torch.autocast(pos_embed.device.type, enabled=False):
+        return (matrix @ pos_embed[0].float()).to(pos_embed.dtype)[None]
+
+
+def key_padding_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, 1, L]`` additive attention bias from ``valid`` ``[B, L]``: 0 on valid keys, ``-inf`` on padding (the
+    padding is left out as a key; every query keeps its row)."""
+    bias = torch.zeros(valid.shape, device=valid.device, dtype=dtype)
+    return bias.masked_fill(~valid, float("-inf"))[:, None, None, :]

@@ -1,0 +1,240 @@
+"""The ViT trunk: timm's VisionTransformer as an sslkit trunk (token outputs, masking, resampled positions).
+
+Imported only when a ViT is built (:func:`sslkit.models.vit.build_vit`): timm's import takes about a second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from sslkit.models.tokens import FEATURE_KINDS, Tokens, key_padding_bias, pos_embed_on_grid, sincos_pos_embed
+
+__all__ = ["ViTTrunk"]
+
+
+class ViTTrunk(VisionTransformer):
+    """timm's :class:`~timm.models.vision_transformer.VisionTransformer` as an sslkit trunk.
+
+    It *is* timm's model (a subclass that adds methods, not a fork): its parameters carry timm's names
+    (``patch_embed.proj.weight``, ``blocks.3.attn.qkv.weight``, ...), so ``sslkit export`` writes a state
+    dict that ``timm.create_model(arch, num_classes=0, **kwargs)`` loads with ``strict=True``
+    (:meth:`timm_spec`). sslkit fixes a few of timm's choices:
+
+    * a CLS token, no classifier (``num_classes=0``), position embeddings for the patches only
+      (``no_embed_class``: CLS and register tokens get none, as in DeiT III and DINOv2's registers);
+    * the final norm on every token and ``pool`` = ``cls`` (the CLS token) or ``avg`` (the mean of the
+      patch tokens after that norm: timm's ``global_pool='avg', fc_norm=False``);
+    * any input size that is a multiple of the patch size (``dynamic_img_size``: multi-crop), with the
+      position embeddings of other grids resampled as timm does (bicubic), but by a matmul
+      (:func:`resample_matrix`), whose backward is deterministic on CUDA;
+    * ``pos_embed='sincos'``: fixed 2-D sine-cosine embeddings (a parameter with ``requires_grad=False``,
+      as MAE and MoCo v3), else learned ones.
+
+    ``forward(x)`` is timm's: the pooled features ``[B, embed_dim]`` (``out_dim``). :meth:`forward_tokens`
+    gives the CLS, register and patch tokens (:class:`Tokens`) and applies a mask, by dropping patches
+    (``keep``: MAE, I-JEPA's context) or replacing them with a learned mask token (``mask``: iBOT, DINOv2,
+    SimMIM; :meth:`enable_mask_token` adds it). :meth:`features` gives the features evaluation protocols
+    read, :meth:`layer_id` the layer of a parameter for layer-wise learning-rate decay.
+    """
+
+    #: The trunk gives patch tokens (methods that need them check for this).
+    patch_tokens = True
+
+    def __init__(
+        self,
+        *,
+        img_size: int,
+        patch_size: int,
+        in_chans: int,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        reg_tokens: int = 0,
+        drop_path_rate: float = 0.0,
+        layer_scale_init: float | None = None,
+        qk_norm: bool = False,
+        pos_embed: str = "learned",
+        pool: str = "cls",
+        weight_init: str = "",
+        arch: str = "",
+        **timm_kwargs: Any,
+    ) -> None:
+        if pool not in ("cls", "avg"):
+            raise ValueError(f"pool must be cls or avg, got {pool!r}")
+        if pos_embed not in ("learned", "sincos"):
+            raise ValueError(f"pos_embed must be learned or sincos, got {pos_embed!r}")
+        spec = dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+                    num_heads=num_heads, reg_tokens=reg_tokens, drop_path_rate=drop_path_rate,
+                    init_values=layer_scale_init, qk_norm=qk_norm, weight_init=weight_init, **timm_kwargs)
+        super().__init__(num_classes=0, global_pool="token" if pool == "cls" else "avg", class_token=True,
+                         no_embed_class=True, fc_norm=False, dynamic_img_size=True, **spec)
+        self.out_dim = embed_dim
+        self.pool_kind = pool
+        self.pos_embed_kind = pos_embed
+        if pos_embed == "sincos":
+            with torch.no_grad():
+                self.pos_embed.copy_(sincos_pos_embed(embed_dim, self.patch_embed.grid_size)[None])
+            self.pos_embed.requires_grad_(False)
+        self.register_parameter("mask_token", None)
+        # what timm needs to build this very network (sslkit export, encoder.json): drop_path and weight_init
+        # change training only, not the function
+        timm_spec = {k: v for k, v in spec.items() if k not in ("drop_path_rate", "weight_init")}
+        self._timm = (arch, {"num_classes": 0, "global_pool": "token" if pool == "cls" else "avg",
+                             "class_token": True, "no_embed_class": True, "fc_norm": False,
+                             "dynamic_img_size": True, **timm_spec})
+
+    # ------------------------------------------------------------------------------------------ shape
+    @property
+    def patch_size(self) -> int:
+        """The side of a (square) patch in pixels."""
+        return int(self.patch_embed.patch_size[0])
+
+    @property
+    def num_registers(self) -> int:
+        """Register tokens (``reg_tokens``)."""
+        return int(self.num_reg_tokens)
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid of an input of ``height`` x ``width`` pixels."""
+        return height // self.patch_size, width // self.patch_size
+
+    def timm_spec(self) -> tuple[str, dict[str, Any]]:
+        """``(architecture, kwargs)`` such that ``timm.create_model(arch, **kwargs)`` is this network."""
+        arch, kwargs = self._timm
+        return arch, dict(kwargs)
+
+    # ------------------------------------------------------------------------------------- embeddings
+    def pos_embed_for(self, grid: tuple[int, int]) -> torch.Tensor:
+        """Position embeddings ``[1, h * w, D]`` of the patches of a ``grid``: the trunk's own for its input
+        size, resampled for other sizes (:func:`resample_matrix`)."""
+        return pos_embed_on_grid(self.pos_embed, tuple(self.patch_embed.grid_size), grid)  # type: ignore[arg-type]
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's hook: ``[B, h, w, D]`` patch embeddings -> prefix tokens + patches with positions."""
+        b, h, w, d = x.shape
+        x = x.reshape(b, h * w, d) + self.pos_embed_for((h, w))
+        return self.pos_drop(self._with_prefix(x))
+
+    def _with_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        prefix = [self.cls_token.expand(x.shape[0], -1, -1)]
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
+        return torch.cat([*prefix, x], dim=1)
+
+    def enable_mask_token(self) -> None:
+        """Add the learned mask token that :meth:`forward_tokens` puts in place of masked patches (iBOT, DINOv2,
+        SimMIM). A method's model builder calls it, before the optimizer is made. Zero-initialised, as
+        DINOv2's and iBOT's."""
+        if self.mask_token is None:
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim, device=self.cls_token.device,
+                                                       dtype=self.cls_token.dtype))
+
+    # ---------------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                keep_valid: torch.Tensor | None = None, tokens: bool = False) -> torch.Tensor:
+        """timm's forward, the pooled features ``[B, D]``; with ``tokens=True`` or a mask, every output token
+        ``[B, 1 + R + n, D]`` instead (:meth:`forward_tokens` splits them). One entry point, so
+        ``machine.compile`` (``Module.compile``) compiles the masked forward too."""
+        if not tokens and keep is None and mask is None and keep_valid is None:
+            return super().forward(x)
+        return self._tokens(x, keep, mask, keep_valid)
+
+    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       keep_valid: torch.Tensor | None = None) -> Tokens:
+        """The tokens of images ``x`` ``[B, C, H, W]``, optionally masked.
+
+        ``mask`` ``[B, N]`` (bool, True = masked, raster order over the ``N`` patches): the embeddings of the
+        masked patches are replaced by the mask token before the position embeddings are added, so every
+        patch keeps its position. ``keep`` ``[B, K]`` (long): only these patches enter the encoder, gathered
+        after the position embeddings (``K`` is fixed, so the shapes are); ``keep_valid`` ``[B, K]`` (bool) marks
+        the entries of ``keep`` that are padding (False): they are left out of attention (an additive mask of
+        ``-inf`` on their keys), so the other tokens are those of the real patches alone. Without any of them
+        this is timm's ``forward_features`` split into CLS, registers and patches.
+        """
+        out = self(x, keep=keep, mask=mask, keep_valid=keep_valid, tokens=True)
+        r = 1 + self.num_registers
+        grid = self.grid(x.shape[-2], x.shape[-1])
+        return Tokens(cls=out[:, 0], registers=out[:, 1:r], patches=out[:, r:], grid=grid, keep=keep)
+
+    def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
+                keep_valid: torch.Tensor | None) -> torch.Tensor:
+        tokens = self.patch_embed(x)  # [B, h, w, D] (dynamic_img_size)
+        b, h, w, d = tokens.shape
+        tokens = tokens.reshape(b, h * w, d)
+        if mask is not None:
+            if self.mask_token is None:
+                raise RuntimeError("this ViT has no mask token: the model builder of a method that replaces masked "
+                                   "patches must call trunk.enable_mask_token()")
+            tokens = torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+        tokens = tokens + self.pos_embed_for((h, w))
+        if keep is not None:
+            tokens = tokens.gather(1, keep[..., None].expand(-1, -1, d))
+        tokens = self.norm_pre(self.patch_drop(self.pos_drop(self._with_prefix(tokens))))
+        if keep_valid is None:
+            tokens = self.blocks(tokens)
+        else:
+            prefix = keep_valid.new_ones(b, tokens.shape[1] - keep_valid.shape[1])
+            valid = torch.cat([prefix, keep_valid], dim=1)
+            bias = key_padding_bias(valid, tokens.dtype)
+            for block in self.blocks:
+                tokens = block(tokens, attn_mask=bias)
+        return self.norm(tokens)
+
+    def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
+        """The trunk's features ``[B, D]`` from its tokens: the CLS token, or the mean of the patch tokens."""
+        return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
+
+    def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
+        """The features an evaluation protocol reads (``eval.vit_features``):
+
+        * ``pool``: the trunk's own output (its ``pool``); ``cls``: the CLS token; ``avg``: the mean of the
+          patch tokens; ``cls+avg``: both, concatenated ``[B, 2D]``;
+        * ``cls_last_n``: the CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest
+          first ``[B, n D]`` (DINO's linear evaluation of ViT-S: ``n_last_blocks=4``).
+        """
+        if kind == "cls_last_n":
+            if not 1 <= last_n <= len(self.blocks):
+                raise ValueError(f"last_n must be in [1, {len(self.blocks)}] (the blocks of this ViT), got {last_n}")
+            tokens = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+            outs = []
+            for i, block in enumerate(self.blocks):
+                tokens = block(tokens)
+                if i >= len(self.blocks) - last_n:
+                    outs.append(self.norm(tokens)[:, 0])
+            return torch.cat(outs, dim=1)
+        t = self.forward_tokens(x)
+        if kind == "pool":
+            return self.pool_tokens(t)
+        if kind == "cls":
+            return t.cls
+        if kind == "avg":
+            return t.patches.mean(dim=1)
+        if kind == "cls+avg":
+            return torch.cat([t.cls, t.patches.mean(dim=1)], dim=1)
+        raise ValueError(f"unknown ViT feature kind {kind!r}: use one of {', '.join(FEATURE_KINDS)}")
+
+    # ------------------------------------------------------------------------------------ optimisation
+    def no_weight_decay_names(self) -> set[str]:
+        """Parameters (by name in this module) that get no weight decay whatever their shape: the position
+        embeddings and the CLS, register and mask tokens (1-d parameters, biases, norms and LayerScale gammas,
+        are excluded by their shape)."""
+        return {"pos_embed", "cls_token", "reg_token", "mask_token"}
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of layer-wise learning-rate decay: the embedding (0), one per block, and the top."""
+        return len(self.blocks) + 1
+
+    def layer_id(self, name: str) -> int:
+        """The layer of parameter ``name`` (relative to this module) for layer-wise lr decay, the BEiT / MAE /
+        DINOv2 rule: the embedding (patch embedding, position embeddings, CLS, register and mask tokens) is
+        layer 0, block ``i`` layer ``i + 1``, the rest (the final norm) layer :attr:`num_layers`."""
+        if name.split(".")[0] in ("cls_token", "reg_token", "pos_embed", "mask_token", "patch_embed"):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return self.num_layers
