@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,26 @@ VIT = list(_doctor._VIT)
 RECIPES: dict[str, list[str]] = _doctor.SMALL_RECIPES
 
 
+#: Seconds a test waits for an event (a file, a log line, an exit) before it calls what it waits on hung: a guard
+#: against a hang, never a measure of speed. No test of the suite has a shorter deadline (tests/test_suite.py).
+HANG_S = 600.0
+
+
+def wait_for(condition: Callable[[], bool], what: str, proc: subprocess.Popen | None = None) -> None:
+    """Wait until ``condition()`` holds (polled every 50 ms). Fails naming ``what`` if ``proc`` ends first, or after
+    :data:`HANG_S` seconds (then ``proc`` is hung: it is killed)."""
+    end = time.monotonic() + HANG_S
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            out = proc.communicate()
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}:\n{out}")
+        if time.monotonic() > end:
+            if proc is not None:
+                proc.kill()
+            raise AssertionError(f"waited {HANG_S:.0f} s for {what}: hung")
+        time.sleep(0.05)
+
+
 #: MAE in the paper's shape (ViT-S/16 at 224 px: 196 patches, 49 kept; a 512-d decoder) on synthetic 224 px images
 #: (both splits: the test split's size is its own), 3 updates. Trained in bf16 by tests/gpu/test_vit_cuda.py; its
 #: config is composed on the CPU too (tests/config/test_compose.py), so a new config check cannot break it unseen.
@@ -78,7 +100,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 **(env or {})}
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True,
-                          text=True, cwd=cwd or REPO, env=full_env, timeout=300)
+                          text=True, cwd=cwd or REPO, env=full_env, timeout=HANG_S)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
     return proc

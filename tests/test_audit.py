@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, SMALL
+from helpers import HANG_S, RECIPES, SMALL
 
 from sslkit.audit import StepAudit, audit_recipe
 
@@ -142,9 +142,9 @@ def test_tools_audit_names_a_user_method_s_faults_and_exits_1(tmp_path: Path) ->
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     base = [sys.executable, str(REPO / "tools" / "audit.py"), "config=simclr", *SMALL]
     bad = subprocess.run([*base, "imports=[my_ssl]", "loss.name=cpu_scale_loss"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert bad.returncode == 1, bad.stderr
     assert "my_ssl.py:12 in forward: torch.tensor [no-device]" in bad.stdout
     assert "my_ssl.py:13 in forward: Tensor.item [host-sync]" in bad.stdout
-    good = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    good = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert good.returncode == 0 and "0 finding(s)" in good.stdout

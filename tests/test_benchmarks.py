@@ -13,8 +13,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+from helpers import HANG_S, REPO, SMALL
 from helpers import RECIPES as HELPER_RECIPES
-from helpers import REPO, SMALL
 from omegaconf import OmegaConf
 
 TINY = [*SMALL, "machine.device=cpu"]
@@ -54,7 +54,7 @@ def test_cli_bf16_prints_machine_ratio_and_identical_weights(tmp_path: Path) -> 
     env.pop("SSLKIT_MALLOC_TUNED", None)
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--steps", "4", "--rounds", "1", "--warmup", "1",
-         *TINY, *BF16], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+         *TINY, *BF16], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(r"^machine: .+ cores .+ torch \S+", out, re.M), out
@@ -132,7 +132,7 @@ def test_throughput_quick_prints_every_pipeline_with_its_ratio(tmp_path: Path) -
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick", "--presets",
          "simclr_rn50", "--steps", "2", "--warmup", "1", "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"^machine: .+ cores", proc.stdout, re.M), proc.stdout
     rows = re.findall(r"^\| simclr_rn50 \| (\S+) \| 2x64 \| 16 \| (\S+) \| \d+ \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
@@ -170,7 +170,7 @@ def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
     base = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick"]
     proc = subprocess.run([*base, "--presets", "mae_vit_s16", "--strategy", "ddp,fsdp", "--steps", "1", "--warmup",
                            "1", "model.trunk_kwargs.depth=2", "model.kwargs.decoder_depth=1"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"^machine: .+ cores", proc.stdout, re.M) and "2 processes; images/s over all" in proc.stdout
     rows = re.findall(r"^\| mae_vit_s16 \| (ddp|fsdp) \| 1x64 \| 16 \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| - \|$",

@@ -252,7 +252,9 @@ def test_list_into_a_reader_that_stops_early_is_not_an_error() -> None:
     import subprocess
     import sys
 
+    from helpers import HANG_S
+
     script = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)\n"
               "from sslkit.cli import console\nsys.exit(console(['list']))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

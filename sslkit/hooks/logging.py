@@ -123,6 +123,7 @@ class LogHook(SSLHook):
         self._last_loss: float | None = None
         self.unreadable = SkippedSamples()
         self.stability = StabilityWatch()
+        self._announced = False  # the "training ..." line of this process is out (the first phase start)
 
     def on_start(self, task: SSLTask) -> None:
         """Start the clock and the run's progress bar; log what is about to run."""
@@ -135,13 +136,7 @@ class LogHook(SSLHook):
             self._bar = tqdm(total=task.max_iterations, initial=task.iteration, unit="step", dynamic_ncols=True,
                              desc="train", file=self.bar_file or sys.stderr, leave=True)
             self._route_through_tqdm()
-        n_params = sum(p.numel() for p in task.base_model.parameters() if p.requires_grad)
-        logger.info(
-            "training %d phases, %d optimizer steps, global batch %d, %.2fM trainable parameters, "
-            "device %s, AMP %s; output in %s",
-            len(task.phases), task.max_iterations, task.global_batch_size, n_params / 1e6,
-            task.device, task.amp_dtype or "off", task.output_dir,
-        )
+        self._announced = False
         for message in self.stability.start(task):
             for sink in self.sinks:
                 sink.write({"step": task.iteration, "epoch": task.epoch, "phase": "warning",
@@ -155,7 +150,19 @@ class LogHook(SSLHook):
                                 dropped, task.iteration, sink.path)
 
     def on_phase_start(self, task: SSLTask) -> None:
-        """Reset timers and meters, and the train epoch's totals."""
+        """Reset timers and meters, and the train epoch's totals; before the first phase, log what is about to run.
+
+        That line comes after every hook's ``on_start`` (the pre-emption hook's signal handlers, the kNN
+        baselines): once it is out, a Ctrl-C finishes the step and writes a checkpoint."""
+        if not self._announced:
+            self._announced = True
+            n_params = sum(p.numel() for p in task.base_model.parameters() if p.requires_grad)
+            logger.info(
+                "training %d phases, %d optimizer steps, global batch %d, %.2fM trainable parameters, "
+                "device %s, AMP %s; output in %s",
+                len(task.phases), task.max_iterations, task.global_batch_size, n_params / 1e6,
+                task.device, task.amp_dtype or "off", task.output_dir,
+            )
         task.perf_stats.reset()
         task.loss_sum.zero_()
         task.loss_count = 0

@@ -243,7 +243,7 @@ def test_a_process_exits_with_a_worker_iterator_left_alive(tmp_path) -> None:
     import subprocess
     import sys
 
-    from helpers import REPO
+    from helpers import HANG_S, REPO
 
     script = tmp_path / "leak.py"
     script.write_text(
@@ -257,6 +257,6 @@ def test_a_process_exits_with_a_worker_iterator_left_alive(tmp_path) -> None:
         "h = Holder(); h.it = iter(loader); h.me = h; next(h.it)\n"
         "del h, loader\n"
         "print('done', flush=True)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import HANG_S, REPO, wait_for
 
 from sslkit.cli import main
 
@@ -24,7 +24,7 @@ def _slurm_up() -> bool:
     if shutil.which("sinfo") is None:
         return False
     try:
-        state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10).stdout
+        state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
     return bool(re.search(r"idle|mixed|allocated", state))
@@ -36,15 +36,27 @@ needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="needs a running SLURM 
 RUN = ["config=simclr", "machine.device=cpu", "data.batch_size=32", "log.every_n_steps=5", "eval.knn.enabled=false",
        "checkpoint.every_n_epochs=0", "log.tensorboard=false", "log.report=false", "data.num_workers=0"]
 SLURM = ["launcher=slurm", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.time_min=10"]
-#: Updates of the run that is requeued twice: enough to stop it twice on the way (it stops near steps 7 and 13).
-STEPS = 60
+#: Updates of the run that is requeued twice. It stops at steps 7 and 20, each time inside a step that does not
+#: end until the test has sent its signal (fault_block with a release file): the test never races the run.
+STEPS = 30
+
+
+def _pauses(tmp_path: Path, never: bool = False) -> list[str]:
+    """The run's two pauses (``never``: the same hooks at steps never reached, for a reference run with the same
+    config); the test waits for each pause's marker, signals the job, then creates its release file."""
+    hooks = [{"step": 10**6 if never else 7, "once": "true"}, {"step": 10**6 if never else 20, "once": "false"}]
+    rendered = ", ".join(f"{{name: fault_block, step: {h['step']}, once: {h['once']}, marker: '{tmp_path}/paused{i}', "
+                         f"release: '{tmp_path}/release{i}'}}" for i, h in enumerate(hooks))
+    return ["imports=[sslkit_faults]", f"hooks=[{rendered}]"]
 
 
 def _submit(tmp_path: Path, steps: int) -> tuple[str, Path]:
     """Submit the run from ``tmp_path`` as a user would; the job id and the run folder."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *RUN, *SLURM, f"optim.max_steps={steps}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    from reliability_helpers import FAULT_ENV
+
+    env = {**os.environ, **FAULT_ENV, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *RUN, *SLURM, f"optim.max_steps={steps}",
+                           *_pauses(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(r"submitted SLURM job (\d+): 1 node\(s\) x 2 task\(s\)", proc.stdout)
     assert m, proc.stdout
@@ -54,15 +66,12 @@ def _submit(tmp_path: Path, steps: int) -> tuple[str, Path]:
 
 def _job(job: str) -> dict[str, str]:
     """``scontrol show job``'s fields (empty once SLURM forgot the job)."""
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=HANG_S).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def _wait(what: str, ok: callable, timeout: float = 120.0) -> None:  # type: ignore[valid-type]
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.5)
+def _wait(what: str, ok: callable) -> None:  # type: ignore[valid-type]
+    wait_for(ok, what)
 
 
 def _log(run: Path) -> str:
@@ -76,8 +85,14 @@ def _restart(job: str, restarts: int) -> None:
           _job(job).get("JobState") == "PENDING")
     # SLURM holds a requeued batch job ~2 minutes before it may start again; start it sooner, as the scheduler
     # (not at once: slurmd refuses a relaunch within seconds of the kill, "Job credential revoked")
-    time.sleep(3)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, timeout=30)
+    time.sleep(3)  # (a lower bound, SLURM's own: waiting longer is always fine)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, timeout=HANG_S)
+
+
+def _job_output(run: Path, job: str) -> str:
+    """What the job's tasks printed so far (stdout and stderr of every task, every start)."""
+    folder = run / "slurm" / job
+    return "".join(p.read_text(errors="replace") for p in sorted(folder.glob(f"{job}_*_log.*")))
 
 
 def _stop_line(log: str, signal: str) -> str:
@@ -98,25 +113,32 @@ def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupte
     from reliability_helpers import assert_identical, latest_state
 
     ref = tmp_path / "ref"  # trained beside the job (the job mostly waits on SLURM): the numbers do not depend on it
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    from reliability_helpers import FAULT_ENV
+
+    env = {**os.environ, **FAULT_ENV, "OMP_NUM_THREADS": "1"}
     reference = subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *RUN, "distributed.nproc_per_node=2",
-                                  f"optim.max_steps={STEPS}", f"output_dir={ref}"], cwd=tmp_path, env=env,
+                                  f"optim.max_steps={STEPS}", *_pauses(tmp_path / "never", never=True),
+                                  f"output_dir={ref}"], cwd=tmp_path, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     job, run = _submit(tmp_path, STEPS)
     try:
         script = (run / "slurm" / job / f"{job}_submission.sh").read_text()
         assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --ntasks-per-node=2" in script
-        _wait("a first step", lambda: re.search(r"step \d+/", _log(run)) is not None)
+        _wait("the pause at step 7", (tmp_path / "paused0").exists)
         assert "global batch 64" in _log(run)  # 2 ranks x 32
-        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=HANG_S)
+        _wait("the signal's arrival", lambda: "SIGUSR2: finishing this step" in _job_output(run, job))
+        (tmp_path / "release0").touch()
         _restart(job, 1)
         first = _stop_line(_log(run), "SIGUSR2")
         out = (run / "slurm" / job / f"{job}_0_log.out").read_text()
         assert f"requeueing job {job} (requeue 1 of at most 10)" in out, out
         resumed = f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{first}.pt"
         _wait("the first resume", lambda: resumed in _log(run))
-        _wait("a step after it", lambda: re.search(r"step \d+/", _log(run).split(resumed)[1]) is not None)
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        _wait("the pause at step 20", (tmp_path / "paused1").exists)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=HANG_S)
+        _wait("the signal's arrival", lambda: "SIGTERM: finishing this step" in _job_output(run, job))
+        (tmp_path / "release1").touch()
         _restart(job, 2)
         second = _stop_line(_log(run), "SIGTERM")
         assert int(first) < int(second) < STEPS, (first, second)
@@ -124,12 +146,12 @@ def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupte
         assert _job(job).get("JobState") == "COMPLETED", _job(job)
         assert f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{second}.pt" in _log(run)
         assert (run / "slurm" / job / f"{job}_0_log.out").read_text().count("requeueing job") == 1  # not on SIGTERM
-        assert reference.wait(timeout=300) == 0, reference.stderr.read() if reference.stderr else ""
+        assert reference.wait(timeout=HANG_S) == 0, reference.stderr.read() if reference.stderr else ""
         expected, got = latest_state(ref), latest_state(run)
         assert expected["position"]["iteration"] == got["position"]["iteration"] == STEPS
         assert_identical(got, expected)
     finally:
-        subprocess.run(["scancel", job], timeout=30)
+        subprocess.run(["scancel", job], timeout=HANG_S)
         if reference.poll() is None:
             reference.kill()
 

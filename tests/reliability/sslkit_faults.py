@@ -86,19 +86,32 @@ class CrashFault(_Fault):
             raise RuntimeError(f"injected crash after step {self.step}")
 
 
-@register_hook("fault_sleep")
-class SleepFault(_Fault):
-    """Sleeps ``seconds`` in every train step from step ``step`` on (a slow step, to signal it mid-way)."""
+@register_hook("fault_block")
+class BlockFault(_Fault):
+    """Blocks in the forward of train step ``step`` (a step that does not end by itself), after creating the file
+    ``marker``: a test waits for that file, then acts on the run (signals it, kills it) while it is inside that step,
+    however fast or slow the machine. The block ends when the file ``release`` appears (if one is named) or with a
+    KeyboardInterrupt (a second Ctrl-C); after ``hang_s`` seconds it raises, so a test that never acts fails
+    instead of hanging. ``once``: only in a run that started from scratch (else also in a resumed one)."""
 
-    def __init__(self, step: int = 1, seconds: float = 1.0) -> None:
-        super().__init__(step, -1, False)
-        self.seconds = seconds
+    def __init__(self, step: int, marker: str, release: str = "", once: bool = True, hang_s: float = 600.0) -> None:
+        super().__init__(step, -1, once)
+        self.marker = marker
+        self.release = release
+        self.hang_s = hang_s
 
     def on_forward(self, task) -> None:
         import time
 
-        if task.train and task.iteration + 1 >= self.step:
-            time.sleep(self.seconds)
+        if not self.due(task):
+            return
+        open(self.marker, "w").close()
+        end = time.monotonic() + self.hang_s
+        while time.monotonic() < end:
+            if self.release and os.path.exists(self.release):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"fault_block: nothing stopped the run within {self.hang_s:.0f} s of step {self.step}")
 
 
 @register_hook("fault_full_disk")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, metrics, run_cli, run_main
+from helpers import HANG_S, REPO, metrics, run_cli, run_main, wait_for
 from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state, run_ranks_main
 
 from sslkit.reliability import PREEMPTED_EXIT_CODE
@@ -51,20 +51,20 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
         assert_identical(latest_state(out), _reference(tmp_path))
 
 
-def _start(out: Path, nproc: int, *extra: str) -> subprocess.Popen[str]:
-    """A long run in its own process group (as a terminal or a scheduler starts a job)."""
+def _start(out: Path, nproc: int, *extra: str, stderr: Path | None = None) -> subprocess.Popen[str]:
+    """A long run in its own process group (as a terminal or a scheduler starts it); its stderr to a pipe, or to the
+    file ``stderr`` (for a test that reads it while the run goes on)."""
     args = ["config=simclr", *BASE, "optim.epochs=40", "log.every_n_steps=1", f"output_dir={out}",
             f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", *extra]
     env = {**os.environ, **FAULT_ENV}
+    err = stderr.open("w") if stderr is not None else subprocess.PIPE
     return subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
 
 
-def _wait_for_steps(out: Path, steps: int, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
+def _wait_for_steps(out: Path, steps: int, proc: subprocess.Popen[str]) -> None:
     log = out / "metrics.jsonl"
-    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= steps):
-        time.sleep(0.05)
+    wait_for(lambda: log.exists() and log.read_text().count("\n") >= steps, f"{steps} logged steps", proc)
 
 
 @pytest.mark.slow
@@ -81,12 +81,12 @@ def test_external_signal_at_an_arbitrary_moment(tmp_path: Path, sig: str, to: st
     and ranks included. Each time the step finishes, a checkpoint is written, and the exit status is 75."""
     out = tmp_path / "run"
     proc = _start(out, nproc, f"data.num_workers={workers}")
-    _wait_for_steps(out, 8)
+    _wait_for_steps(out, 8, proc)
     if to == "group":
         os.killpg(proc.pid, getattr(signal, sig))
     else:
         proc.send_signal(getattr(signal, sig))
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
     assert "Traceback" not in err and "DataLoader worker" not in err
     stopped = latest_state(out)["position"]["iteration"]
@@ -98,17 +98,22 @@ def test_external_signal_at_an_arbitrary_moment(tmp_path: Path, sig: str, to: st
 
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
-    """Steps of 1.5 s: the first Ctrl-C asks for a checkpoint after the step, a second one 0.8 s later stops
-    at once (exit 130, no checkpoint of that step) with a message, not a traceback; the last checkpoint stays."""
-    out = tmp_path / "run"
-    proc = _start(out, 1, "checkpoint.every_n_steps=2", "imports=[sslkit_faults]",
-                  "hooks=[{name: fault_sleep, step: 3, seconds: 1.5}]")
-    _wait_for_steps(out, 2)
-    time.sleep(0.3)  # inside step 3's sleep
+    """Step 3 does not end by itself (fault_block): the first Ctrl-C asks for a checkpoint after the step; a second
+    one, once the first was acted on and more than PreemptionHook.REPEAT_S later (one press that reaches the
+    process twice is one), stops at once (exit 130, no checkpoint of that step) with a message, not a traceback;
+    the last checkpoint stays."""
+    from sslkit.reliability import PreemptionHook
+
+    out, marker, err_file = tmp_path / "run", tmp_path / "in-step-3", tmp_path / "stderr.txt"
+    proc = _start(out, 1, "checkpoint.every_n_steps=2", f"hooks=[{{name: fault_block, step: 3, marker: '{marker}'}}]",
+                  stderr=err_file)
+    wait_for(marker.exists, "step 3", proc)
     os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.8)
+    wait_for(lambda: "finishing this step" in err_file.read_text(), "the first Ctrl-C's message", proc)
+    time.sleep(2 * PreemptionHook.REPEAT_S)  # (at least this long: a second press, not the same one)
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    proc.communicate(timeout=HANG_S)
+    err = err_file.read_text()
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted at once" in err and "Traceback" not in err
     assert latest_state(out)["position"]["iteration"] == 2
