@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,36 +68,63 @@ def _compare(case: str, extra: list[str], ddp: list[dict[str, Any]], fsdp: list[
     assert worst < (5e-3 if bf16 else 5e-5), worst
 
 
+#: dinov2 (teacher, Sinkhorn-Knopp, masks, drop path) under fsdp, 8 steps over 2 epochs, a checkpoint every 3.
+RESUMED = ["config=dinov2", *SMALL, "optim.epochs=2", "data.train.kwargs.num_samples=128", "checkpoint.every_n_steps=3",
+           "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0", "eval.knn.enabled=false", "log.tensorboard=false",
+           "imports=[sslkit_faults]", "distributed.strategy=fsdp"]
+CRASH = "hooks=[{name: fault_crash, step: %d}]"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[str]], dict[str, Any]]:
+    """The uninterrupted 2-process run's final state with the checkpoint options ``form``, each run once: the
+    sharded form and its background writing (checkpoint.async_save) write the same folders, so they share one."""
+    from reliability_helpers import RECIPE_ARGS, latest_state
+
+    runs: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def state(form: list[str]) -> dict[str, Any]:
+        key = tuple(a for a in form if not a.startswith("checkpoint.async_save"))
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("fsdp_ref")
+            args = [*RESUMED, *RECIPE_ARGS["dinov2"], *key, CRASH % 10**6, f"output_dir={tmp / 'ref'}"]
+            assert run_ranks(cli_main, 2, str(tmp / "r"), args) == ["0", "0"]
+            runs[key] = latest_state(tmp / "ref")
+        return runs[key]
+
+    return state
+
+
 @pytest.mark.parametrize("form", ["sharded", "whole", "sharded-async"])
 def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path: Path, form: str,
+                                                                         uninterrupted: Callable[..., dict[str, Any]],
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """dinov2 (teacher, Sinkhorn-Knopp, masks, drop path) on 2 processes under fsdp, 8 steps over 2 epochs with a
-    checkpoint every 3: a crash on both ranks after step 5 is resumed from step 3 and ends bit-identical to the
-    uninterrupted run (weights, AdamW moments, every rank's RNG). The checkpoint (a folder each rank wrote its
-    shards into, written in the background with checkpoint.async_save, or one gathered file) holds the model under
-    the names a one-process run uses, and the optimizer state by parameter name: it resumes in one process (ddp or
-    fsdp alike), and the export tool reads it into timm's ViT, strictly."""
+    """dinov2 on 2 processes under fsdp: a crash on both ranks after step 5 is resumed from step 3 and ends
+    bit-identical to the uninterrupted run (weights, AdamW moments, every rank's RNG). The checkpoint (a folder each
+    rank wrote its shards into, written in the background with checkpoint.async_save, or one gathered file) holds
+    the model under the names a one-process run uses, and the optimizer state by parameter name: it resumes in one
+    process (ddp or fsdp alike), and the export tool reads it into timm's ViT, strictly."""
     from reliability_helpers import RECIPE_ARGS, assert_identical, latest_state
 
     from sslkit.cli import main
 
-    args = ["config=dinov2", *SMALL, *RECIPE_ARGS["dinov2"], "optim.epochs=2", "data.train.kwargs.num_samples=128",
-            "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
-            "eval.knn.enabled=false", "log.tensorboard=false", "imports=[sslkit_faults]", "distributed.strategy=fsdp",
-            *(["checkpoint.sharded=false"] if form == "whole" else []),
-            *(["checkpoint.async_save=true"] if form == "sharded-async" else [])]
-    hooks = "hooks=[{name: fault_crash, step: %d}]"
-    ref, out = tmp_path / "ref", tmp_path / "crashed"
-    assert run_ranks(cli_main, 2, str(tmp_path / "r"), [*args, hooks % 10**6, f"output_dir={ref}"]) == ["0", "0"]
-    crashed = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, hooks % 5, f"output_dir={out}"])
+    options = {"sharded": [], "whole": ["checkpoint.sharded=false"], "sharded-async": ["checkpoint.async_save=true"]}
+    args = [*RESUMED, *RECIPE_ARGS["dinov2"], *options[form]]
+    out = tmp_path / "crashed"
+    crashed = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, CRASH % 5, f"output_dir={out}"])
     assert all("injected crash after step 5" in c for c in crashed), crashed
     assert latest_state(out)["position"]["iteration"] == 3
-    names = sorted(p.name for p in (ref / "checkpoints").iterdir())
+    assert run_ranks(cli_main, 2, str(tmp_path / "c2"), [*args, CRASH % 5, f"output_dir={out}"]) == ["0", "0"]
+    expected, got = uninterrupted(options[form]), latest_state(out)
+    assert expected["position"]["iteration"] == 8
+    assert_identical(got, expected)
+    assert all(isinstance(name, str) for name in got["optimizer"]["state"])  # by parameter name
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())  # step 3 before the crash, 6 and 8 after
     if form == "whole":
         assert names == [f"checkpoint_{i:09d}.pt" for i in (3, 6, 8)] + ["latest.txt"], names
     else:
         assert names == [f"checkpoint_{i:09d}" for i in (3, 6, 8)] + ["latest.txt"], names
-        folder = ref / "checkpoints" / names[0]
+        folder = out / "checkpoints" / names[0]
         assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         sizes = [(folder / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
         assert 0.6 < sizes[1] / sizes[0] < 1.1, sizes  # each rank wrote its half (rank 0 also the run's record)
@@ -108,28 +136,23 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
             ("__0_0.distcp", "__1_0.distcp", "__0_0.distcp"), files
         # a shard file lost (a node's part never copied over): said, with what to do, and nothing trained
         lost = tmp_path / "lost"
-        shutil.copytree(ref, lost)
+        shutil.copytree(out, lost)
         (lost / "checkpoints" / "checkpoint_000000008" / "__1_0.distcp").unlink()
         code = main([*args, "optim.epochs=3", "data.batch_size=32", "checkpoint.resume_changed_config=true",
-                     hooks % 10**6, f"output_dir={lost}"])
+                     CRASH % 10**6, f"output_dir={lost}"])
         err = capsys.readouterr().err
         assert code == 2 and "is missing __1_0.distcp" in err and "Traceback" not in err, err
         assert sorted(p.name for p in (lost / "checkpoints").iterdir()) == names
-    assert run_ranks(cli_main, 2, str(tmp_path / "c2"), [*args, hooks % 5, f"output_dir={out}"]) == ["0", "0"]
-    expected, got = latest_state(ref), latest_state(out)
-    assert expected["position"]["iteration"] == 8
-    assert_identical(got, expected)
-    assert all(isinstance(name, str) for name in expected["optimizer"]["state"])  # by parameter name
     # one process with the same global batch, as a longer run: the whole model, the named optimizer state, rank
     # 0's RNG (the changed batch per process is accepted explicitly)
     for strategy in ("fsdp", "ddp"):
         longer = tmp_path / f"one-{strategy}"
-        shutil.copytree(ref, longer)
+        shutil.copytree(out, longer)
         code = main([*args, "optim.epochs=3", "data.batch_size=32", "checkpoint.resume_changed_config=true",
-                     f"distributed.strategy={strategy}", hooks % 10**6, f"output_dir={longer}"])
+                     f"distributed.strategy={strategy}", CRASH % 10**6, f"output_dir={longer}"])
         assert code == 0 and latest_state(longer)["position"]["iteration"] == 12
     exported = tmp_path / "encoder.safetensors"
-    code, _, err = run_sslkit("export", f"checkpoint={ref}", f"output={exported}")
+    code, _, err = run_sslkit("export", f"checkpoint={out}", f"output={exported}")
     assert code == 0, err
     meta = json.loads((tmp_path / "encoder.json").read_text())
     timm.create_model(meta["timm_arch"], num_classes=0, **meta["timm_kwargs"]).load_state_dict(
