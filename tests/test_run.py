@@ -41,7 +41,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
         "checkpoint_000000008.pt (updated at the end of the run with the state of knn)"]
 
     # Running the same command again finds the finished run and redoes nothing, not even a save.
-    again = run_cli("config=simclr", *SMALL, "optim.epochs=2", f"output_dir={out}")
+    again = run_main("config=simclr", *SMALL, "optim.epochs=2", f"output_dir={out}")  # (no process of its own)
     assert "resumed from" in again.stdout and "kNN already evaluated" in again.stdout
     assert "saved checkpoint" not in again.stdout
     assert len(metrics(out)) == len(records)
@@ -49,7 +49,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
 
 def test_config_error_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "never"
-    proc = run_cli("optim.lrr=0.1", f"output_dir={out}", check=False)
+    proc = run_main("optim.lrr=0.1", f"output_dir={out}", check=False)
     assert proc.returncode == 2
     assert "Did you mean 'optim.lr'" in proc.stderr
     assert not out.exists()

@@ -40,12 +40,14 @@ _CONTROLLED = {
 def check_vit_kwargs(kwargs: dict[str, Any]) -> list[str]:
     """Problems with a ViT's ``model.trunk_kwargs``: a key sslkit sets itself, or one that neither sslkit's
     builder nor timm's ``VisionTransformer`` has (with the closest names)."""
-    from timm.models.vision_transformer import VisionTransformer
-
     from sslkit.suggest import did_you_mean
 
     ours = [p for p in inspect.signature(build_vit).parameters if p not in ("size", "in_channels", "timm_kwargs")]
-    timm_names = [p for p in inspect.signature(VisionTransformer.__init__).parameters if p != "self"]
+    timm_names: list[str] = []
+    if set(kwargs) - set(ours) - set(_CONTROLLED):  # timm's own arguments: read from timm (a second's import)
+        from timm.models.vision_transformer import VisionTransformer
+
+        timm_names = [p for p in inspect.signature(VisionTransformer.__init__).parameters if p != "self"]
     errors = []
     for key, value in kwargs.items():
         if key in ours:

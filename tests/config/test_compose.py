@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import MAE_VIT_S16_224, REPO, run_cli
+from helpers import MAE_VIT_S16_224
 
 from sslkit.config.compose import ConfigError, compose_config, schema
 
@@ -252,10 +252,12 @@ def test_multicrop_recipe_composes_on_every_data_preset(data: str, tmp_path: Pat
     assert cfg.data.transform.small_size < cfg.data.transform.image_size
 
 
-def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import run_main
+
     out = tmp_path / "run"
-    proc = run_cli("data.batch_size=-4", "data.image_size=64", f"output_dir={out}", cwd=tmp_path,
-                   env={"PYTHONPATH": str(REPO)}, check=False)
+    monkeypatch.chdir(tmp_path)
+    proc = run_main("data.batch_size=-4", "data.image_size=64", f"output_dir={out}", check=False)
     assert proc.returncode == 2, proc.stderr
     assert "sslkit: config error" in proc.stderr
     assert "'data.batch_size' must be > 0, got -4" in proc.stderr and "Set data.image_size <= 28" in proc.stderr
