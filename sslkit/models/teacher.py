@@ -11,11 +11,19 @@ from torch import nn
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import check_two_views, forward_views
 
-__all__ = ["PredictorTeacherModel", "frozen_copy", "projection_dim", "update_momentum"]
+__all__ = ["NOISE_LAYERS", "PredictorTeacherModel", "frozen_copy", "projection_dim", "silence", "update_momentum"]
+
+#: Stochastic layers of other libraries a teacher switches off, by class name (so that neither library is imported
+#: here) -> the attribute that holds their probability: timm's ``DropPath``, ``PatchDropout`` and ``DropBlock2d``,
+#: torchvision's ``StochasticDepth``. torch's own dropouts (``nn.Dropout`` and its kin, whose ``p`` timm's attention
+#: also reads for its fused kernel) are matched by type.
+NOISE_LAYERS = {"DropPath": "drop_prob", "PatchDropout": "prob", "DropBlock2d": "drop_prob", "StochasticDepth": "p"}
+_TORCH_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` with ``requires_grad=False`` everywhere (so no optimizer sees it).
+    """A deep copy of ``module`` with ``requires_grad=False`` everywhere (so no optimizer sees it) and no stochastic
+    layer (:func:`silence`: no dropout, no drop path, whatever the student has).
 
     The copy starts equal to the student, as in MoCo, BYOL and DINO. Kept as a submodule of the
     model, it is saved and restored with the model's state dict.
@@ -23,7 +31,30 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     teacher = copy.deepcopy(module)
     for p in teacher.parameters():
         p.requires_grad_(False)
+    silence(teacher)
     return teacher
+
+
+def silence(module: nn.Module) -> list[str]:
+    """Switch off, in place, every stochastic layer of ``module`` (dropout, drop path, patch dropout, DropBlock,
+    stochastic depth: :data:`NOISE_LAYERS` and torch's dropouts) and return their names.
+
+    A teacher is a target: two forwards of the same images must give the same output in training too. The papers'
+    teachers have no drop path whatever the student has (DINO's ``main_dino.py`` builds the teacher without it,
+    DINOv2 gives ``drop_path_rate`` to the student only, I-JEPA's target encoder is used under ``no_grad``). The
+    teacher otherwise stays in train mode: BatchNorm keeps normalising by the batch, as MoCo's key encoder. A
+    layer that draws its noise by a function call of its own (``F.dropout(x, p, self.training)``) is not seen.
+    """
+    silenced = []
+    for name, layer in module.named_modules():
+        if isinstance(layer, _TORCH_DROPOUTS):
+            if layer.p:
+                layer.p = 0.0
+                silenced.append(name)
+        elif (attribute := NOISE_LAYERS.get(type(layer).__name__)) is not None and getattr(layer, attribute, 0):
+            setattr(layer, attribute, 0.0)
+            silenced.append(name)
+    return silenced
 
 
 @torch.no_grad()
