@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from sslkit.registry import TRANSFORMS, get, register_transform
 
 __all__ = [
+    "USUAL_CROP_PCT",
     "EvalTransform",
     "SimCLRTransform",
     "Transform",
@@ -20,8 +22,11 @@ __all__ = [
     "build_simclr",
     "build_transform",
     "centred_crop_box",
+    "eval_resize",
     "random_resized_crop_box",
 ]
+
+logger = logging.getLogger(__name__)
 
 Transform = Callable[[torch.Tensor], list[torch.Tensor]]
 """What a transform builder returns: one image in, a list of normalised float32 views out."""
@@ -295,6 +300,34 @@ class SimCLRTransform:
         )
 
 
+#: The share of the resized image the usual evaluation crop keeps (224 of 256, timm's ``crop_pct`` default).
+USUAL_CROP_PCT = 0.875
+_WARNED: set[tuple[int, int]] = set()
+
+
+def eval_resize(image_size: int, resize: int | None = None, crop_pct: float | None = None) -> int | None:
+    """The shorter side an evaluation image is resized to before its centre crop of ``image_size``: ``resize`` when
+    given, else ``floor(image_size / crop_pct)`` (timm's rule: 256 for 224 at 0.875, 73 for 64), else None (no resize
+    but an upscale of images smaller than the crop). Logs a warning, once per size pair, when an explicit ``resize``
+    makes the crop keep less of the image than the usual 224 of 256."""
+    if image_size < 1 or (resize is not None and resize < 1):
+        raise ValueError(f"image_size and resize must be >= 1, got {image_size}, {resize}")
+    if resize is not None:
+        if image_size / resize < USUAL_CROP_PCT - 1e-6 and (image_size, resize) not in _WARNED:
+            _WARNED.add((image_size, resize))
+            logger.warning("evaluation crop: %d px out of images resized to %d keeps %.0f%% of their side (the "
+                           "usual is 224 of 256, 88%%): the evaluation sees less of each image than training does. "
+                           "Set data.eval_transform.resize=null to follow data.eval_transform.crop_pct (0.875), or "
+                           "a resize near image_size / 0.875 = %d", image_size, resize, 100 * image_size / resize,
+                           math.floor(image_size / USUAL_CROP_PCT))
+        return int(resize)
+    if crop_pct is not None:
+        if not 0.0 < crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+        return math.floor(image_size / crop_pct + 1e-9)
+    return None
+
+
 class EvalTransform:
     """Deterministic single view: optional shorter-side resize, centre crop, normalise."""
 
@@ -304,12 +337,11 @@ class EvalTransform:
         resize: int | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        crop_pct: float | None = None,
     ) -> None:
         """Configure; see :func:`build_eval`."""
-        if image_size < 1 or (resize is not None and resize < 1):
-            raise ValueError(f"image_size and resize must be >= 1, got {image_size}, {resize}")
+        self.resize = eval_resize(image_size, resize, crop_pct)
         self.image_size = int(image_size)
-        self.resize = None if resize is None else int(resize)
         self.normalize = _Normalize(mean, std)
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
@@ -443,13 +475,15 @@ def build_eval(
     resize: int | None = None,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    crop_pct: float | None = None,
 ) -> EvalTransform:
-    """Evaluation transform: resize the shorter side to ``resize`` (if given), centre-crop ``image_size``.
+    """Evaluation transform: resize the shorter side (to ``resize``, or to ``image_size / crop_pct`` so that the
+    resize follows the crop size: :func:`eval_resize`), centre-crop ``image_size``.
 
-    Without ``resize``, an image whose shorter side is below ``image_size`` is upscaled to it
+    With neither, an image whose shorter side is below ``image_size`` is upscaled to it
     rather than padded. Returns a list with one normalised view.
     """
-    return EvalTransform(image_size, resize=resize, mean=mean, std=std)
+    return EvalTransform(image_size, resize=resize, mean=mean, std=std, crop_pct=crop_pct)
 
 
 def build_transform(name: str, where: str = "data.train.transform.name", **kwargs: Any) -> Transform:

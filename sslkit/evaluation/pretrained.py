@@ -12,6 +12,7 @@ from torch import nn
 
 from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
 from sslkit.config.compose import ConfigError, _apply_overrides, import_modules, schema, validate
+from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError
 from sslkit.sharded_checkpoint import METADATA
 
@@ -181,9 +182,9 @@ def normalisation(cfg: DictConfig, channels: int) -> dict[str, Any]:
     t = cfg.data.eval_transform
     mean = list(t.get("mean") or [0.5] * channels)
     std = list(t.get("std") or [0.5] * channels)
-    return {"channels": channels, "image_size": int(t.get("image_size", cfg.data.image_size)),
-            "resize": t.get("resize"), "pixel_range": [0.0, 1.0], "mean": [float(m) for m in mean],
-            "std": [float(s) for s in std]}
+    size = int(t.get("image_size", cfg.data.image_size))
+    return {"channels": channels, "image_size": size, "resize": eval_resize(size, t.get("resize"), t.get("crop_pct")),
+            "pixel_range": [0.0, 1.0], "mean": [float(m) for m in mean], "std": [float(s) for s in std]}
 
 
 class ToolError(UserError):

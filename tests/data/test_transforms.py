@@ -151,3 +151,42 @@ def test_eval_transform_no_resize() -> None:
     torch.testing.assert_close(crop, img[:, 4:24, 4:24].float() / 255)
     (up,) = build_transform("eval", image_size=32)(img)  # smaller image: upscaled, not padded
     assert up.shape == (1, 32, 32) and (up > -1).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("preset", ["folder", "filelist"])
+def test_the_evaluation_crop_of_a_folder_follows_data_image_size(tmp_path, preset: str) -> None:
+    """``config=dino_vit data=folder data.image_size=64``: the evaluation crop keeps 64 of 73 px (crop_pct 0.875), not
+    the centre 16 px of a 256 px upscale (the folder preset's resize of 224 px runs). A bright square near the
+    image's corner and one at its centre are both in the crop, where the 73 px resize puts them."""
+    from sslkit.config.compose import compose_config
+
+    source = ["data=folder", f"data.train.path={tmp_path}"] if preset == "folder" else [
+        "data=filelist", f"data.train.path={tmp_path / 'list.txt'}"]
+    if preset == "filelist":
+        (tmp_path / "list.txt").write_text("a.jpg\n")
+    cfg = compose_config(["config=dino_vit", *source, "data.image_size=64", "data.small_image_size=32",
+                          "model.trunk_kwargs.patch_size=16", "machine.device=cpu"])
+    spec = dict(cfg.data.eval_transform)
+    assert spec["image_size"] == 64 and T.eval_resize(64, spec.get("resize"), spec.get("crop_pct")) == 73
+    image = torch.zeros(3, 64, 64, dtype=torch.uint8)
+    image[:, 6:12, 6:12] = 255  # near the corner: 6.8-13.7 px after the 73 px resize, 2.8-9.7 in the crop
+    image[:, 30:34, 30:34] = 255  # the centre: 34.2-38.8 after the resize, 30.2-34.8 in the crop
+    view = build_transform(**spec)(image)[0]
+    assert view.shape == (3, 64, 64)
+    pixels = view * 0.5 + 0.5  # sslkit's default normalisation (0.5, 0.5)
+    assert pixels[:, 4:9, 4:9].min() > 0.9 and pixels[:, 31:34, 31:34].min() > 0.9
+    assert pixels[:, 14:28, 14:28].max() < 0.05 and pixels[:, 45:, 45:].max() < 0.05
+    # the paper-scale size keeps the usual 224 of 256
+    assert T.eval_resize(224, None, spec.get("crop_pct")) == 256
+
+
+def test_an_explicit_resize_that_crops_away_more_than_usual_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    T._WARNED.clear()
+    with caplog.at_level("WARNING", logger="sslkit.data.transforms"):
+        assert T.eval_resize(64, 256) == 256 and T.eval_resize(64, 256) == 256
+        assert T.eval_resize(224, 256) == 256 and T.eval_resize(64, 73) == 73  # the usual share: no warning
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "keeps 25% of their side" in warnings[0] and "data.eval_transform.resize=null" in \
+        warnings[0], warnings
+    with pytest.raises(ValueError, match="crop_pct"):
+        T.eval_resize(64, None, 1.5)
