@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
     traceback means a bug in sslkit (or in user code it runs).
     """
-    from sslkit.console import debug_flag
+    from sslkit.console import debug_flag, guard_streams
+
+    if argv is None:  # this process's own command (tools/run.py): a closed pipe must not cost the checkpoint
+        guard_streams()
 
     args, debug = debug_flag(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -295,6 +298,10 @@ def _command(name: str) -> Any:
 def console(argv: list[str] | None = None) -> int:
     """The ``sslkit`` command: ``sslkit <command> [key=value ...]``, one of :data:`COMMANDS`."""
     args = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        from sslkit.console import guard_streams
+
+        guard_streams()
     if args and args[0] in COMMANDS:
         return int(_command(args[0])(args[1:]))
     lines = "\n".join(f"  {name:8s} {what}" for name, what in COMMANDS.items())

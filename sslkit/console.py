@@ -16,8 +16,61 @@ __all__ = ["debug_flag", "end_worker", "launch_workers", "setup_logging"]
 logger = logging.getLogger("sslkit")
 
 
+class _Unbroken:
+    """A text stream that stops writing, silently, once its reader is gone (a closed pipe, ``... | tee log`` whose
+    ``tee`` died with a Ctrl-C to the group): what the process still writes goes to os.devnull, so finishing the
+    step, the checkpoint and exit 75 never meet a BrokenPipeError. The run's log.txt keeps every line."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # EPIPE, ECONNRESET, EBADF; ValueError: the stream was closed
+                self._break()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        try:  # the interpreter's own flush at exit would fail too (exit 120): the descriptor now leads nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+def guard_streams() -> None:
+    """Make this process's own stdout and stderr :class:`_Unbroken` (once; streams a caller replaced, such as a
+    test's capture, are left alone). Called by the entry points and by :func:`setup_logging` (every rank)."""
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
+        sys.stdout = _Unbroken(sys.stdout)
+    if sys.stderr is sys.__stderr__ and sys.stderr is not None:
+        sys.stderr = _Unbroken(sys.stderr)
+
+
+def plural(n: int, noun: str) -> str:
+    """``"1 epoch"``, ``"3 epochs"``: a count and its noun for a message (an English ``s`` plural)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def setup_logging(output_dir: str | None, rank: int = 0) -> None:
-    """Log to stdout (rank 0; warnings only elsewhere) and to ``<output_dir>/log.txt`` on rank 0."""
+    """Log to stdout (rank 0; warnings only elsewhere) and to ``<output_dir>/log.txt`` on rank 0. This process's
+    stdout and stderr become :func:`guard_streams`' first: a reader that goes away costs nothing but the output."""
+    guard_streams()
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()

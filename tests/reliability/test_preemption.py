@@ -131,3 +131,37 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     assert state["position"]["iteration"] == 9 and len(state["rng"]) == 2
     assert run_ranks_main(2, tmp_path / "resume-ranks", *args).returncode == 0
     assert_identical(latest_state(out), _reference(tmp_path, nproc=2))
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_a_pipe_whose_reader_dies_still_checkpoints(tmp_path: Path) -> None:
+    """``python tools/run.py ... 2>&1 | tee log`` and Ctrl-C: the reader, in the same process group, dies of the
+    SIGINT first, and everything the run writes afterwards meets a closed pipe. The run still finishes the step,
+    writes its checkpoint and exits 75 (its log.txt says so). Step 3 does not end by itself (fault_block) until the
+    reader is gone, so the checkpoint's writes and messages come after the pipe closed, however fast the machine."""
+    import shlex
+
+    out, marker, release = tmp_path / "run", tmp_path / "in-step-3", tmp_path / "release"
+    reader_pid, code = tmp_path / "reader.pid", tmp_path / "code"
+    args = ["config=simclr", *BASE, "optim.epochs=40", "log.every_n_steps=1", f"output_dir={out}",
+            f"hooks=[{{name: fault_block, step: 3, marker: '{marker}', release: '{release}'}}]"]
+    run = " ".join(shlex.quote(a) for a in [sys.executable, str(REPO / "tools" / "run.py"), *args])
+    reader = f"sh -c 'echo $$ > {reader_pid}; exec cat > {tmp_path / 'reader.txt'}'"
+    shell = subprocess.Popen(["bash", "-c", f"{run} 2>&1 | {reader}; echo ${{PIPESTATUS[0]}} > {code}"], cwd=REPO,
+                             env={**os.environ, **FAULT_ENV}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(marker.exists, "step 3", shell)
+        os.killpg(shell.pid, signal.SIGINT)  # a terminal's Ctrl-C: the run, the reader and the shell
+        pid = int(reader_pid.read_text())
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the reader's death", shell)
+        release.touch()
+        shell.wait(timeout=HANG_S)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert "training" in (tmp_path / "reader.txt").read_text()  # the pipe carried the output until then
+    log = (out / "log.txt").read_text()
+    assert int(code.read_text()) == PREEMPTED_EXIT_CODE, log[-2000:]
+    assert latest_state(out)["position"]["iteration"] == 3
+    assert "received SIGINT: writing a checkpoint after step 3" in log and "(pre-emption by SIGINT)" in log
