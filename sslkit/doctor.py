@@ -309,8 +309,10 @@ def table(rows: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``sslkit doctor``; returns 0 when no check failed, 1 otherwise."""
     parser = argparse.ArgumentParser(prog="sslkit doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--recipes", default=",".join(SMALL_RECIPES), help="comma-separated (default: all)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the recipes train (auto: CUDA when visible, else the CPU)")
+    parser.add_argument("--recipes", default=",".join(SMALL_RECIPES),
+                        help="the recipes to train a few updates each, comma-separated (default: all)")
     parser.add_argument("--steps", type=int, default=3, help="updates per recipe and per deterministic run")
     parser.add_argument("--no-collective", action="store_true", help="skip the 2-process check")
     parser.add_argument("--no-data", action="store_true", help="skip the data vs step check")
@@ -334,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger("sslkit").setLevel(logging.WARNING)  # the checks' own training logs are not the report
     rows = machine_checks()
-    _say(rows)
     steps: list[Callable[[str], Check]] = []
     if not a.no_collective:
         steps.append(lambda _root: collective_check())
@@ -342,16 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     steps.append(lambda root: determinism_check(a.device, a.steps, root))
     if not a.no_data:
         steps.append(lambda root: data_check(a.device, root))
+    print(f"sslkit doctor: {len(rows) + len(steps)} checks; the table follows when they are done", flush=True)
     with tempfile.TemporaryDirectory(prefix="sslkit-doctor-") as root:
-        for step in steps:
-            row = step(root)
-            rows.append(row)
-            _say([row])
+        for i, step in enumerate(steps):
+            rows.append(step(root))
+            _progress(i + 1, len(steps), rows[-1])
+    _progress(0, 0, None)
     failed = [r.name for r in rows if r.status == "FAILED"]
     print(f"\n{table(rows)}\n\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
 
 
-def _say(rows: list[Check]) -> None:
-    for r in rows:
-        print(f"  {r.name}: {r.status} {r.detail}", flush=True)
+def _progress(done: int, total: int, row: Check | None) -> None:
+    """On a terminal, one line on stderr that each check overwrites (the table holds the results: nothing is
+    printed twice); ``row`` None clears it. Nothing when stderr is a file or a pipe."""
+    if not sys.stderr.isatty():
+        return
+    line = "" if row is None else f"  {done}/{total} {row.name}: {row.status}"
+    print(f"\r\033[K{line[:120]}", end="" if row is not None else "\r", file=sys.stderr, flush=True)

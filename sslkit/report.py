@@ -9,6 +9,7 @@ import statistics
 import sys
 from typing import Any
 
+from sslkit.console import plural
 from sslkit.errors import EXIT_BAD_INPUT, UserError
 
 __all__ = ["ReportError", "main", "read_metrics", "summarize", "write_report"]
@@ -163,7 +164,9 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
             continue
         extra = ""
         if name.startswith("linear"):
-            extra = f", {entry.get('epochs_done')} epochs" + ("" if entry.get("done") else " (not finished)")
+            done = entry.get("epochs_done")
+            extra = (f", {plural(done, 'epoch')}" if isinstance(done, int) else f", {done} epochs") + (
+                "" if entry.get("done") else " (not finished)")
         lines.append(f"- {label} top-1 {_fmt(entry['top1'])}, top-5 {_fmt(entry.get('top5'))} "
                      f"(step {entry.get('step')}, {entry['from']}{extra})")
         if "tool" in entry:

@@ -19,6 +19,7 @@ def test_recipes_and_determinism_pass_and_are_reported(capsys: pytest.CaptureFix
     assert re.search(r"recipe ijepa +ok +2 updates on cpu", out), out
     assert re.search(r"deterministic +ok +dino_vit twice, 2 updates: all \d+ tensors identical", out), out
     assert re.search(r"^torch +info +\d", out, flags=re.M) and "all checks passed" in out
+    assert out.count("recipe simclr") == 1 and out.count("deterministic") == 1, f"a row printed twice:\n{out}"
 
 
 def test_a_failing_recipe_is_a_failed_row_and_exit_1(monkeypatch: pytest.MonkeyPatch,

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
+from sslkit.console import plural
 from sslkit.evaluation.features import extract_features
 from sslkit.evaluation.linear import accuracy
 from sslkit.evaluation.pretrained import Pretrained, ToolError
@@ -289,9 +290,9 @@ def _finetune(args: list[str]) -> int:
     records, done_epochs, step, rng = _resume(state_path, key, model, optimizer, scaler, device)
     if done_epochs:
         logger.info("finetune: resuming from epoch %d of %d (%s)", done_epochs, s.epochs, state_path)
-    logger.info("finetune: %s (%s) and a linear head to %d classes, %d epochs of %d steps, lr %.3g (blr %g x %d / "
+    logger.info("finetune: %s (%s) and a linear head to %d classes, %s of %s, lr %.3g (blr %g x %d / "
                 "256), layer decay %g, drop path %s, label smoothing %g", type(trunk).__name__, part, num_classes,
-                s.epochs, steps_per_epoch, s.lr, s.blr, s.batch_size, s.layer_decay,
+                plural(s.epochs, "epoch"), plural(steps_per_epoch, "step"), s.lr, s.blr, s.batch_size, s.layer_decay,
                 s.drop_path if vit else "- (a CNN)", s.smoothing)
     start = time.perf_counter()
     _set_rng_state(rng, device)  # last, right before the epochs: nothing above may draw after it
@@ -310,9 +311,9 @@ def _finetune(args: list[str]) -> int:
         _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source)))
     record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source))
     _write_json(out, record)
-    logger.info("fine-tuning of step %d: top-1 %.4f%s after %d epochs; written to %s (the fine-tuned weights: %s)",
+    logger.info("fine-tuning of step %d: top-1 %.4f%s after %s; written to %s (the fine-tuned weights: %s)",
                 pre.step, record["top1"], f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "",
-                s.epochs, out, state_path)
+                plural(s.epochs, "epoch"), out, state_path)
     return 0
 
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
 from sslkit.config.compose import schema
-from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
+from sslkit.console import debug_flag, end_worker, launch_workers, plural, setup_logging
 from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAGE_ERRNOS, UserError, storage_error
 from sslkit.evaluation.features import FeatureEncoder, extract_features
 from sslkit.evaluation.knn import weighted_knn
@@ -369,8 +369,9 @@ def _linear(args: list[str]) -> int:
         _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0]))
     record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0])
     _write_json(out, record)
-    logger.info("linear probe of step %d: top-1 %.4f%s after %d epochs; written to %s", pre.step, record["top1"],
-                f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "", s.epochs, out)
+    logger.info("linear probe of step %d: top-1 %.4f%s after %s; written to %s", pre.step, record["top1"],
+                f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "", plural(s.epochs, "epoch"),
+                out)
     return 0
 
 

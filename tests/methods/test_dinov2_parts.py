@@ -57,6 +57,13 @@ def test_koleo_on_duplicate_rows_is_large_and_finite() -> None:
     loss = koleo_loss(x)
     loss.backward()
     assert 2.5 < loss.item() < 20 and torch.isfinite(x.grad).all()  # two of six terms at -log(~2e-8) = 17.7
+    # every row with its twin (D = 32): each nearest-neighbour distance is ||0 + eps|| = eps sqrt(D) (pairwise_distance
+    # adds eps to the difference), each term -log(eps sqrt(D) + eps) = 16.5, not -log(eps) = 18.4
+    y = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    loss, rho = koleo_loss(torch.cat([y, y]), return_distance=True)
+    assert rho.item() == pytest.approx(1e-8 * math.sqrt(32), rel=1e-3)
+    assert loss.item() == pytest.approx(-math.log(1e-8 * (math.sqrt(32) + 1)), rel=1e-4)
+    assert loss.item() == pytest.approx(16.525, abs=1e-3)
 
 
 def _sinkhorn_by_loop(logits: torch.Tensor, temp: float, iterations: int) -> torch.Tensor:
