@@ -171,7 +171,8 @@ def test_epochs_zero_is_fine_when_max_steps_decides() -> None:
     (["config=swav", "data=cifar10", "data.image_size=16", "data.small_image_size=20"],
      r"'data.small_image_size' = 20: the local crops \(data.transform.small_size\) must not be larger than the "
      r"global crops \(data.transform.image_size = 16\)"),
-    (["data=folder", "data.train.path=/", "data.image_size=300"],
+    # (the preset's crop_pct resizes to 342 for a 300 crop: an explicit resize must hold the crop)
+    (["data=folder", "data.train.path=/", "data.image_size=300", "data.eval_transform.resize=256"],
      r"'data.image_size' = 300: the centre crop of data.eval_transform must fit .*'data.eval_transform.resize' = 256"),
     (["data.transform.crop_scale=[0.5,0.2]"], r"'data.transform': crop_scale must satisfy 0 < lo <= hi <= 1"),
     (["data.transform.blur_p=2"], r"'data.transform': blur_p must be a probability"),

@@ -147,9 +147,12 @@ def test_ctrl_c_through_a_pipe_whose_reader_dies_still_checkpoints(tmp_path: Pat
             f"hooks=[{{name: fault_block, step: 3, marker: '{marker}', release: '{release}'}}]"]
     run = " ".join(shlex.quote(a) for a in [sys.executable, str(REPO / "tools" / "run.py"), *args])
     reader = f"sh -c 'echo $$ > {reader_pid}; exec cat > {tmp_path / 'reader.txt'}'"
+    # (SIGINT back to its default first: a pytest-xdist worker ignores it, and an ignored signal stays ignored in
+    # every program started below, the reader included, as it never is under a terminal's shell)
     shell = subprocess.Popen(["bash", "-c", f"{run} 2>&1 | {reader}; echo ${{PIPESTATUS[0]}} > {code}"], cwd=REPO,
                              env={**os.environ, **FAULT_ENV}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+                             stderr=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(marker.exists, "step 3", shell)
         os.killpg(shell.pid, signal.SIGINT)  # a terminal's Ctrl-C: the run, the reader and the shell
