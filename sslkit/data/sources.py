@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.console import plural
 from sslkit.data.seeding import mix_seed
 from sslkit.errors import UserError
 from sslkit.registry import DATASETS, get, register_dataset
@@ -299,7 +300,7 @@ def _describe_others(others: list[str]) -> str:
         ext = os.path.splitext(f)[1].lower() or "no extension"
         counts[ext] = counts.get(ext, 0) + 1
     kinds = ", ".join(f"{ext}: {n}" for ext, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    return f"{len(others)} other file{'s' if len(others) != 1 else ''} ({kinds})"
+    return f"{plural(len(others), 'other file')} ({kinds})"
 
 
 class FolderDataset(Dataset):

@@ -235,3 +235,20 @@ def test_sharded_checkpoints_of_a_cuda_run_resume_bit_identically(tmp_path: Path
         assert_identical(got[key], reference[key], key)
     assert_identical({k: got["model"][k] for k in sorted(got["model"])},
                      {k: reference["model"][k] for k in sorted(reference["model"])})
+
+
+def test_the_teacher_is_deterministic_on_cuda_in_bf16_with_fused_attention() -> None:
+    """The silenced teacher (sslkit.models.teacher.silence) on CUDA: drop path drawn by the CUDA generator and the
+    attention dropout that timm hands to the fused kernel (``dropout_p``) are both off, under bf16 autocast; the
+    student, with the same rates, still draws them. The CPU check: tests/models/test_teacher.py."""
+    from sslkit.builder import build_model
+    from sslkit.config.compose import compose_config
+
+    cfg = compose_config(["config=dino_vit", *SMALL, *RECIPES["dino_vit"], "model.trunk_kwargs.drop_path_rate=0.5",
+                          "+model.trunk_kwargs.attn_drop_rate=0.3"])
+    torch.manual_seed(0)
+    model = build_model(cfg, in_channels=3).cuda().train()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not torch.equal(model.trunk(x), model.trunk(x))
+        assert torch.equal(model.teacher_trunk(x), model.teacher_trunk(x))
