@@ -39,8 +39,13 @@ __all__ = [
     "MultiBlockMasking",
     "RandomMasking",
     "SampleKeys",
+    "batch_slots",
     "hash32",
 ]
+
+#: Standard deviations above its mean that :func:`batch_slots` gives the masked patches of a batch: the buffer
+#: overflows in about one batch in 3.5 million (a normal tail; the counts of a batch's images are independent).
+SLOT_SIGMAS = 5.0
 
 _M32 = 0xFFFFFFFF
 #: Salt of the masking streams: their numbers are independent of the augmentation's for the same sample.
@@ -109,7 +114,9 @@ class Masks:
     * ``targets`` ``[B, T, N]`` bool: I-JEPA's target blocks (None otherwise);
     * ``slots``: a bound on the patches one image hides (generators that replace) or one target block holds
       (multi-block): the fixed number of places a loss over them gathers per image or block,
-      :func:`sslkit.methods.dinov2_parts.masked_slots`; None: any number up to ``N``.
+      :func:`sslkit.methods.dinov2_parts.masked_slots`; None: any number up to ``N``;
+    * ``count_moments``: the mean and variance of a bound on the patches one image hides, for a loss that gathers
+      the masked patches of a whole batch into one buffer (:func:`batch_slots`); None: no such bound.
 
     Losses over a varying number of masked patches use ``mask`` as weights (dense sums), never as an
     index (a boolean index has a size only the host learns: a sync).
@@ -121,6 +128,7 @@ class Masks:
     keep_valid: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     slots: int | None = None
+    count_moments: tuple[float, float] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -143,6 +151,26 @@ class MaskGenerator(Protocol):
     mode: str
 
     def __call__(self, keys: SampleKeys, grid: tuple[int, int]) -> Masks: ...
+
+
+def batch_slots(masks: Masks, images: int) -> int:
+    """The places a loss gives the masked patches of ``images`` images masked like ``masks``, all in one buffer:
+    their expected count plus :data:`SLOT_SIGMAS` standard deviations plus one image's bound, never more than
+    ``images x slots`` (every image at its bound: what per-image places would take).
+
+    DINOv2 gathers a batch's masked patches into a buffer of the size its host-side collate computed (its
+    ``upperbound``); the masks here are drawn on the device, image by image, so the size is set from their
+    distribution instead: a patch head over 65536 prototypes then sees about 0.4 of the rows that per-image places
+    give (DINOv2's ViT-S/16 masking, 256 global crops). Past the bound (about one batch in 3.5 million) the last
+    images' extra patches are left out of that batch's patch loss (:func:`sslkit.methods.dinov2_parts.masked_slots`).
+    """
+    n = masks.grid[0] * masks.grid[1]
+    per_image = masks.slots or n
+    most = images * per_image
+    if masks.count_moments is None:
+        return most
+    mean, var = masks.count_moments
+    return min(most, math.ceil(images * mean + SLOT_SIGMAS * math.sqrt(images * max(var, 0.0))) + per_image)
 
 
 def _check_ratio(name: str, value: float) -> None:
@@ -224,6 +252,13 @@ class BlockMasking:
         slots per image (:func:`sslkit.methods.dinov2_parts.masked_slots`)."""
         return max(1, math.ceil(num_patches * self.ratio_max))
 
+    def count_moments(self, num_patches: int) -> tuple[float, float]:
+        """The mean and variance of an image's target ``[masked] floor(N r)``, which bounds what it hides, with
+        ``N r`` for its floor (a larger mean; the second moment of the continuous ``r``): for :func:`batch_slots`."""
+        p, a, b = self.probability, num_patches * self.ratio_min, num_patches * self.ratio_max
+        mean = p * (a + b) / 2
+        return mean, p * (a * a + a * b + b * b) / 3 - mean * mean
+
     def targets(self, keys: SampleKeys, num_patches: int) -> torch.Tensor:
         """``[B]`` the number of patches each image aims to hide: 0 for unmasked images."""
         u = keys.uniforms(2, tag=0)
@@ -262,7 +297,7 @@ class BlockMasking:
             take = fits & (new > 0) & (new <= cap)
             mask = mask | (block & take[:, None])
             count = count + new * take
-        return Masks(grid=grid, mask=mask, slots=self.max_masked(n))
+        return Masks(grid=grid, mask=mask, slots=self.max_masked(n), count_moments=self.count_moments(n))
 
 
 class MultiBlockMasking:

@@ -71,9 +71,11 @@ class DINOv2Loss(IBOTLoss):
         crop of the global batch."""
         if self.centering == "centering":
             return super().teacher_patch_probs(logits, weights, temp)
-        stacked, w = torch.stack(list(logits)), torch.stack(list(weights))  # [G, B, M, K], [G, B, M]
-        probs = sinkhorn_knopp(stacked.flatten(0, 2), temp, self.sinkhorn_iterations, w.flatten())
-        return list(probs.view(stacked.shape).unbind(0))
+        k = logits[0].shape[-1]
+        rows = torch.cat([t.reshape(-1, k) for t in logits])  # every slot of every entry: [R, K]
+        w = torch.cat([wi.reshape(-1) for wi in weights])
+        probs = sinkhorn_knopp(rows, temp, self.sinkhorn_iterations, w)
+        return [p.view(t.shape) for p, t in zip(probs.split([t[..., 0].numel() for t in logits]), logits)]
 
     def move_centres(self, output: Any, ctx: StepContext | None) -> None:
         """The centres move under ``centering`` only (Sinkhorn-Knopp has none)."""

@@ -91,7 +91,9 @@ def masked_slots(mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Te
     [B, slots], weight [B, slots])``, the masked patches first (raster order), the remaining slots filled with
     unmasked patches of weight 0 (:func:`gather_slots` takes the tokens there). ``slots`` must be at least the most
     patches a mask can hide (:meth:`sslkit.masking.BlockMasking.max_masked`): a fixed shape, no boolean indexing, no
-    host sync (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built)."""
+    host sync (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built). A whole
+    batch in one buffer: ``mask.reshape(1, -1)`` and ``slots`` from :func:`sslkit.masking.batch_slots`; past them
+    the last masked patches have no place and are left out."""
     index = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :slots]
     return index, mask.gather(1, index).float()
 
@@ -102,7 +104,8 @@ def gather_slots(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, weight: torch.Tensor,
-                      student_temp: float = 0.1) -> torch.Tensor:
+                      student_temp: float = 0.1, image: torch.Tensor | None = None,
+                      images: int | None = None) -> torch.Tensor:
     r"""iBOT's masked image modelling loss (Zhou et al. 2022, eq. 2; ``ibot/main_ibot.py`` ``iBOTLoss``; DINOv2's
     ``iBOTPatchLoss.forward_masked``) for one view:
 
@@ -114,8 +117,18 @@ def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, weight
     ``student`` ``[B, M, K]`` logits, ``teacher_probs`` ``[B, M, K]`` (centred and sharpened, or Sinkhorn-Knopp),
     ``weight`` ``[B, M]`` 1 on the masked patches: each image's loss is the mean over its masked patches, the
     batch's the mean over *all* its images (an unmasked image adds 0, as in both reference codes). Float32.
+
+    With ``image`` ``[S]`` the slots are a whole batch's in one buffer (:func:`sslkit.masking.batch_slots`):
+    ``student`` and ``teacher_probs`` ``[S, K]``, ``weight`` ``[S]``, ``image`` the image of each slot among
+    ``images``; the same loss, each image's sums taken by a one-hot product (a fixed order of additions: no
+    atomic adds, deterministic on CUDA).
     """
     log_p = F.log_softmax(student.float() / student_temp, dim=-1)
-    per_patch = -(teacher_probs.float() * log_p).sum(dim=-1)  # [B, M]
+    per_patch = -(teacher_probs.float() * log_p).sum(dim=-1)  # [B, M] or [S]
     w = weight.float()
-    return ((per_patch * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)).mean()
+    if image is None:
+        return ((per_patch * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)).mean()
+    if images is None:
+        raise ValueError("masked_patch_loss: slots given with their image need the number of images")
+    owner = (image[None, :] == torch.arange(images, device=image.device)[:, None]).to(w.dtype)  # [B, S]
+    return ((owner @ (per_patch * w)) / (owner @ w).clamp(min=1.0)).mean()

@@ -11,7 +11,7 @@ from torch import nn
 
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
-from sslkit.masking import Masks
+from sslkit.masking import Masks, batch_slots
 from sslkit.method import Method, register_method
 from sslkit.methods.dino import (
     DINOHead,
@@ -36,10 +36,12 @@ class IBOTModel(nn.Module):
     ``forward(views, masks)``: the student sees the ``num_global`` global crops with their masked patches
     replaced by the mask token (one forward for all of them) and the local crops whole; the teacher, under
     ``no_grad``, sees the global crops whole. Outputs, per view: ``features`` (the student trunk's pooled tokens),
-    ``projections`` (the CLS head's logits); per global crop: ``targets`` (the teacher's CLS logits),
-    ``patch_projections`` / ``patch_targets`` (the student's and teacher's patch-head logits ``[B, M, K]`` at each
-    image's masked patches, gathered into the masks' ``M = slots`` fixed places: only masked patches go through
-    the patch head, as DINOv2 does, without a host-side index) and ``patch_weights`` ``[B, M]``.
+    ``projections`` (the CLS head's logits); per global crop: ``targets`` (the teacher's CLS logits); for all
+    global crops together (one-element lists): ``patch_projections`` / ``patch_targets`` (the student's and
+    teacher's patch-head logits ``[S, K]`` at the masked patches of the ``G x B`` crops, gathered into ``S``
+    fixed places, :func:`~sslkit.masking.batch_slots`: only masked patches go through the patch head, as DINOv2
+    does, without a host-side index), ``patch_weights`` ``[S]`` (1 on a masked patch, 0 on padding) and
+    ``patch_images`` ``[S]`` (the crop each place belongs to, ``g x B + b``).
 
     The patch head is the CLS head itself (``separate_patch_head=False``: iBOT's ``shared_head``, DINOv2's
     default) or a second head of the same shape with ``patch_out_dim`` outputs. ``model.trunk`` is the student
@@ -97,25 +99,30 @@ class IBOTModel(nn.Module):
         mask = torch.cat([m.mask if m is not None else
                           torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
                           for v, m in zip(views[:g], given[:g])])
-        slots = max([m.slots or n for m in given[:g] if m is not None], default=1)
+        slots = _slots(given[:g], mask.shape[0], n)
         student = self.trunk.forward_tokens(globals_, mask=mask)  # type: ignore[operator]
         features = list(self.trunk.pool_tokens(student).chunk(g))  # type: ignore[operator]
         if len(views) > g:
             features += encode_views(self.trunk, views[g:])[0]
         projections = self.head(torch.cat(features)).split([f.shape[0] for f in features])
         patch_head = self.patch_head or self.head
-        index, weight = masked_slots(mask, slots)  # [gB, M]: the same places for the student and the teacher
-        s_patches = gather_slots(student.patches, index)  # [gB, M, D]
-        s_logits = patch_head(s_patches.flatten(0, 1)).unflatten(0, s_patches.shape[:2])
+        # the same S places of the batch's masked patches for the student and the teacher
+        index, weight = masked_slots(mask.reshape(1, -1), slots)  # [1, S]
+        s_logits = patch_head(gather_slots(student.patches.flatten(0, 1)[None], index)[0])  # [S, K]
         with torch.no_grad():
             teacher = self.teacher_trunk.forward_tokens(globals_)  # type: ignore[operator]
             targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)  # type: ignore[operator]
-            t_patches = gather_slots(teacher.patches, index)
-            t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches.flatten(0, 1))
-            t_logits = t_logits.unflatten(0, t_patches.shape[:2])
+            t_patches = gather_slots(teacher.patches.flatten(0, 1)[None], index)[0]
+            t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches)
         return ModelOutput(features=features, projections=list(projections), targets=list(targets),
-                           masks=given[:g], patch_projections=list(s_logits.chunk(g)),
-                           patch_targets=list(t_logits.chunk(g)), patch_weights=list(weight.chunk(g)))
+                           masks=given[:g], patch_projections=[s_logits], patch_targets=[t_logits],
+                           patch_weights=[weight[0]], patch_images=[index[0] // n])
+
+
+def _slots(masks: Sequence[Masks | None], images: int, n: int) -> int:
+    """The places of the masked patches of ``images`` global crops (all crops in one buffer): the masks' bound
+    (:func:`~sslkit.masking.batch_slots`), or every patch when no crop is masked."""
+    return max((batch_slots(m, images) for m in masks if m is not None), default=1)
 
 
 @register_model("ibot")
@@ -149,10 +156,11 @@ class PatchCenter(nn.Module):
 
     @torch.no_grad()
     def accumulate(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
-        """Add the weighted teacher logits ``[B, M, K]`` (weights ``[B, M]``) of this micro-batch."""
+        """Add the weighted teacher logits ``[..., K]`` (weights ``[...]``: ``[B, M]`` or ``[S]``) of this
+        micro-batch."""
         for t, w in zip(logits, weights):
-            w = w.float()
-            self._pending[:-1] += (t.float() * w[..., None]).sum(dim=(0, 1))
+            w = w.float().reshape(-1, 1)
+            self._pending[:-1] += (t.float().reshape(w.shape[0], -1) * w).sum(dim=0)
             self._pending[-1] += w.sum()
 
     @torch.no_grad()
@@ -212,8 +220,8 @@ class IBOTLoss(nn.Module):
 
     def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
                             temp: float) -> list[torch.Tensor]:
-        """The teacher's probabilities ``[B, M, K]`` over each global crop's masked-patch slots: centred by the
-        patch centre and sharpened."""
+        """The teacher's probabilities over the masked-patch slots (``[B, M, K]`` per global crop, or ``[S, K]`` for
+        them all): centred by the patch centre and sharpened."""
         return [F.softmax((t.detach().float() - self.patch_center.center) / temp, dim=-1) for t in logits]
 
     def move_centres(self, output: Any, ctx: StepContext | None) -> None:
@@ -240,8 +248,9 @@ class IBOTLoss(nn.Module):
         cls_probs = self.teacher_cls_probs(teacher, temp)
         cls_loss = dino_cross_entropy(student, cls_probs, self.student_temp)
         probs = self.teacher_patch_probs(t, w, patch_temp)
-        patch = torch.stack([masked_patch_loss(si, pi, wi, self.student_temp) for si, pi, wi in zip(s, probs, w)])
-        patch = patch.mean()
+        images = output["patch_images"] if "patch_images" in output else [None] * len(s)
+        patch = torch.stack([masked_patch_loss(si, pi, wi, self.student_temp, im, len(student[0]) * len(teacher))
+                             for si, pi, wi, im in zip(s, probs, w, images)]).mean()
         entropy, patch_entropy = mean_entropy(cls_probs[0]), mean_entropy(torch.stack(probs), torch.stack(list(w)))
         if self.training and torch.is_grad_enabled():
             self.move_centres(output, ctx)

@@ -26,9 +26,11 @@ class ModelOutput:
       patches), so dense and masked methods read patch features without hooks into the trunk; None for CNNs;
     * ``masks``: per view, the :class:`~sslkit.masking.Masks` the model applied (None for a view left whole):
       which patches a masked loss is computed on;
-    * ``patch_projections``, ``patch_targets``, ``patch_weights``: per masked view, the student's and the
-      teacher's patch-head logits ``[B, M, K]`` at ``M`` fixed slots per image, and the slots' weights ``[B, M]``
-      (1 on a masked patch, 0 on padding): iBOT's and DINOv2's masked-patch loss.
+    * ``patch_projections``, ``patch_targets``, ``patch_weights``: the student's and the teacher's patch-head
+      logits at fixed slots, and the slots' weights (1 on a masked patch, 0 on padding): iBOT's and DINOv2's
+      masked-patch loss. Per masked view ``[B, M, K]`` and ``[B, M]`` (``M`` slots per image), or, with
+      ``patch_images``, ``[S, K]`` and ``[S]`` for a whole batch of images in one buffer, ``patch_images`` ``[S]``
+      giving each slot's image (:class:`~sslkit.methods.ibot.IBOTModel`).
 
     Fields a method does not produce are None. A loss or hook may index it by field name
     (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
@@ -47,6 +49,7 @@ class ModelOutput:
     patch_projections: list[torch.Tensor] | None = None
     patch_targets: list[torch.Tensor] | None = None
     patch_weights: list[torch.Tensor] | None = None
+    patch_images: list[torch.Tensor] | None = None
 
     def given(self) -> list[str]:
         """The fields this output holds (not None)."""

@@ -50,6 +50,32 @@ def test_sinkhorn_knopp_teachers_and_no_centre() -> None:
     assert loss.cls.center.abs().sum() == 0 and loss.patch_center.center.abs().sum() == 0
 
 
+def _one_buffer(out: dict, seed: int) -> dict:
+    """The same output with both global crops' slots in one shuffled buffer and each slot's image (``v x B + b``),
+    as IBOTModel gives it."""
+    t, s, w = (torch.stack(out[k]) for k in ("patch_targets", "patch_projections", "patch_weights"))  # [G, B, M, ...]
+    g, b, m = w.shape
+    order = torch.randperm(g * b * m, generator=torch.Generator().manual_seed(seed))
+    image = torch.arange(g * b).repeat_interleave(m)
+    return {**out, "patch_targets": [t.reshape(g * b * m, -1)[order]],
+            "patch_projections": [s.reshape(g * b * m, -1)[order]], "patch_weights": [w.reshape(-1)[order]],
+            "patch_images": [image[order]]}
+
+
+@pytest.mark.parametrize("centering", ["centering", "sinkhorn_knopp"])
+def test_the_losses_are_the_same_over_one_buffer_of_slots(centering: str) -> None:
+    """IBOTModel gathers all global crops' masked patches into one buffer: iBOT's and DINOv2's losses, the logged
+    entropies and the moved patch centre are those of the per-crop layout."""
+    out = _output(2)
+    for make in (lambda: IBOTLoss(out_dim=6).train(), lambda: DINOv2Loss(out_dim=6, centering=centering).train()):
+        per_crop, pooled = make(), make()
+        with torch.enable_grad():
+            a, b = per_crop(out, {}), pooled(_one_buffer(out, 3), {})
+        for key in ("loss", "patch_loss", "cls_loss", "teacher_patch_entropy"):
+            assert b[key].item() == pytest.approx(a[key].item(), rel=1e-5), key
+        torch.testing.assert_close(pooled.patch_center.center, per_crop.patch_center.center)
+
+
 def test_bad_centering_is_refused() -> None:
     with pytest.raises(ValueError, match="centering"):
         DINOv2Loss(centering="sinkhorn")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_workers import dinov2_parts_on_shard, run_ranks
 
-from sslkit.masking import BlockMasking, SampleKeys
+from sslkit.masking import BlockMasking, SampleKeys, batch_slots
 from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
 
 
@@ -127,6 +127,39 @@ def test_masked_patch_loss_is_the_per_image_mean_over_masked_patches_then_the_ba
                  for n in range(4) if weight[b, n]]
         total += sum(terms) / len(terms) if terms else 0.0
     assert masked_patch_loss(student, teacher, weight, 0.1).item() == pytest.approx(total / 3, rel=1e-6)
+
+
+def test_masked_patch_loss_over_one_buffer_of_slots_equals_the_per_image_layout() -> None:
+    """The whole batch's slots in one buffer (in shuffled order, with padding of weight 0) and each slot's image:
+    the same per-image means and their mean over every image, unmasked images included."""
+    g = torch.Generator().manual_seed(9)
+    student, teacher = torch.randn(5, 6, 7, generator=g), torch.softmax(torch.randn(5, 6, 7, generator=g), -1)
+    weight = (torch.rand(5, 6, generator=g) < 0.4).float()
+    weight[2] = 0.0
+    expected = masked_patch_loss(student, teacher, weight, 0.1)
+    order = torch.randperm(30, generator=g)
+    image = torch.arange(5).repeat_interleave(6)[order]
+    got = masked_patch_loss(student.reshape(30, 7)[order], teacher.reshape(30, 7)[order], weight.reshape(30)[order],
+                            0.1, image=image, images=5)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="number of images"):
+        masked_patch_loss(student.reshape(30, 7), teacher.reshape(30, 7), weight.reshape(30), 0.1, image=image)
+
+
+def test_batch_slots_hold_every_masked_patch_of_dinov2_batches() -> None:
+    """DINOv2's ViT-S/16 masking (14 x 14 patches, half the crops masked, 10-50 %, blocks up to 98 patches) over
+    256 global crops: the bound holds what 40 batches hid (the most was well below it), is under half of what
+    per-image places take, and the count moments bound the drawn counts' mean and match their spread."""
+    gen = BlockMasking(probability=0.5, ratio_min=0.1, ratio_max=0.5, min_patches=4, max_patches=98)
+    masks = gen(SampleKeys(0, 0, torch.arange(256)), (14, 14))
+    bound = batch_slots(masks, 256)
+    assert bound < 0.45 * 256 * gen.max_masked(196)
+    counts = torch.stack([gen(SampleKeys(0, step, torch.arange(256)), (14, 14)).mask.sum(1) for step in range(40)])
+    mean, var = gen.count_moments(196)
+    assert counts.sum(1).max().item() < bound
+    assert counts.float().mean().item() <= mean
+    assert counts.float().var().item() == pytest.approx(var, rel=0.15)
+    assert batch_slots(masks, 2) == 2 * gen.max_masked(196)  # a small batch: every image at its bound
 
 
 def test_masked_slots_put_each_image_s_masked_patches_first() -> None:

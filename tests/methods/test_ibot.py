@@ -10,7 +10,7 @@ import torch
 from helpers import SMALL, VIT, distillation_output, run_main
 
 from sslkit.clock import StepContext, TrainClock
-from sslkit.masking import BlockMasking, SampleKeys
+from sslkit.masking import BlockMasking, SampleKeys, batch_slots
 from sslkit.methods.dino import build_dino_head, dino_loss
 from sslkit.methods.ibot import IBOTLoss, build_ibot
 from sslkit.models.vit import build_vit
@@ -95,18 +95,26 @@ def test_the_student_sees_mask_tokens_the_teacher_the_whole_image() -> None:
     masks = [gen(SampleKeys(0, 0, torch.arange(6), v), (4, 4)) for v in range(2)]
     out = model(views, masks)
     assert len(out["projections"]) == 3 and len(out["targets"]) == 2
-    m = gen.max_masked(16)
-    assert out["patch_projections"][0].shape == (6, m, 7) and out["patch_weights"][0].shape == (6, m)
+    # every masked patch of the 12 global crops in one buffer of S places, in (crop, image, patch) order
+    s = batch_slots(masks[0], 12)
+    assert s <= 12 * gen.max_masked(16)
+    assert out["patch_projections"][0].shape == (s, 7) and out["patch_weights"][0].shape == (s,)
+    flat = torch.cat([m.mask for m in masks]).flatten()
+    places = flat.nonzero()[:, 0]
+    assert int(flat.sum()) <= s
+    w = out["patch_weights"][0].bool()
+    assert int(w.sum()) == len(places) and torch.equal(out["patch_images"][0][w], places // 16)
+    with torch.no_grad():  # the teacher's patch logits at the masked places, computed here from its whole crops
+        teacher = model.teacher_trunk.forward_tokens(torch.cat(views[:2])).patches.flatten(0, 1)
+        torch.testing.assert_close(out["patch_targets"][0][w], model.teacher_head(teacher[places]))
+    # the student saw the mask token at those places, the teacher the patch
+    assert not torch.allclose(out["patch_projections"][0][w], out["patch_targets"][0][w])
     for v in range(2):
-        assert torch.equal(out["patch_weights"][v].sum(1), masks[v].mask.sum(1).float())
         whole = masks[v].mask.sum(1) == 0  # images without a masked patch: student = teacher at the start
         hidden = ~whole
         assert whole.any() and hidden.any()
         torch.testing.assert_close(out["projections"][v][whole], out["targets"][v][whole])
         assert not torch.allclose(out["projections"][v][hidden], out["targets"][v][hidden])
-        # the slots of masked patches: the student saw the mask token there, the teacher the patch
-        w = out["patch_weights"][v].bool()
-        assert not torch.allclose(out["patch_projections"][v][w], out["patch_targets"][v][w])
     loss = IBOTLoss(out_dim=7)(out, {})["loss"]
     loss.backward()
     assert model.trunk.mask_token.grad is not None and model.trunk.mask_token.grad.abs().sum() > 0
