@@ -11,6 +11,9 @@ is 0 only when none failed:
   broadcast a tensor; the values are checked and the time of a 64 MiB all-reduce reported;
 * **recipe <name>**: each recipe, small (synthetic 32 px images, a narrow trunk), ``--steps`` updates on the device
   under bf16 autocast on CUDA: finite losses, and the time per step;
+* **paper <name>** (CUDA only): each paper-scale recipe (``dinov2_vits16`` ... ``ijepa_vitb16``) at its real size
+  (224 px, its heads, crops and per-process batch) on synthetic 224 px images, ``--steps`` bf16 updates: finite
+  losses, the time per step and the GPU's peak memory (what ``data.batch_size`` this GPU holds);
 * **deterministic**: a small dino_vit (a ViT with a teacher, multi-crop) twice under
   ``machine.deterministic=true``: the weights after ``--steps`` updates compared tensor by tensor;
 * **data vs step**: the simclr recipe on its own data (Fashion-MNIST when installed) for 20 updates: the share of
@@ -31,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SMALL", "SMALL_RECIPES", "Check", "main"]
+__all__ = ["PAPER", "PAPER_RECIPES", "SMALL", "SMALL_RECIPES", "Check", "main"]
 
 #: Overrides that make any recipe small: synthetic 32 px images, a narrow trunk, tiny heads, no loader workers.
 SMALL = [
@@ -65,6 +68,16 @@ SMALL_RECIPES: dict[str, list[str]] = {
                "loss.centering=sinkhorn_knopp"],
     "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
               "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
+}
+#: Overrides that put a paper-scale recipe on synthetic 224 px images, its sizes kept (crops, patches, heads, batch).
+PAPER = ["data=synthetic", "data.train.kwargs.image_size=224", "data.test.kwargs.image_size=224",
+         "data.train.kwargs.num_samples=1024", "data.image_size=224", "data.small_image_size=96",
+         "data.patch_size=16", "log.report=false"]
+#: The paper-scale recipes at their own per-process batch, but DINOv2's: its Sinkhorn-Knopp needs 256 teacher rows
+#: a solve for 65536 prototypes, so one process takes data.batch_size=128 (what the config check asks of one GPU).
+PAPER_RECIPES: dict[str, list[str]] = {
+    "dinov2_vits16": ["data.batch_size=128"], "dinov2_vitb16": ["data.batch_size=128"],
+    "ibot_vits16": [], "ibot_vitb16": [], "ijepa_vits16": [], "ijepa_vitb16": [],
 }
 
 #: Libraries sslkit uses (required), and optional ones with what they are for.
@@ -245,6 +258,44 @@ def recipe_check(recipe: str, device: str, steps: int, root: str) -> Check:
                                            f"{seconds / steps:.2f} s per update (build included)")
 
 
+def paper_check(recipe: str, device: str, steps: int, root: str) -> Check:
+    """``steps`` bf16 updates of a paper-scale recipe at its real size on CUDA: finite losses, time, peak memory."""
+    import torch
+
+    name = f"paper {recipe}"
+    if "machine.device=cuda" not in _device_args(device):
+        return Check(name, "skipped", "CUDA only: at 224 px with its heads and batch a CPU update takes minutes")
+    args = [f"config={recipe}", *PAPER, *PAPER_RECIPES[recipe], *_device_args(device),
+            *_quiet_args(os.path.join(root, recipe), steps)]
+    from sslkit.guard import OutOfMemoryHalt
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        task = _train(args)
+    except (torch.OutOfMemoryError, OutOfMemoryHalt):
+        return Check(name, "FAILED", f"out of memory on this {_gib(torch.cuda.mem_get_info()[1])} GiB GPU at the "
+                                     f"recipe's batch ({' '.join(PAPER_RECIPES[recipe]) or 'its data.batch_size'})",
+                     "set model.activation_checkpointing=true, lower data.batch_size (the lr follows it), or shard "
+                     "over more GPUs (distributed.strategy=fsdp)")
+    except Exception as exc:
+        return Check(name, "FAILED", _why(exc), f"python tools/run.py config={recipe} data=synthetic shows the whole "
+                                                "error")
+    seconds = time.perf_counter() - t0
+    loss = float(task.last_batch.loss.detach().float().cpu()) if task.last_batch.loss is not None else math.nan
+    if task.iteration != steps or not math.isfinite(loss):
+        return Check(name, "FAILED", f"{task.iteration} of {steps} updates, last loss {loss}",
+                     "a non-finite loss on this device: report it with the output of sslkit doctor")
+    peak, total = torch.cuda.max_memory_allocated(), torch.cuda.mem_get_info()[1]
+    return Check(name, "ok", f"{steps} updates of data.batch_size={task.global_batch_size} at 224 px, last loss "
+                             f"{loss:.4f}, {seconds / steps:.2f} s per update (build included), peak memory "
+                             f"{_gib(peak)} of {_gib(total)} GiB")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
 def determinism_check(device: str, steps: int, root: str) -> Check:
     """A small dino_vit twice under machine.deterministic=true: identical weights?"""
     import torch
@@ -311,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sslkit doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the recipes train (auto: CUDA when visible, else the CPU)")
-    parser.add_argument("--recipes", default=",".join(SMALL_RECIPES),
-                        help="the recipes to train a few updates each, comma-separated (default: all)")
+    parser.add_argument("--recipes", default=",".join([*SMALL_RECIPES, *PAPER_RECIPES]),
+                        help="the recipes to train a few updates each, comma-separated (default: all; the "
+                             "paper-scale ones, e.g. dinov2_vits16, at their real size on CUDA only)")
     parser.add_argument("--steps", type=int, default=3, help="updates per recipe and per deterministic run")
     parser.add_argument("--no-collective", action="store_true", help="skip the 2-process check")
     parser.add_argument("--no-data", action="store_true", help="skip the data vs step check")
@@ -327,19 +379,21 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
-    unknown = [r for r in recipes if r not in SMALL_RECIPES]
+    known = [*SMALL_RECIPES, *PAPER_RECIPES]
+    unknown = [r for r in recipes if r not in known]
     if unknown:
         from sslkit.suggest import did_you_mean
 
-        print(f"sslkit doctor: error: unknown recipe {unknown[0]}.{did_you_mean(unknown[0], list(SMALL_RECIPES))} "
-              f"The recipes: {', '.join(SMALL_RECIPES)}", file=sys.stderr)
+        print(f"sslkit doctor: error: unknown recipe {unknown[0]}.{did_you_mean(unknown[0], known)} "
+              f"The recipes: {', '.join(known)}", file=sys.stderr)
         return 2
     logging.getLogger("sslkit").setLevel(logging.WARNING)  # the checks' own training logs are not the report
     rows = machine_checks()
     steps: list[Callable[[str], Check]] = []
     if not a.no_collective:
         steps.append(lambda _root: collective_check())
-    steps += [lambda root, r=r: recipe_check(r, a.device, a.steps, root) for r in recipes]
+    steps += [lambda root, r=r: (paper_check if r in PAPER_RECIPES else recipe_check)(r, a.device, a.steps, root)
+              for r in recipes]
     steps.append(lambda root: determinism_check(a.device, a.steps, root))
     if not a.no_data:
         steps.append(lambda root: data_check(a.device, root))

@@ -22,6 +22,28 @@ def test_recipes_and_determinism_pass_and_are_reported(capsys: pytest.CaptureFix
     assert out.count("recipe simclr") == 1 and out.count("deterministic") == 1, f"a row printed twice:\n{out}"
 
 
+def test_paper_recipes_are_cuda_only_and_keep_their_real_size(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the CPU a paper-scale row says why it is skipped; its synthetic-data overrides change the source of the
+    images and nothing the recipe trains (model, crops, masks, loss, optimizer) but DINOv2's one-GPU batch."""
+    from omegaconf import OmegaConf
+
+    from sslkit.config.compose import compose_config
+
+    code = doctor.main(["--device", "cpu", "--recipes", "ibot_vitb16", "--no-collective", "--no-data", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"paper ibot_vitb16 +skipped +CUDA only", out), out
+    assert code == 0, out
+    assert set(doctor.PAPER_RECIPES) == {f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")}
+    for recipe, extra in doctor.PAPER_RECIPES.items():
+        real = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
+                               *extra])
+        check = compose_config([f"config={recipe}", *doctor.PAPER, *extra, "machine.device=cpu"])
+        for key in ("model", "data.transform", "masking", "loss", "optim", "amp", "data.batch_size",
+                    "data.image_size", "data.small_image_size"):
+            assert OmegaConf.select(check, key) == OmegaConf.select(real, key), (recipe, key)
+        assert check.data.train.source == "synthetic" and check.data.train.kwargs.image_size == 224
+
+
 def test_a_failing_recipe_is_a_failed_row_and_exit_1(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(doctor.SMALL_RECIPES, "simclr", ["optim.lr=-1"])  # refused by the config check

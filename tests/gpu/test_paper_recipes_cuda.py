@@ -1,0 +1,80 @@
+"""On CUDA: the paper-scale recipes (DINOv2, iBOT, I-JEPA at ViT-S/16 and ViT-B/16, 224 px) at their real size.
+
+Marked ``gpu``: skipped where no CUDA device is visible (CI). Each recipe trains a few bf16 updates at its own
+per-process batch (sslkit doctor's settings: synthetic 224 px images, nothing else changed), with CUDA's sync debug
+mode raising on any host-device sync in updates 3-5, and its peak memory is printed (``-rP``) and written as a JSON
+line to ``$SSLKIT_GPU_REPORT`` when set. The CPU checks of the same recipes: tests/methods/test_paper_recipes.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sslkit.doctor import PAPER, PAPER_RECIPES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+GPU = ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("recipe", list(PAPER_RECIPES))
+def test_paper_recipe_trains_at_its_real_size_in_bf16_without_a_sync(tmp_path: Path, recipe: str) -> None:
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    steps = 5
+    cfg = compose_config([f"config={recipe}", *PAPER, *PAPER_RECIPES[recipe], *GPU, f"optim.max_steps={steps}",
+                          "log.every_n_steps=100", "eval.knn.enabled=false", "log.tensorboard=false",
+                          "checkpoint.every_n_epochs=0", "checkpoint.auto_resume=false", f"output_dir={tmp_path}"])
+    assert cfg.data.image_size == 224 and cfg.model.trunk_kwargs.patch_size == 16
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    task = build_task(cfg)
+    assert task.base_model.trunk.pos_embed.shape[1] == (224 // 16) ** 2
+    done = {"n": 0}
+    losses: list[torch.Tensor] = []
+
+    def watched(task) -> None:
+        done["n"] += 1
+        if done["n"] <= 2:  # the first updates may sync (cuDNN autotuning, first allocations)
+            standard_train_step(task)
+        else:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                standard_train_step(task)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        losses.append(task.last_batch.loss.detach())
+
+    failure = ""
+    try:
+        train(task, watched)
+    except Exception as exc:  # failed without its traceback: its frames would keep this run's GPU memory held
+        failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        task.close()
+    if failure:
+        del task, watched
+        gc.collect()
+        torch.cuda.empty_cache()
+        pytest.fail(failure, pytrace=False)
+    assert task.iteration == steps
+    values = [float(v) for v in losses]
+    assert all(math.isfinite(v) for v in values), values
+    peak, total = torch.cuda.max_memory_allocated(), torch.cuda.mem_get_info()[1]
+    row = {"recipe": recipe, "batch": task.global_batch_size, "peak_gib": round(peak / 2**30, 2),
+           "gpu_gib": round(total / 2**30, 1), "gpu": torch.cuda.get_device_name(), "losses": values}
+    print(json.dumps(row))
+    if os.environ.get("SSLKIT_GPU_REPORT"):
+        with open(os.environ["SSLKIT_GPU_REPORT"], "a") as f:
+            f.write(json.dumps(row) + "\n")
