@@ -317,10 +317,13 @@ class MultiBlockMasking:
     attention. A smaller ``context_patches`` keeps a random subset of a larger context (I-JEPA's
     truncation, per image). ``mode = "drop_padded"``.
 
-    I-JEPA redraws a batch's masks until every context keeps ``min_keep`` patches (its configs: 10); a redraw is a
-    loop on data, so here ``min_context`` is checked on the config instead (:meth:`grid_errors`: the share of
-    draws below it on the run's grid), and a rare context below it trains as it is (the ViT's CLS token is
-    always a valid key, so even an empty context computes).
+    Every context keeps at least ``min_context`` patches (None: I-JEPA's configs' ``min_keep`` 10 of 196 patches,
+    scaled to the grid, rounded up: 3 on 7 x 7). I-JEPA redraws a context block that keeps ``min_keep`` or fewer,
+    and after every 20 failed draws lifts the exclusion of one more target block, the last ones first
+    (``constrain_mask(mask, tries)``), until it fits; a redraw is a loop on data, so here, in one pass on the
+    device, each image's context is its block without the first ``T - r`` targets for the smallest ``r`` that
+    leaves ``min_context`` patches (``r = 0``: the strict context; the block is always large enough, which
+    :meth:`grid_errors` checks with the share of draws that need it).
 
     The sampler's known biases (:meth:`coverage` measures them; figures in docs/methods.md, I-JEPA): target
     blocks are placed uniformly, so they cover the central patches far more often than the border ones, and the
@@ -335,7 +338,8 @@ class MultiBlockMasking:
 
     def __init__(self, num_targets: int = 4, target_scale: Sequence[float] = (0.15, 0.2),
                  target_aspect: Sequence[float] = (0.75, 1.5), context_scale: Sequence[float] = (0.85, 1.0),
-                 context_patches: int | None = None, min_context: int = 10, cover_edges: bool = False) -> None:
+                 context_patches: int | None = None, min_context: int | None = None,
+                 cover_edges: bool = False) -> None:
         if num_targets < 1:
             raise ValueError(f"masking.num_targets must be >= 1, got {num_targets}")
         for name, (a, b) in (("target_scale", target_scale), ("context_scale", context_scale)):
@@ -350,7 +354,9 @@ class MultiBlockMasking:
         self.target_aspect = (float(target_aspect[0]), float(target_aspect[1]))
         self.context_scale = (float(context_scale[0]), float(context_scale[1]))
         self.context_patches = context_patches
-        self.min_context = int(min_context)
+        if min_context is not None and min_context < 0:
+            raise ValueError(f"masking.min_context must be >= 0 (or null), got {min_context}")
+        self.min_context = None if min_context is None else int(min_context)
         self.cover_edges = bool(cover_edges)
 
     @staticmethod
@@ -360,6 +366,17 @@ class MultiBlockMasking:
         h = torch.round(torch.sqrt(area * aspect)).clamp(1, max(grid[0] - 1, 1))
         w = torch.round(torch.sqrt(area / aspect)).clamp(1, max(grid[1] - 1, 1))
         return h, w
+
+    def least_context(self, grid: tuple[int, int]) -> int:
+        """The context patches every image keeps on ``grid``: ``min_context``, or I-JEPA's 10 of 196 scaled."""
+        if self.min_context is not None:
+            return self.min_context
+        return math.ceil(10 * grid[0] * grid[1] / 196)
+
+    def smallest_block(self, grid: tuple[int, int]) -> int:
+        """The fewest patches a context block of this config holds on ``grid`` (its smallest area, aspect 1)."""
+        side = max(round(math.sqrt(math.floor(grid[0] * grid[1] * self.context_scale[0]))), 1)
+        return min(side, max(grid[0] - 1, 1)) * min(side, max(grid[1] - 1, 1))
 
     def num_context(self, grid: tuple[int, int]) -> int:
         """``K``: the context slots, ``context_patches`` or the largest context block of this config."""
@@ -401,23 +418,29 @@ class MultiBlockMasking:
         return seen.float().mean(0).view(grid), m.targets.any(1).float().mean(0).view(grid)  # type: ignore[union-attr]
 
     def grid_errors(self, grid: tuple[int, int], where: str = "masking", draws: int = 2048) -> list[str]:
-        """What is wrong with this sampler on ``grid`` (empty if nothing): a grid too small for a target block, or
-        one on which more than 1% of draws leave fewer than ``min_context`` context patches (I-JEPA would redraw
-        those)."""
+        """What is wrong with this sampler on ``grid`` (empty if nothing): a grid too small for a target block; a
+        ``min_context`` more than the smallest context block or the context slots hold; or more than 1% of draws
+        whose context without the targets keeps fewer than ``min_context`` patches (their context then takes
+        target patches back: a config that needs it that often is mismatched to its grid)."""
         h_grid, w_grid = grid
         n = h_grid * w_grid
         if min(grid) < 2 or math.floor(n * self.target_scale[0]) < 1:
             return [f"'{where}': a {h_grid} x {w_grid} grid of patches is too small for I-JEPA's blocks (a target "
                     f"block needs at least one patch and must be smaller than the grid): use a smaller patch "
                     f"(model.trunk_kwargs.patch_size) or larger crops (data.transform.image_size)"]
-        m = self(SampleKeys(0, 0, torch.arange(draws, device="cpu")), grid)
-        context = m.keep_valid.sum(1)  # type: ignore[union-attr]
-        short = float((context < self.min_context).float().mean())
+        least, room = self.least_context(grid), min(self.smallest_block(grid), self.num_context(grid))
+        if least > room:
+            return [f"'{where}.min_context' = {least}: more than the {room} patches the smallest context block "
+                    f"(context_scale {self.context_scale[0]}) or the context slots (context_patches) hold on the "
+                    f"{h_grid} x {w_grid} grid: lower masking.min_context or raise masking.context_scale / "
+                    f"masking.context_patches"]
+        context = self._strict_context(SampleKeys(0, 0, torch.arange(draws, device="cpu")), grid).sum(1)
+        short = float((context < least).float().mean())
         if short > 0.01:
             return [f"'{where}': on the {h_grid} x {w_grid} grid of patches, {short:.0%} of the draws leave the "
-                    f"context fewer than min_context={self.min_context} patches (mean "
+                    f"context fewer than min_context={least} patches once the targets are removed (mean "
                     f"{float(context.float().mean()):.1f}"
-                    f" of {n}), which I-JEPA would redraw: use fewer or smaller targets (masking.num_targets, "
+                    f" of {n}), and would take target patches back: use fewer or smaller targets (masking.num_targets, "
                     f"masking.target_scale), a smaller patch (model.trunk_kwargs.patch_size), larger crops, or a "
                     f"lower masking.min_context"]
         return []
@@ -441,21 +464,46 @@ class MultiBlockMasking:
         ``mask`` True where the context encoder sees nothing."""
         n = grid[0] * grid[1]
         k, slots = self._sizes(grid)
-        t = self.num_targets
-        u = keys.uniforms(3 + 2 * t + 2, tag=2)
-        scale = self.target_scale[0] + (self.target_scale[1] - self.target_scale[0]) * u[:, 0]
-        aspect = self.target_aspect[0] + (self.target_aspect[1] - self.target_aspect[0]) * u[:, 1]
-        h, w = self._sides(torch.floor(n * scale), aspect, grid)
-        targets = self._block(u[:, 3:3 + 2 * t].view(-1, t, 2), h[:, None], w[:, None], grid)  # [B, T, N]
-        c_scale = self.context_scale[0] + (self.context_scale[1] - self.context_scale[0]) * u[:, 2]
-        ch, cw = self._sides(torch.floor(n * c_scale), 1.0, grid)
-        context = self._block(u[:, 3 + 2 * t:], ch, cw, grid) & ~targets.any(dim=1)  # [B, N]
+        targets, block = self.blocks(keys, grid)
+        context = self._context(targets, block, self.least_context(grid))  # [B, N]
         # the context's patches first (in a random order: a smaller K keeps a random subset), then the rest
         order = torch.argsort((~context).to(torch.int64) * (1 << 32) + keys.bits(n, tag=3), dim=1, stable=True)
         keep = torch.sort(order[:, :k], dim=1).values
         keep_valid = context.gather(1, keep)
         visible = torch.zeros_like(context).scatter(1, keep, keep_valid)
         return Masks(grid=grid, mask=~visible, keep=keep, keep_valid=keep_valid, targets=targets, slots=slots)
+
+    def blocks(self, keys: SampleKeys, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each image's ``targets`` ``[B, T, N]`` and context block ``[B, N]``, targets not yet removed."""
+        n, t = grid[0] * grid[1], self.num_targets
+        u = keys.uniforms(3 + 2 * t + 2, tag=2)
+        scale = self.target_scale[0] + (self.target_scale[1] - self.target_scale[0]) * u[:, 0]
+        aspect = self.target_aspect[0] + (self.target_aspect[1] - self.target_aspect[0]) * u[:, 1]
+        h, w = self._sides(torch.floor(n * scale), aspect, grid)
+        targets = self._block(u[:, 3:3 + 2 * t].view(-1, t, 2), h[:, None], w[:, None], grid)
+        c_scale = self.context_scale[0] + (self.context_scale[1] - self.context_scale[0]) * u[:, 2]
+        ch, cw = self._sides(torch.floor(n * c_scale), 1.0, grid)
+        return targets, self._block(u[:, 3 + 2 * t:], ch, cw, grid)
+
+    @staticmethod
+    def _context(targets: torch.Tensor, block: torch.Tensor, least: int) -> torch.Tensor:
+        """``[B, N]``: each ``block`` without its first ``T - r`` ``targets``, ``r`` the smallest that leaves ``least``
+        patches (I-JEPA lifts the last targets' exclusion first), chosen on the device: no loop on data."""
+        t = targets.shape[1]
+        excluded, options = torch.zeros_like(block), [block]  # options[j]: the block without the first j targets
+        for j in range(t):
+            excluded = excluded | targets[:, j]
+            options.append(block & ~excluded)
+        stacked = torch.stack(options[::-1], dim=1)  # [B, T + 1, N]: r = 0 (every target out) ... r = T (none)
+        enough = stacked.sum(dim=2) >= least
+        r = torch.where(enough.any(dim=1), enough.to(torch.int32).argmax(dim=1), torch.full_like(block[:, 0], t,
+                                                                                              dtype=torch.int64))
+        return stacked.gather(1, r[:, None, None].expand(-1, 1, block.shape[1])).squeeze(1)
+
+    def _strict_context(self, keys: SampleKeys, grid: tuple[int, int]) -> torch.Tensor:
+        """``[B, N]``: each context block without every target (before :meth:`_context` takes any back)."""
+        targets, block = self.blocks(keys, grid)
+        return block & ~targets.any(dim=1)
 
     def _sizes(self, grid: tuple[int, int]) -> tuple[int, int]:
         """``(num_context, max_target_patches)`` of ``grid``, computed once per grid (host arithmetic)."""
