@@ -118,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_status(exc: BaseException, debug: bool) -> int | None:
     """The exit status of a run that ended with ``exc``, its message printed; None for what is re-raised (a bug,
     or anything but a pre-emption with ``--debug``)."""
+    from sslkit.runtime import pair_problem
+
+    problem = pair_problem(exc)  # before the imports below, which may need the torchvision that failed
+    if problem is not None and not debug:
+        print(f"sslkit: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     from sslkit import registry as R
     from sslkit.guard import TrainingHalted
     from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted
@@ -177,6 +183,8 @@ def _main(args: list[str]) -> int:
     cfg = compose_config(args)
     if cfg.launcher == "slurm" and not in_slurm_task():
         return submit(cfg, args)  # (in the job's tasks the same command trains)
+    import torchvision  # noqa: F401  (one that does not load with this torch stops here, before the run folder)
+
     d = cfg.distributed
     torchrun = launched_by_torchrun()
     plan = prepare_output_dir(cfg, primary=not torchrun or int(os.environ["RANK"]) == 0)
@@ -303,7 +311,9 @@ def console(argv: list[str] | None = None) -> int:
 
         guard_streams()
     if args and args[0] in COMMANDS:
-        return int(_command(args[0])(args[1:]))
+        from sslkit.runtime import run_entry
+
+        return run_entry(lambda: _command(args[0])(args[1:]))
     lines = "\n".join(f"  {name:8s} {what}" for name, what in COMMANDS.items())
     text = f"usage: sslkit <command> [key=value ...]\n\ncommands:\n{lines}\n\nsslkit <command> --help says more."
     if args and args[0] not in ("-h", "--help"):

@@ -105,8 +105,16 @@ def _version(module: str) -> str | None:
     """The version of ``module`` once imported (a required one must import), or None."""
     try:
         return str(getattr(importlib.import_module(module), "__version__", "installed"))
-    except Exception:
+    except Exception as exc:
+        if _torchvision_failed(exc):
+            raise
         return None
+
+
+def _torchvision_failed(exc: BaseException) -> bool:
+    from sslkit.runtime import pair_problem
+
+    return pair_problem(exc) is not None
 
 
 def _installed(module: str) -> str | None:
@@ -121,6 +129,26 @@ def _installed(module: str) -> str | None:
         return version(DISTRIBUTIONS.get(module, module))
     except PackageNotFoundError:
         return "installed"
+
+
+def pair_check() -> Check:
+    """torchvision: installed, the release of this torch, and loading with it."""
+    from sslkit.runtime import pair_note, pair_problem, torch_pair
+
+    torch_v, vision_v = torch_pair()
+    if vision_v is None:
+        return Check("torchvision", "FAILED", "missing: pip install -e . installs it")
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:
+        return Check("torchvision", "FAILED", f"{vision_v} with torch {torch_v}: does not load",
+                     pair_problem(exc) or _why(exc))
+    note = pair_note(torch_v, vision_v)
+    if note:
+        return Check("torchvision", "FAILED", f"{vision_v} with torch {torch_v}: loads, but {note}",
+                     "pip install --force-reinstall torch torchvision (a matched pair); the mismatch may fail in "
+                     "an operator later")
+    return Check("torchvision", "ok", f"{vision_v}, the release for torch {torch_v}")
 
 
 def machine_checks() -> list[Check]:
@@ -143,8 +171,13 @@ def machine_checks() -> list[Check]:
     else:
         rows.append(Check("GPU", "info", "none visible (torch.cuda.is_available() is False): training runs on the "
                                          "CPU"))
-    for module in REQUIRED:
-        v = _version(module)
+    rows.append(pair_check())
+    for module in REQUIRED[1:]:
+        try:
+            v = _version(module)
+        except Exception:
+            rows.append(Check(module, "FAILED", "does not load: it imports torchvision (the torchvision row)"))
+            continue
         rows.append(Check(module, "ok" if v else "FAILED", v or "missing: pip install -e . installs it"))
     for module, purpose in OPTIONAL.items():
         v = _installed(module)
@@ -342,6 +375,8 @@ def data_check(device: str, root: str, steps: int = 20) -> Check:
 
 def _why(exc: BaseException) -> str:
     """An error in one line: its type and message, whitespace collapsed, at most 300 characters."""
+    if _torchvision_failed(exc):
+        return "torchvision does not load with this torch (the torchvision row says what to install)"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 

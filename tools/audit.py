@@ -8,15 +8,9 @@ otherwise, 2 for a bad config.
 
 import sys
 
-from sslkit.runtime import reexec_with_tuned_malloc
+from sslkit.runtime import reexec_with_tuned_malloc, run_entry
 
 reexec_with_tuned_malloc()  # before torch is imported
-
-import logging  # noqa: E402
-
-from sslkit import registry as R  # noqa: E402
-from sslkit.audit import audit_recipe  # noqa: E402
-from sslkit.config.compose import ConfigError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -24,6 +18,12 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    import logging
+
+    from sslkit import registry as R
+    from sslkit.audit import audit_recipe
+    from sslkit.config.compose import ConfigError
+
     logging.getLogger("sslkit").setLevel(logging.WARNING)
     try:
         findings = audit_recipe(argv)
@@ -38,4 +38,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_entry(lambda: main(sys.argv[1:])))

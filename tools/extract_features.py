@@ -3,11 +3,10 @@
 
 import sys
 
-from sslkit.runtime import reexec_with_tuned_malloc
+from sslkit.runtime import reexec_with_tuned_malloc, run_entry
 
 reexec_with_tuned_malloc()  # before torch is imported
 
-from sslkit.evaluation.tools import extract_main  # noqa: E402
-
 if __name__ == "__main__":
-    sys.exit(extract_main())
+    # main is imported by run_entry: a torchvision that does not load with this torch ends in a message
+    sys.exit(run_entry("sslkit.evaluation.tools:extract_main"))
