@@ -28,6 +28,7 @@ __all__ = [
     "Tracker",
     "WandbTracker",
     "build_trackers",
+    "default_mlflow_uri",
     "finish_trackers",
     "metric_items",
     "run_status",
@@ -259,8 +260,7 @@ class MlflowTracker(Tracker):
         import mlflow  # (the package itself: not installed is an ImportError here, whatever submodules are loaded)
 
         previous = _read_state(output_dir).get("mlflow", {}) if resume else {}
-        # the default store is ./mlruns of the working folder where the run started (a resume elsewhere keeps it)
-        uri = tracking_uri or previous.get("tracking_uri") or Path("mlruns").resolve().as_uri()
+        uri = tracking_uri or previous.get("tracking_uri") or default_mlflow_uri()
         if urllib.parse.urlparse(uri).scheme in ("", "file"):
             # mlflow 3 refuses its file store (in maintenance) unless asked for it: a file: URI is that request
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -320,6 +320,13 @@ class MlflowTracker(Tracker):
 
     def _abandon(self) -> None:
         self.client.set_terminated(self.run_id, FAILED)  # its record of the run is incomplete
+
+
+def default_mlflow_uri() -> str:
+    """The store of a run that names none: ``MLFLOW_TRACKING_URI`` when set, else MLflow's own default, a SQLite
+    database ``mlflow.db`` in the working folder where the run starts, as an absolute URI (a resume from elsewhere
+    keeps it: trackers.json holds it), so that ``mlflow ui`` started in that folder opens it."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
 
 
 def _mlflow_key(key: str) -> str:

@@ -4,6 +4,7 @@ across a pre-emption or a crash and the resume; a missing or failing tracker nev
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from collections.abc import Iterator
@@ -140,12 +141,45 @@ def test_one_mlflow_run_across_the_resume_with_its_status(scenario: str, request
     assert "(continued)" in run.second_stdout
     info = client.get_run(run_id).info
     assert info.status == "FINISHED" and info.run_name == "simclr-synthetic"  # the config's name
-    # the default store: ./mlruns of the working folder, one run per run folder in the experiment
-    assert run.first_ids["mlflow"]["tracking_uri"] == (Path.cwd() / "mlruns").as_uri()
+    # the default store: MLflow's own, a SQLite database in the working folder (no file store, which MLflow 3
+    # refuses unless MLFLOW_ALLOW_FILE_STORE is set), one run per run folder in the experiment
+    assert run.first_ids["mlflow"]["tracking_uri"] == f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ and not (Path.cwd() / "mlruns" / "0" / "meta.yaml").exists()
     experiment = client.get_experiment(info.experiment_id)
     assert experiment.name == "sslkit"
     names = {r.info.run_id for r in client.search_runs([info.experiment_id])}
     assert run_id in names
+
+
+def test_mlflow_ui_started_in_the_working_folder_opens_the_default_store(preempted: Resumed) -> None:
+    """docs/report.md's ``mlflow ui``, run where training started: its store is MLflow's default tracking URI, which
+    resolves (no MLFLOW_TRACKING_URI set, no ./mlruns file store there) to the database the run wrote."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = mlflow.get_tracking_uri()  # sqlite:///mlflow.db, which MLflow may give as an absolute path
+    assert uri.startswith("sqlite:///") and Path(uri.removeprefix("sqlite:///")).resolve() == Path.cwd() / "mlflow.db"
+    run_id = preempted.first_ids["mlflow"]["run_id"]
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_file_store_still_works_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``log.mlflow.tracking_uri=file:...``: MLflow 3 opens it only with MLFLOW_ALLOW_FILE_STORE, which the tracker
+    sets for its process; the run and its numbers are there."""
+    from mlflow.tracking import MlflowClient
+
+    from sslkit.trackers import MlflowTracker
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = (tmp_path / "store").as_uri()
+    tracker = MlflowTracker(str(tmp_path), tracking_uri=store, experiment="files", run_name="r", tags={},
+                            params={"optim.lr": "0.1"}, resume=False)
+    tracker.write({"phase": "train", "step": 3, "loss": 1.5})
+    tracker.finish("FINISHED")
+    assert tracker.active and os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    run = MlflowClient(store).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"train/loss": 1.5}
+    assert run.data.params == {"optim.lr": "0.1"}
 
 
 def test_mlflow_params_hold_the_config_and_tags_and_artifacts(preempted: Resumed) -> None:
