@@ -97,14 +97,10 @@ def summarize(run_dir: str) -> dict[str, Any]:
     last_step = max((int(r.get("step", 0)) for r in train), default=0)
     info["steps"] = last_step
     info["finished"] = bool(train) and train[-1].get("eta_s") == 0.0  # the log hook's ETA at the last step
-    elapsed = [float(r["elapsed_s"]) for r in train if "elapsed_s" in r]
-    info["wall_s"] = max(elapsed) if elapsed else None  # the log hook's clock: training time, resumes included
+    info["wall_s"], info["parts"] = training_time(train)
     speeds = [float(r["img_per_s"]) for r in train if isinstance(r.get("img_per_s"), int | float)]
     info["median_img_per_s"] = statistics.median(speeds) if speeds else None
-    losses = _last_per_step(records, "loss")
-    tail = [v for _, v in losses[-5:]]
-    info["final_loss"] = sum(tail) / len(tail) if tail else None
-    info["final_loss_over"] = len(tail)
+    info["final_loss"] = final_loss(_last_per_step(records, "loss"), last_step)
     knn = [r for r in records if "knn_top1" in r]
     if knn:
         info["knn"] = {"top1": knn[-1]["knn_top1"], "top5": knn[-1].get("knn_top5"), "step": knn[-1].get("step"),
@@ -112,12 +108,12 @@ def summarize(run_dir: str) -> dict[str, Any]:
     curve = _last_per_step(records, "knn_curve_top1", phase="eval")
     if curve:
         info["knn_curve"] = curve
-    for name in ("knn", "linear"):
+    for name in ("knn", "linear", "finetune"):
         found = _read_json(os.path.join(run_dir, "eval", f"{name}.json"))
         if found is not None and found.get("top1") is not None:
             entry = {"top1": found["top1"], "top5": found.get("top5"), "step": found.get("step"),
                      "from": f"eval/{name}.json"}
-            if name == "linear":
+            if name in ("linear", "finetune"):
                 entry["epochs_done"] = found.get("epochs_done")
                 entry["done"] = found.get("done")
                 entry["curve"] = [(r.get("epoch"), r.get("top1")) for r in found.get("epochs", [])]
@@ -137,6 +133,48 @@ def summarize(run_dir: str) -> dict[str, Any]:
     return info
 
 
+def training_time(train: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """``(seconds, parts)``: the training time of a run over its resumes and the number of processes that trained
+    it. Each process's log records count ``elapsed_s`` from its own start, so a record whose ``elapsed_s`` is below
+    the one before starts a new part; a part's time is its last ``elapsed_s`` (the time after a part's last record,
+    at most one log interval before a crash, is not counted)."""
+    parts: list[float] = []
+    before = None
+    for record in train:
+        if "elapsed_s" not in record:
+            continue
+        now = float(record["elapsed_s"])
+        if before is None or now < before:
+            parts.append(now)
+        parts[-1] = now
+        before = now
+    return (sum(parts) if parts else None), len(parts)
+
+
+def final_loss(losses: list[tuple[int, float]], last_step: int) -> dict[str, Any] | None:
+    """The loss at the end of training: the mean of the values logged in the last 10% of the steps (at least the
+    last one), with how many and from which step, so a short run's average does not reach back to its start."""
+    if not losses:
+        return None
+    since = last_step - max(last_step // 10, 0)
+    tail = [(step, v) for step, v in losses if step >= since] or losses[-1:]
+    return {"value": sum(v for _, v in tail) / len(tail), "count": len(tail), "from_step": tail[0][0],
+            "to_step": tail[-1][0]}
+
+
+def _parts_text(parts: int) -> str:
+    return "" if parts <= 1 else f" in {parts} parts (resumed {plural(parts - 1, 'time')}; their sum)"
+
+
+def _loss_text(loss: dict[str, Any] | None) -> str:
+    if loss is None:
+        return "n/a"
+    if loss["count"] == 1:
+        return f"{loss['value']:.4f} (logged at step {loss['to_step']})"
+    return (f"{loss['value']:.4f} (mean of the {loss['count']} values logged in the last 10% of the steps, "
+            f"{loss['from_step']}-{loss['to_step']})")
+
+
 def _fmt(value: Any, spec: str = ".4f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -154,16 +192,16 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
     what = f"{info.get('method', '?')} with a {info.get('trunk', '?')} trunk"
     status = "finished" if info["finished"] else "not finished (stopped or still running)"
     lines += [f"- {what}: {status} at step {info['steps']}",
-              f"- training time {_duration(info['wall_s'])}, median {_fmt(info['median_img_per_s'], ',.0f')} "
-              "images/s",
-              f"- final loss {_fmt(info['final_loss'])} (mean of the last {info['final_loss_over']} logged values)"]
+              f"- training time {_duration(info['wall_s'])}{_parts_text(info['parts'])}, median "
+              f"{_fmt(info['median_img_per_s'], ',.0f')} images/s",
+              f"- final loss {_loss_text(info['final_loss'])}"]
     for name, label in (("knn", "kNN"), ("knn_tool", "kNN (sslkit knn)"), ("linear", "linear probe"),
-                        ("linear_tool", "linear probe")):
+                        ("linear_tool", "linear probe"), ("finetune", "fine-tuning")):
         entry = info.get(name)
         if not entry:
             continue
         extra = ""
-        if name.startswith("linear"):
+        if name.startswith(("linear", "finetune")):
             done = entry.get("epochs_done")
             extra = (f", {plural(done, 'epoch')}" if isinstance(done, int) else f", {done} epochs") + (
                 "" if entry.get("done") else " (not finished)")

@@ -28,8 +28,10 @@ def _folder(tmp_path: Path, argv: list[str], torn: bool = False) -> tuple[Path, 
     records = []
     for step in (10, 20, 30, 20, 30, 40):  # a resume from step 10 logs 20 and 30 again
         resumed = len(records) >= 3
+        # each process counts elapsed_s from its own start: 20, 40, 60 s, then the resumed one 20, 40, 60 s
+        elapsed = (step - 10) * 2.0 if resumed else step * 2.0
         records.append({"step": step, "epoch": 0, "phase": "train", "loss": 5.0 - step / 10 + (0.5 if resumed else 0),
-                        "lr": 0.1 * step, "img_per_s": 100.0 + step + (7 if resumed else 0), "elapsed_s": step * 2.0,
+                        "lr": 0.1 * step, "img_per_s": 100.0 + step + (7 if resumed else 0), "elapsed_s": elapsed,
                         "eta_s": 0.0 if step == 40 else 10.0, "rankme_features": 3.0 + step})
     records.append({"step": 40, "epoch": 0, "phase": "eval", "knn_top1": 0.71, "knn_top5": 0.95})
     text = "".join(json.dumps(r) + "\n" for r in records) + ('{"step": 50, "lo' if torn else "")
@@ -38,6 +40,8 @@ def _folder(tmp_path: Path, argv: list[str], torn: bool = False) -> tuple[Path, 
     (out / "eval" / "linear.json").write_text(json.dumps({
         "top1": 0.8, "top5": 0.97, "step": 40, "done": True, "epochs_done": 2,
         "epochs": [{"epoch": 1, "top1": 0.75}, {"epoch": 2, "top1": 0.8}]}))
+    (out / "eval" / "finetune.json").write_text(json.dumps({
+        "top1": 0.86, "top5": 0.99, "step": 40, "done": True, "epochs_done": 3, "epochs": []}))
     return out, records
 
 
@@ -46,16 +50,19 @@ def test_summary_figures_match_the_records(tmp_path: Path) -> None:
     info = summarize(str(out))
     train = [r for r in records if r["phase"] == "train"]
     assert info["median_img_per_s"] == pytest.approx(statistics.median(r["img_per_s"] for r in train))
-    # the last value per step: 10 -> 4.0, 20 -> 3.5 (resumed), 30 -> 2.5 (resumed), 40 -> 1.5 (resumed)
-    assert info["final_loss"] == pytest.approx((4.0 + 3.5 + 2.5 + 1.5) / 4)
-    assert info["finished"] and info["steps"] == 40 and info["wall_s"] == pytest.approx(80.0)
-    assert info["knn"]["top1"] == 0.71 and info["linear"]["top1"] == 0.8
+    # the last 10% of 40 steps holds one logged value: step 40's 1.5 (resumed)
+    assert info["final_loss"] == {"value": 1.5, "count": 1, "from_step": 40, "to_step": 40}
+    # both processes' time: 60 s before the resume, 60 s after
+    assert info["finished"] and info["steps"] == 40 and info["wall_s"] == pytest.approx(120.0) and info["parts"] == 2
+    assert info["knn"]["top1"] == 0.71 and info["linear"]["top1"] == 0.8 and info["finetune"]["top1"] == 0.86
     assert info["monitors"]["rankme_features"] == 43.0
     assert info["recipe_diff"] == ["optim.lr: 0.3 -> 0.7"]
 
     text = write_report(str(out))
     assert (out / "report.md").read_text() == text
-    for needle in ("finished at step 40", "final loss 2.8750", "kNN top-1 0.7100", "linear probe top-1 0.8000",
+    for needle in ("finished at step 40", "final loss 1.5000 (logged at step 40)", "in 2 parts (resumed 1 time; "
+                   "their sum)", "kNN top-1 0.7100", "linear probe top-1 0.8000",
+                   "fine-tuning top-1 0.8600, top-5 0.9900 (step 40, eval/finetune.json, 3 epochs)",
                    "optim.lr: 0.3 -> 0.7", "![loss](plots/loss.png)"):
         assert needle in text
     for name in ("loss.png", "lr.png", "eval.png"):
@@ -63,6 +70,22 @@ def test_summary_figures_match_the_records(tmp_path: Path) -> None:
         assert data.startswith(PNG)
         with Image.open(out / "plots" / name) as image:
             assert image.size[0] >= 300 and image.size[1] >= 200
+
+
+def test_the_final_loss_is_the_end_of_the_run_not_its_last_five_records() -> None:
+    """A 100-step run logged every step: the mean of steps 90-100 (11 values); a short run logged at steps 2, 4, 6
+    (MAE's 0.848 of issue 34 averaged back to its start): its last value only."""
+    from sslkit.report import final_loss, training_time
+
+    losses = [(step, 1000.0 - step) for step in range(1, 101)]
+    assert final_loss(losses, 100) == {"value": pytest.approx(905.0), "count": 11, "from_step": 90, "to_step": 100}
+    assert final_loss([(2, 0.95), (4, 0.85), (6, 0.75)], 6)["value"] == 0.75
+    assert final_loss([], 0) is None
+    # one process: its last elapsed_s; three (two resumes, one right after the other): the sum of each one's last
+    assert training_time([{"elapsed_s": 5.0}, {"elapsed_s": 9.0}]) == (9.0, 1)
+    assert training_time([{"elapsed_s": 73.0}, {"elapsed_s": 4.0}, {"elapsed_s": 58.0}, {"elapsed_s": 1.0}]) == \
+        (132.0, 3)
+    assert training_time([{"step": 1}]) == (None, 0)
 
 
 def test_a_run_without_command_json_or_evaluations(tmp_path: Path) -> None:

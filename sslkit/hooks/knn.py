@@ -72,6 +72,7 @@ class KNNHook(SSLHook):
         self.step = -1
         self.done_with: dict[str, Any] = {}
         self._warned = False
+        self._used_k = self.k  # the k of the latest evaluation (lowered to the memory's size when larger)
 
     def evaluate(self, task: SSLTask, encoder: torch.nn.Module | None = None,
                  loaders: tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]] | None = None,
@@ -84,24 +85,25 @@ class KNNHook(SSLHook):
         train_f, train_y = extract_features(encoder, memory, task.device, task.amp_dtype)
         test_f, test_y = extract_features(encoder, queries, task.device, task.amp_dtype)
         used = self._k(len(train_f)) if k is None else min(k, len(train_f))
+        self._used_k = used
         return weighted_knn(train_f, train_y, test_f, test_y, self.num_classes, used, self.temperature)
 
     def _k(self, memory: int) -> int:
         """k, or the memory size when k is larger, which is said once in the log (every memory sample would
         be a neighbour: the result then measures the class balance more than the features)."""
-        if self.k <= memory:
-            return self.k
-        if not self._warned:
+        if self.k > memory and not self._warned:
             logger.warning("kNN: eval.knn.k=%d but the memory (the train split) has %d samples: using k=%d, every "
                            "sample a neighbour, so the accuracy says little about the features. Lower eval.knn.k "
                            "or use more data.", self.k, memory, memory)
             self._warned = True
-        return memory
+        self._used_k = min(self.k, memory)
+        return self._used_k
 
-    def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "", k: int | None = None) -> None:
+    def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "") -> None:
+        """Log the results (with the k they were computed with) and write them to the sinks."""
         record: dict[str, Any] = {"step": task.iteration, "epoch": task.epoch, "phase": "eval"}
         record.update({prefix + key: v for key, v in results.items()})
-        logger.info("kNN at step %d (k=%d, T=%g) %s", task.iteration, k or self.k, self.temperature,
+        logger.info("kNN at step %d (k=%d, T=%g) %s", task.iteration, self._used_k, self.temperature,
                     ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith(prefix + "knn")))
         for sink in self.sinks:
             sink.write(record)
@@ -136,7 +138,7 @@ class KNNHook(SSLHook):
         ``curve_loaders``, a fixed subsample, when given), apart from the final ``knn_top1``."""
         if task.train and self.every_n_epochs > 0 and (task.epoch + 1) % self.every_n_epochs == 0:
             found = self.evaluate(task, loaders=self.curve_loaders, k=self.curve_k)
-            self._report(task, {key.replace("knn_", "knn_curve_"): v for key, v in found.items()}, k=self.curve_k)
+            self._report(task, {key.replace("knn_", "knn_curve_"): v for key, v in found.items()})
 
     @property
     def settings(self) -> dict[str, Any]:

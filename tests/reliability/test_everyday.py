@@ -234,6 +234,8 @@ def test_knn_k_above_the_memory_is_said_with_the_value_used(tmp_path: Path, caps
     code, stdout, _ = _run(capsys, "config=simclr", *QUICK, "eval.knn.k=500", f"output_dir={tmp_path}")
     assert code == 0
     assert "eval.knn.k=500 but the memory (the train split) has 64 samples: using k=64" in stdout
+    results = [line for line in stdout.splitlines() if "kNN at step" in line]
+    assert results and all("(k=64," in line for line in results), results  # the k used, not the one asked for
 
 
 def test_imports_takes_a_bare_module_name_from_the_working_directory(
