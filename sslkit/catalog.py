@@ -134,8 +134,9 @@ def usage_text() -> str:
     head = """\
 usage: python tools/run.py [config=NAME] [data=NAME] [key=value ...] [--debug]
 
-Trains a self-supervised model: defaults (sslkit/config/defaults.yaml), then a recipe, then a data
-preset, then your overrides. A run continues from its latest checkpoint when started again.
+Trains a self-supervised model: defaults (sslkit/config/defaults.yaml), then a data preset, then a
+recipe (its own data sizes win over the preset's), then your overrides. A run continues from its
+latest checkpoint when started again.
 
 overrides:
   config=NAME      the recipe: configs/config/NAME.yaml (method, model, loss, optimizer)

@@ -12,12 +12,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
 from sslkit.config.compose import flatten_config, show_value
+from sslkit.config.run_keys import ELASTIC_KEYS, LENGTHENING_KEYS, ignored
 from sslkit.errors import UserError
 
 __all__ = [
     "CONFIG_FILE",
-    "IGNORED_KEYS",
-    "LENGTHENING_KEYS",
     "FolderPlan",
     "RunFolderError",
     "config_changes",
@@ -38,23 +37,6 @@ PREVIOUS = "previous"
 #: What a run writes into its folder; a fresh start moves these aside.
 RUN_FILES = ("config.yaml", "command.json", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "eval",
              "report.md", "plots", "trackers.json", "wandb", "viz", "export")
-
-#: Keys that do not change what is computed, only where, how fast or how it is reported: a run
-#: resumes with new values of these without a word. (Prefixes end with a dot.)
-IGNORED_KEYS = (
-    "name", "output_dir", "imports", "machine.device", "machine.num_threads", "data.num_workers",
-    "data.pin_memory", "log.", "checkpoint.", "reliability.", "eval.", "distributed.backend",
-    "distributed.timeout_s", "distributed.master_addr", "distributed.master_port", "distributed.node_rank",
-    "distributed.consistency_check_every_n_steps", "launcher", "slurm.",
-)
-#: Keys that only split the global batch differently when ``data.global_batch_size`` is set: a run resumes with new
-#: values of these without a word (the number of processes, the strategy, the micro-batches).
-ELASTIC_KEYS = ("distributed.nproc_per_node", "distributed.num_nodes", "distributed.strategy", "data.batch_size",
-                "optim.accumulate_steps")
-#: Keys whose larger value only lengthens the run: it resumes and trains on (``max_steps`` 0 means
-#: "the epochs decide", which lengthens a run that was cut by steps).
-LENGTHENING_KEYS = ("optim.epochs", "optim.max_steps")
-
 
 class RunFolderError(UserError):
     """The folder holds a run of a different config; the message names the keys and the ways out."""
@@ -86,10 +68,6 @@ class FolderPlan:
                            key, old, new)
 
 
-def _ignored(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
-
-
 def _lengthens(key: str, old: Any, new: Any) -> bool:
     if key not in LENGTHENING_KEYS or not isinstance(old, int) or not isinstance(new, int):
         return False
@@ -106,7 +84,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]
     lengthened, changed = [], []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, "<absent>"), b.get(key, "<absent>")
-        if old == new or _ignored(key) or (elastic and key in ELASTIC_KEYS):
+        if old == new or ignored(key) or (elastic and key in ELASTIC_KEYS):
             continue
         (lengthened if _lengthens(key, old, new) else changed).append((key, old, new))
     return lengthened, changed

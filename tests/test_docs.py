@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -626,3 +627,74 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
         assert re.search(r"sslkit: (stopped by SIGINT after step \d+; the checkpoint was written|pre-empted; the "
                          r"checkpoint was written)", got.stderr), context
         assert got.checkpoint, f"no checkpoints/latest.txt in {got.run_dir}: {context}"
+
+
+#: Run in a new interpreter by :func:`test_the_docs_commands_in_printed_order_each_find_their_folder`: each train
+#: command's config composed in one shared working folder, its folder prepared as tools/run.py prepares it, then
+#: left as a trained run leaves it (config.yaml and a checkpoint); each tool's checkpoint= must name a folder an
+#: earlier command made. Prints one JSON object: the problems found, and the folder each train command used.
+_PRINTED_ORDER = r'''
+import json, os, sys
+from sslkit.checkpoint import checkpoint_dir
+from sslkit.config.compose import compose_config
+from sslkit.runfolder import RunFolderError, prepare_output_dir, write_config
+problems, folders = [], {}
+for where, kind, args in json.load(sys.stdin):
+    if kind == "tool":
+        target = next((a.split("=", 1)[1] for a in args if a.startswith("checkpoint=")), None)
+        if target and not os.path.isabs(target) and not os.path.isdir(target):
+            problems.append(f"{where}: checkpoint={target}, which no command before it made")
+        continue
+    cfg = compose_config(args)
+    try:
+        prepare_output_dir(cfg)
+    except RunFolderError as exc:
+        problems.append(f"{where}: {str(exc).splitlines()[0]}")
+        continue
+    write_config(cfg)
+    ckpt = checkpoint_dir(cfg.output_dir)
+    os.makedirs(ckpt, exist_ok=True)
+    open(os.path.join(ckpt, "checkpoint_000000001.pt"), "wb").close()
+    with open(os.path.join(ckpt, "latest.txt"), "w") as f:
+        f.write("checkpoint_000000001.pt")
+    folders[where] = str(cfg.output_dir)
+print(json.dumps({"problems": problems, "folders": folders}))
+'''
+
+
+def _run_args(argv: list[str]) -> list[str]:
+    """The config arguments of a train command (after ``tools/run.py`` or ``sslkit train``)."""
+    for i, arg in enumerate(argv):
+        if arg.endswith("tools/run.py") or (arg == "train" and i and argv[i - 1] == "sslkit"):
+            return argv[i + 1:]
+    raise AssertionError(f"not a train command: {argv}")
+
+
+@pytest.mark.slow
+def test_the_docs_commands_in_printed_order_each_find_their_folder(tmp_path: Path) -> None:
+    """A user who runs the README's commands, then the docs', in the order printed, all in one working folder: no
+    training command meets a folder that "holds a run of another config" (issue 34: after the main job, the README's
+    own longer SimCLR, docs/vit.md's ViT SimCLR and docs/methods.md's annealed SimCLR all did), the same command
+    finds its own folder again, and each tool's checkpoint= names a folder an earlier command made. Composed and
+    prepared as tools/run.py does, without training (the test_doc_command cases train each one)."""
+    steps, seen = [], set()
+    for doc in DOC_FILES:
+        for lineno, command in commands_in((REPO / doc).read_text(encoding="utf-8")):
+            for pattern, value in EXPANSIONS.items():
+                command = re.sub(rf"(?<!\S){re.escape(pattern)}(?!\S)", value, command)
+            p = plan(command)
+            if p.kind not in ("train", "tool"):
+                continue
+            args = _run_args(shlex.split(command)) if p.kind == "train" else shlex.split(command)
+            args = [re.sub(r"^output_dir=/tmp/", "output_dir=tmp/", a) for a in args]  # kept in the folder
+            steps.append((f"{doc}:{lineno}", p.kind, args))
+            seen.add(p.kind)
+    assert seen == {"train", "tool"} and len(steps) > 20
+    _workdir(tmp_path, " ".join(f"imports=[{m}]" for m in MY_SSL))
+    proc = subprocess.run([sys.executable, "-c", _PRINTED_ORDER], input=json.dumps(steps), capture_output=True,
+                          text=True, cwd=tmp_path, env=_run_env(tmp_path), timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["problems"] == [], "\n".join(found["problems"])
+    folders = found["folders"]
+    assert DOC_RUN in folders.values()  # the main job's, which the tools read

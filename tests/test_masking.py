@@ -193,8 +193,10 @@ def test_every_context_keeps_min_context_patches(recipe: str, grid: tuple[int, i
     first targets; every other draw keeps the strict context."""
     from sslkit.config.compose import compose_config
 
-    spec = {k: v for k, v in compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}",
-                                             "machine.device=cpu"]).masking.items() if k not in ("name", "views")}
+    (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
+    data = ["data=folder", f"data.train.path={tmp_path}"] if grid == (14, 14) else []  # each on its own images
+    spec = {k: v for k, v in compose_config([f"config={recipe}", *data, "machine.device=cpu"]).masking.items()
+            if k not in ("name", "views")}
     gen = MultiBlockMasking(**spec)
     keys = _keys(draws)
     m = gen(keys, grid)

@@ -19,6 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sslkit import registry as R
+from sslkit.config.run_keys import folder_suffix
 from sslkit.errors import UserError
 from sslkit.suggest import did_you_mean as _nearest
 
@@ -115,15 +116,52 @@ def compose_config(overrides: list[str]) -> DictConfig:
         key, value = ov.split("=", 1) if "=" in ov else (ov, "")
         if key in GROUPS:
             choices[key] = value
-    if not cfg.name:
+    named = bool(cfg.name)
+    if not named:
         cfg.name = f"{choices['config'] or 'simclr'}-{choices['data'] or 'fashion_mnist'}"
-    if not cfg.output_dir:
-        cfg.output_dir = os.path.join("runs", cfg.name)
+    if not cfg.output_dir:  # a name given is the folder's; the default name carries what else the command changes
+        suffix = "" if named else folder_suffix([ov for ov in overrides if ov not in groups])
+        cfg.output_dir = os.path.join("runs", f"{cfg.name}{suffix}")
+    sized = _sized_for_error(cfg, [ov for ov in overrides if ov not in groups], choices["data"] or "fashion_mnist")
+    if sized:
+        raise ConfigError(f"invalid config:\n  {sized}")
     import_modules(cfg)
     resolve_method(cfg)
     validate(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+#: The paper-scale recipes of a method, named where a recipe sized for small images meets large ones.
+PAPER_SCALE = {"dinov2": "dinov2_vits16, dinov2_vitb16", "ibot": "ibot_vits16, ibot_vitb16",
+               "ijepa": "ijepa_vits16, ijepa_vitb16"}
+
+
+def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | None:
+    """A recipe whose patches and crops were chosen for ``sized_for`` px images, on images at least twice as large
+    (four times the tokens) without the command setting its patches (``model.trunk_kwargs...``) or ``sized_for``:
+    what it would train, and what to run instead."""
+    sized_for = cfg.get("sized_for")
+    keys = {ov.split("=", 1)[0].lstrip("+~") for ov in overrides}
+    if not sized_for or int(cfg.data.image_size) < 2 * int(sized_for) or "sized_for" in keys or \
+            any(k == "model.trunk_kwargs" or k.startswith("model.trunk_kwargs.") for k in keys):
+        return None
+    size, patch = int(cfg.data.image_size), cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
+    files = [d / "data" / f"{data}.yaml" for d in CONFIG_DIRS if (d / "data" / f"{data}.yaml").exists()]
+    preset = OmegaConf.load(files[0]).get("data", {}) if files else {}
+    small = cfg.data.get("small_image_size")
+    crops = f" and {small} px local crops" if small and cfg.data.transform.get("num_small") else ""
+    method = str(cfg.method.name)
+    paper = PAPER_SCALE.get(method, ", ".join(v.split(", ")[0] for v in PAPER_SCALE.values()))
+    to_set = [f"model.trunk_kwargs.patch_size={preset.get('patch_size', 16)}"]
+    if crops and preset.get("small_image_size"):
+        to_set.append(f"data.small_image_size={preset.get('small_image_size')}")
+    return (f"'sized_for' = {sized_for}: this recipe's patches and crops were chosen for {sized_for} px images "
+            f"(Fashion-MNIST), and data.image_size is {size}: its {patch} px patches{crops} would give "
+            f"{(size // patch) ** 2} tokens a global crop. For real images run a paper-scale recipe "
+            f"(config={paper.split(', ')[0]} data={data} ...; all: {paper}), or set the sizes for these images: "
+            f"{' '.join(to_set)} (the data={data} preset's), or sized_for=null to train this recipe's sizes as "
+            f"they are.")
 
 
 def resolve_method(cfg: DictConfig) -> None:
@@ -532,7 +570,8 @@ _PATH_SOURCES = {
 def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
     """Sources that read a folder (``folder``, ``fashion_mnist``): a ``data.<split>.path`` that is set must be an
     existing folder (so a typo stops here, before the output folder is made, and never falls back to another
-    copy); the ``folder`` source needs the train path. The ``filelist`` source likewise, with a file."""
+    copy), and for the ``folder`` source one that holds an image file; the ``folder`` source needs the train path.
+    The ``filelist`` source likewise, with a file."""
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
         path = cfg.data[split].path
@@ -557,6 +596,12 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
         if not folder.is_dir():
             what = "is a file, not a folder" if folder.exists() else "does not exist"
             errors.append(f"'data.{split}.path' = {path}: {what}; {_PATH_SOURCES[source]}")
+        elif source == "folder":
+            from sslkit.data.sources import IMAGE_EXTENSIONS, holds_images
+
+            if holds_images(folder) is False:
+                errors.append(f"'data.{split}.path' = {path}: no image files in the folder or below it (extensions "
+                              f"{', '.join(IMAGE_EXTENSIONS)}, any case); {_PATH_SOURCES[source]}")
 
 
 def per_process_batch(cfg: DictConfig, world: int) -> int:

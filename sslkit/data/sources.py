@@ -37,6 +37,7 @@ __all__ = [
     "build_source",
     "build_synthetic",
     "cache_dir",
+    "holds_images",
     "read_idx",
     "source_shape",
 ]
@@ -291,6 +292,21 @@ def _scan(folder: Path, recursive: bool) -> tuple[list[str], list[str]]:
             elif not f.startswith("."):
                 others.append(os.path.join(dirpath, f))
     return sorted(images), sorted(others)
+
+
+def holds_images(root: str | Path, limit: int = 2_000) -> bool | None:
+    """Whether ``root`` or a (non-hidden) folder below it holds a file with an image extension, what
+    :class:`FolderDataset` needs: True at the first image found, False when the tree has none, None when ``limit``
+    entries were looked at without an answer (a large tree: :class:`FolderDataset` decides when it lists it)."""
+    seen = 0
+    for _dirpath, dirnames, filenames in os.walk(Path(root).expanduser()):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if any(_has_image_ext(f) for f in filenames):
+            return True
+        seen += len(filenames) + len(dirnames)
+        if seen > limit:
+            return None
+    return False
 
 
 def _describe_others(others: list[str]) -> str:

@@ -20,6 +20,54 @@ def test_defaults_compose_to_simclr_on_fashion_mnist() -> None:
     assert cfg.output_dir == "runs/simclr-fashion_mnist"
 
 
+def test_a_default_folder_carries_the_overrides_that_change_what_trains() -> None:
+    """The README's and docs' commands each get their own folder; the same command (in any order of its
+    overrides) the same one; a longer run, another device, other logging or evaluation keep the folder."""
+    def folder(*args: str) -> str:
+        return str(compose_config(["config=simclr", *args]).output_dir)
+
+    assert folder() == "runs/simclr-fashion_mnist"
+    assert folder("optim.epochs=20", "data.batch_size=512") == "runs/simclr-fashion_mnist-data.batch_size=512"
+    assert folder("data.batch_size=512", "optim.epochs=40") == folder("optim.epochs=20", "data.batch_size=512")
+    assert folder("model.trunk=vit_tiny") == "runs/simclr-fashion_mnist-model.trunk=vit_tiny"
+    assert folder("optim.max_steps=10", "machine.device=cpu", "data.num_workers=0", "log.every_n_steps=5",
+                  "eval.knn.k=20", "checkpoint.keep_last=1") == "runs/simclr-fashion_mnist"
+    assert folder("optim.lr=0.1", "loss.temperature=0.2") == \
+        "runs/simclr-fashion_mnist-loss.temperature=0.2-optim.lr=0.1"
+    assert folder("model.head={name: mlp, out_dim: 64}") == "runs/simclr-fashion_mnist-model.head=_name_mlp,_out_dim_64"
+    long = folder("model.head={name: mlp, out_dim: 64, hidden_dim: 2048}", "optim.lr=0.1", "optim.weight_decay=0.001")
+    other = folder("model.head={name: mlp, out_dim: 64, hidden_dim: 1024}", "optim.lr=0.1", "optim.weight_decay=0.001")
+    assert len(long) == len("runs/simclr-fashion_mnist") + 64 and long != other  # cut, with a hash of the whole
+    assert folder("name=mine", "optim.lr=0.1") == "runs/mine"
+    assert folder("output_dir=/tmp/x", "optim.lr=0.1") == "/tmp/x"
+
+
+@pytest.mark.parametrize("recipe", ["dino_vit", "ibot", "dinov2", "ijepa", "mae", "lejepa", "mocov3_vit", "simclr_vit"])
+def test_a_fashion_mnist_vit_recipe_on_large_images_stops_and_names_what_to_run(recipe: str, tmp_path) -> None:
+    """config=dino_vit data=folder trained 224 px crops in 7 px patches (1024 tokens, 17 s a step) and 14 px local
+    crops, the recipe's sizes winning over the preset's: it stops instead, naming the paper-scale recipes and the
+    preset's sizes; with the sizes set, or sized_for=null, it composes; on its own data and on CIFAR's 32 px it is
+    left alone."""
+    (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
+    folder = ["data=folder", f"data.train.path={tmp_path}", "machine.device=cpu"]
+    with pytest.raises(ConfigError) as info:
+        compose_config([f"config={recipe}", *folder])
+    text = str(info.value)
+    assert "'sized_for' = 28" in text and "data.image_size is 224" in text
+    assert "model.trunk_kwargs.patch_size=16" in text
+    assert "config=" + {"dinov2": "dinov2_vits16", "ibot": "ibot_vits16", "ijepa": "ijepa_vits16"}.get(
+        recipe, "dinov2_vits16") in text
+    patch = compose_config([f"config={recipe}"]).model.trunk_kwargs.patch_size
+    assert f"{(224 // patch) ** 2} tokens" in text
+    multi = compose_config([f"config={recipe}"]).data.transform.get("num_small")
+    assert ("data.small_image_size=96" in text) == bool(multi)
+    sized = compose_config([f"config={recipe}", *folder, "model.trunk_kwargs.patch_size=16",
+                            *(["data.small_image_size=96"] if multi else [])])
+    assert sized.model.trunk_kwargs.patch_size == 16
+    assert compose_config([f"config={recipe}", *folder, "sized_for=null"]).model.trunk_kwargs.patch_size == patch
+    assert compose_config([f"config={recipe}"]).sized_for == 28
+
+
 def test_required_keys_exist() -> None:
     keys = [
         "output_dir", "seed", "machine.device", "train_step", "hooks", "imports", "data.train.source",
@@ -213,6 +261,13 @@ def test_folder_paths_are_checked(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("a file")
     with pytest.raises(ConfigError, match=r"'data.test.path' = .*notes.txt: is a file, not a folder"):
         compose_config(["data=folder", f"data.train.path={tmp_path}", f"data.test.path={tmp_path}/notes.txt"])
+    # a folder without an image file anywhere below it stops here, before the run folder is made
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.gif").write_bytes(b"GIF89a")
+    with pytest.raises(ConfigError, match=rf"'data.train.path' = {tmp_path}: no image files in the folder or below "
+                                          r"it \(extensions .jpg, .jpeg, .png"):
+        compose_config(["data=folder", f"data.train.path={tmp_path}"])
+    (tmp_path / "sub" / "x.JPG").touch()
     assert compose_config(["data=folder", f"data.train.path={tmp_path}"]).data.test.path is None
     # an explicit Fashion-MNIST path that does not exist is an error, not a silent fall back to the system copy
     with pytest.raises(ConfigError, match=rf"'data.train.path' = {tmp_path}/nope: does not exist; give the folder"):
@@ -249,6 +304,7 @@ def test_every_recipe_composes_on_its_default_data(recipe: str) -> None:
 
 @pytest.mark.parametrize("data", ["cifar10", "cifar100", "fashion_mnist", "folder", "synthetic"])
 def test_multicrop_recipe_composes_on_every_data_preset(data: str, tmp_path: Path) -> None:
+    (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
     cfg = compose_config(["config=swav", f"data={data}", f"data.train.path={tmp_path}"])
     assert cfg.data.transform.small_size < cfg.data.transform.image_size
 

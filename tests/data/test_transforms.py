@@ -164,6 +164,7 @@ def test_the_evaluation_crop_of_a_folder_follows_data_image_size(tmp_path, prese
         "data=filelist", f"data.train.path={tmp_path / 'list.txt'}"]
     if preset == "filelist":
         (tmp_path / "list.txt").write_text("a.jpg\n")
+    (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
     cfg = compose_config(["config=dino_vit", *source, "data.image_size=64", "data.small_image_size=32",
                           "model.trunk_kwargs.patch_size=16", "machine.device=cpu"])
     spec = dict(cfg.data.eval_transform)

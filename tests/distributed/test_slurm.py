@@ -33,8 +33,12 @@ def _slurm_up() -> bool:
 needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="needs a running SLURM (sinfo answers): CI starts one on "
                                  "localhost with .ci/start_slurm.sh")
 
+#: The run's folder, named (its default name would carry the fault hooks of :func:`_pauses`), relative to where the
+#: job is submitted from.
+FOLDER = "runs/simclr-fashion_mnist"
 RUN = ["config=simclr", "machine.device=cpu", "data.batch_size=32", "log.every_n_steps=5", "eval.knn.enabled=false",
-       "checkpoint.every_n_epochs=0", "log.tensorboard=false", "log.report=false", "data.num_workers=0"]
+       "checkpoint.every_n_epochs=0", "log.tensorboard=false", "log.report=false", "data.num_workers=0",
+       f"output_dir={FOLDER}"]
 SLURM = ["launcher=slurm", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.time_min=10"]
 #: Updates of the run that is requeued twice. It stops at steps 7 and 20, each time inside a step that does not
 #: end until the test has sent its signal (fault_block with a release file): the test never races the run.
@@ -61,7 +65,7 @@ def _submit(tmp_path: Path, steps: int) -> tuple[str, Path]:
     m = re.search(r"submitted SLURM job (\d+): 1 node\(s\) x 2 task\(s\)", proc.stdout)
     assert m, proc.stdout
     assert re.search(r"logs: \S+/slurm/\d+/\d+_0_log\.out", proc.stdout) and "scancel " + m.group(1) in proc.stdout
-    return m.group(1), tmp_path / "runs" / "simclr-fashion_mnist"
+    return m.group(1), tmp_path / FOLDER
 
 
 def _job(job: str) -> dict[str, str]:
@@ -133,7 +137,7 @@ def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupte
         first = _stop_line(_log(run), "SIGUSR2")
         out = (run / "slurm" / job / f"{job}_0_log.out").read_text()
         assert f"requeueing job {job} (requeue 1 of at most 10)" in out, out
-        resumed = f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{first}.pt"
+        resumed = f"resumed from {FOLDER}/checkpoints/checkpoint_{first}.pt"
         _wait("the first resume", lambda: resumed in _log(run))
         _wait("the pause at step 20", (tmp_path / "paused1").exists)
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=HANG_S)
@@ -144,7 +148,7 @@ def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupte
         assert int(first) < int(second) < STEPS, (first, second)
         _wait("the job to end", lambda: _job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", None))
         assert _job(job).get("JobState") == "COMPLETED", _job(job)
-        assert f"resumed from runs/simclr-fashion_mnist/checkpoints/checkpoint_{second}.pt" in _log(run)
+        assert f"resumed from {FOLDER}/checkpoints/checkpoint_{second}.pt" in _log(run)
         assert (run / "slurm" / job / f"{job}_0_log.out").read_text().count("requeueing job") == 1  # not on SIGTERM
         assert reference.wait(timeout=HANG_S) == 0, reference.stderr.read() if reference.stderr else ""
         expected, got = latest_state(ref), latest_state(run)

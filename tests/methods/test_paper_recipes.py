@@ -23,6 +23,7 @@ SIXTEEN = ["distributed.num_nodes=2", "distributed.nproc_per_node=8"]
 @pytest.mark.parametrize("recipe", PAPER)
 def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tmp_path: Path) -> None:
     method, size = recipe.split("_")
+    (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
     cfg = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
                           *SIXTEEN])
     assert cfg.method.name == method and cfg.data.image_size == 224 and cfg.model.trunk_kwargs.patch_size == 16
