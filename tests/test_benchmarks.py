@@ -182,6 +182,8 @@ def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
     throughput = _throughput_module()
     from sslkit.config.compose import ConfigError
 
+    (tmp_path / "a.jpg").touch()  # the JPEG presets' folder (the config check looks for an image file)
+
     def fsdp_config(name: str) -> object:  # what each process composes for a preset under fsdp
         preset = throughput._quick(throughput.PRESETS[name])
         return throughput.bench_config(2, [*throughput.preset_overrides(preset, tmp_path, 64, "cpu"),
