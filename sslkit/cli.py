@@ -134,8 +134,11 @@ def _exit_status(exc: BaseException, debug: bool) -> int | None:
               "checkpoint.", file=sys.stderr)
         return EXIT_INTERRUPTED
     if isinstance(exc, Preempted):
+        from sslkit.distributed import launched_by_torchrun
+
         LAST_STOP["signal"] = exc.signal_name  # (a SLURM task requeues its job after SIGUSR2)
-        print(f"sslkit: {exc}", file=sys.stderr)
+        if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":  # rank 0 says it once
+            print(f"sslkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     if debug:
         return None

@@ -104,7 +104,8 @@ class PreemptionHook(SSLHook):
         if not stop:
             return
         name = self.received.name if self.received is not None else "a signal on another rank"
-        logger.warning("received %s: writing a checkpoint after step %d, then stopping", name, task.iteration)
+        say = logger.warning if self._primary else logger.info  # said once, by rank 0: every rank stops together
+        say("received %s: writing a checkpoint after step %d, then stopping", name, task.iteration)
         task.stop_requested = name
 
     def on_step(self, task: SSLTask) -> None:
@@ -125,8 +126,9 @@ class PreemptionHook(SSLHook):
         """Put the previous signal handlers back (a signal during the final evaluation: the run is complete)."""
         self._restore()
         if self.received is not None:
-            logger.warning("received %s during the final evaluation; the run had finished training and is complete",
-                           self.received.name)
+            (logger.warning if self._primary else logger.info)(
+                "received %s during the final evaluation; the run had finished training and is complete",
+                self.received.name)
 
     def on_exception(self, task: SSLTask) -> None:
         """Put the previous signal handlers back."""

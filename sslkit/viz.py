@@ -498,6 +498,14 @@ def _attention(job: Job) -> dict[str, Any]:
                      "patches (DINO's thresholded maps), the rest is dimmed."}
 
 
+#: Why a CNN's foreground and RGB panels are mostly black, said under its PCA page.
+CNN_PCA = (" A CNN's panels are mostly black, and that is what its map holds, not a drawing fault: its last feature "
+           "map is coarse (4 x 4 for the small CNN on 28 px images, 12 of the 16 cells on the edge), its ReLU features "
+           "are skewed, and its first component follows edges and texture more than the object, so few cells lie "
+           "above the midpoint of the component's range and an image with none shows black foreground and RGB "
+           "panels. The first-component panel shows the whole map; image_size=112 gives a 14 x 14 map.")
+
+
 def _pca(job: Job) -> dict[str, Any]:
     shown = job.shown()
     x = shown.inputs.to(job.pre.device)
@@ -543,7 +551,7 @@ def _pca(job: Job) -> dict[str, Any]:
             "about": f"The {what} of all {b} images, on their first principal component (blue to red); its two sides "
                      "split foreground from background (the side holding fewer edge patches is the foreground); the "
                      "foreground patches alone, on their own first three components, shown as red, green and blue "
-                     "(DINOv2's figures)."}
+                     "(DINOv2's figures)." + ("" if what == "patch tokens" else CNN_PCA)}
 
 
 def _features_of(job: Job, ds: Any, indices: list[int]) -> tuple[Tensor, Tensor]:

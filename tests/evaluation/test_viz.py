@@ -191,7 +191,7 @@ def test_viz_of_a_vit_draws_every_kind_with_the_knn_tools_numbers(vit_run: Path,
     assert all(0 < s < 1 for r in attention["images"] for s in r["cls_share_on_patches"])
     pca = json.loads((viz / "pca" / "pca.json").read_text())
     assert _png_size(viz / "pca" / "pca.png") == grid_size(3, 4, cell, 2)
-    assert pca["grid"] == [4, 4] and pca["patch_features"] == "patch tokens"
+    assert pca["grid"] == [4, 4] and pca["patch_features"] == "patch tokens" and "CNN" not in pca["about"]
     assert pca["explained_variance_ratio"] == sorted(pca["explained_variance_ratio"], reverse=True)
     neighbors = json.loads((viz / "neighbors" / "neighbors.json").read_text())
     assert _png_size(viz / "neighbors" / "neighbors.png") == grid_size(3, 1 + 4, cell, 2)
@@ -230,6 +230,7 @@ def test_viz_of_a_cnn_draws_its_feature_map_and_refuses_attention(cnn_run: Path)
     assert code == 0, err
     pca = json.loads((cnn_run / "viz" / "pca" / "pca.json").read_text())
     assert pca["patch_features"] == "last feature map" and pca["grid"] == [8, 8] and pca["cell"] == 128
+    assert "A CNN's panels are mostly black" in pca["about"]  # said where the picture is
     assert _png_size(cnn_run / "viz" / "pca" / "pca.png") == grid_size(2, 4, 128, 2)
 
 
