@@ -105,12 +105,13 @@ def compose_config(overrides: list[str]) -> DictConfig:
                 f"Available: {', '.join(options)}."
             )
     groups = [ov for ov in overrides if ov.split("=", 1)[0] in GROUPS]
+    rest = [ov for ov in overrides if ov not in groups]  # the key=value overrides
     try:
         cfg = _hydra_compose(groups)
     except HydraException as exc:
         raise ConfigError(str(exc).split("\nConfig search path:")[0]) from None
     OmegaConf.set_struct(cfg, False)
-    _apply_overrides(cfg, [ov for ov in overrides if ov not in groups])
+    _apply_overrides(cfg, rest)
     choices = {g: "" for g in GROUPS}
     for ov in overrides:
         key, value = ov.split("=", 1) if "=" in ov else (ov, "")
@@ -120,9 +121,9 @@ def compose_config(overrides: list[str]) -> DictConfig:
     if not named:
         cfg.name = f"{choices['config'] or 'simclr'}-{choices['data'] or 'fashion_mnist'}"
     if not cfg.output_dir:  # a name given is the folder's; the default name carries what else the command changes
-        suffix = "" if named else folder_suffix([ov for ov in overrides if ov not in groups])
+        suffix = "" if named else folder_suffix(rest)
         cfg.output_dir = os.path.join("runs", f"{cfg.name}{suffix}")
-    sized = _sized_for_error(cfg, [ov for ov in overrides if ov not in groups], choices["data"] or "fashion_mnist")
+    sized = _sized_for_error(cfg, rest, choices["data"] or "fashion_mnist")
     if sized:
         raise ConfigError(f"invalid config:\n  {sized}")
     import_modules(cfg)

@@ -99,7 +99,7 @@ class IBOTModel(nn.Module):
         mask = torch.cat([m.mask if m is not None else
                           torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
                           for v, m in zip(views[:g], given[:g])])
-        slots = _slots(given[:g], mask.shape[0], n)
+        slots = _slots(given[:g], mask.shape[0])
         student = self.trunk.forward_tokens(globals_, mask=mask)  # type: ignore[operator]
         features = list(self.trunk.pool_tokens(student).chunk(g))  # type: ignore[operator]
         if len(views) > g:
@@ -119,9 +119,9 @@ class IBOTModel(nn.Module):
                            patch_weights=[weight[0]], patch_images=[index[0] // n])
 
 
-def _slots(masks: Sequence[Masks | None], images: int, n: int) -> int:
+def _slots(masks: Sequence[Masks | None], images: int) -> int:
     """The places of the masked patches of ``images`` global crops (all crops in one buffer): the masks' bound
-    (:func:`~sslkit.masking.batch_slots`), or every patch when no crop is masked."""
+    (:func:`~sslkit.masking.batch_slots`), or one place (of weight 0) when no crop is masked."""
     return max((batch_slots(m, images) for m in masks if m is not None), default=1)
 
 
