@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import math
@@ -60,9 +61,22 @@ class ConfigError(UserError, ValueError):
     """A config that cannot run: what is wrong, with the key, and what to do."""
 
 
+_DEFAULTS_FILE: dict[tuple[int, int], DictConfig] = {}
+
+
+def _defaults_file() -> DictConfig:
+    """sslkit/config/defaults.yaml as loaded (parsed once a process while the file is unchanged; a copy)."""
+    st = (PACKAGE_CONFIG_DIR / "defaults.yaml").stat()
+    key = (st.st_mtime_ns, st.st_size)
+    if key not in _DEFAULTS_FILE:
+        _DEFAULTS_FILE.clear()
+        _DEFAULTS_FILE[key] = OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml")  # type: ignore[assignment]
+    return copy.deepcopy(_DEFAULTS_FILE[key])
+
+
 def schema() -> DictConfig:
     """sslkit/config/defaults.yaml without its defaults list: every valid key and its type."""
-    cfg = OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml")
+    cfg = _defaults_file()
     cfg.pop("defaults")
     return cfg  # type: ignore[return-value]
 
@@ -80,10 +94,36 @@ def _flat_keys(cfg: Any, prefix: str = "") -> Iterator[str]:
                 yield from _flat_keys(cfg._get_node(k), path + ".")
 
 
+#: Hydra compositions of this process by their group choices and the state of the config files (at most
+#: :data:`_COMPOSED_MAX`): a run composes its recipe twice (its config, then the recipe it changed), and a process
+#: that runs several (tests, doctor, audit) composes the same recipes again; Hydra's YAML parsing is most of it.
+_COMPOSED: dict[tuple[Any, ...], DictConfig] = {}
+_COMPOSED_MAX = 32
+
+
+def _config_files_stamp() -> tuple[tuple[str, int, int], ...]:
+    """Every config file's path, modification time and size: a composition made before a file changed is not
+    used after."""
+    stamp = []
+    for root in (PACKAGE_CONFIG_DIR, *CONFIG_DIRS):
+        for path in sorted(root.rglob("*.yaml")):
+            st = path.stat()
+            stamp.append((str(path), st.st_mtime_ns, st.st_size))
+    return tuple(stamp)
+
+
 def _hydra_compose(overrides: list[str]) -> DictConfig:
-    search = ",".join(f"file://{d}" for d in CONFIG_DIRS)
-    with initialize_config_dir(config_dir=str(PACKAGE_CONFIG_DIR), version_base=None):
-        return compose("defaults", overrides=[*overrides, f"hydra.searchpath=[{search}]"])
+    """The defaults, recipe and data preset chosen by the group ``overrides`` (``config=``, ``data=``), composed
+    by Hydra; a copy, so the caller may change it."""
+    key = (tuple(overrides), tuple(str(d) for d in CONFIG_DIRS), _config_files_stamp())
+    if key not in _COMPOSED:
+        search = ",".join(f"file://{d}" for d in CONFIG_DIRS)
+        with initialize_config_dir(config_dir=str(PACKAGE_CONFIG_DIR), version_base=None):
+            composed = compose("defaults", overrides=[*overrides, f"hydra.searchpath=[{search}]"])
+        while len(_COMPOSED) >= _COMPOSED_MAX:
+            _COMPOSED.pop(next(iter(_COMPOSED)))
+        _COMPOSED[key] = composed
+    return copy.deepcopy(_COMPOSED[key])
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -1097,7 +1137,7 @@ _OWN_KEYS = ("name", "output_dir")
 def group_choices(overrides: list[str]) -> dict[str, str]:
     """The recipe and data preset a run uses: ``config=``/``data=`` of ``overrides``, else the defaults."""
     choices: dict[str, str] = {}
-    for item in OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml").defaults:
+    for item in _defaults_file().defaults:
         if isinstance(item, DictConfig):
             choices.update({str(k): str(v) for k, v in item.items()})
     for ov in overrides:

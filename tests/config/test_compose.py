@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import MAE_VIT_S16_224
+from omegaconf import open_dict
 
 from sslkit.config.compose import ConfigError, compose_config, schema
 
@@ -362,3 +363,26 @@ def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
     with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 96: a step takes 16 x 3 process\(es\) x "
                                           r"optim.accumulate_steps=2 = 96 samples.*Lower data.global_batch_size"):
         compose_config([*args, "data.global_batch_size=96", "data=synthetic", "data.train.kwargs.num_samples=64"])
+
+
+def test_a_composition_is_reused_only_while_its_files_are_unchanged(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process composes the same recipe again from memory (a run composes its recipe twice; tests, doctor and
+    audit many times), but a recipe file edited in between is read again, and what a caller changes in one
+    composition is not in the next."""
+    from sslkit.config import compose
+
+    recipe = tmp_path / "config" / "mine.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("# @package _global_\ndefaults:\n  - simclr\n  - _self_\noptim:\n  lr: 0.25\n")
+    monkeypatch.setattr(compose, "CONFIG_DIRS", [*compose.CONFIG_DIRS, tmp_path])
+    first = compose_config(["config=mine", "machine.device=cpu"])
+    assert first.optim.lr == 0.25
+    with open_dict(first):
+        first.optim.lr = 9.0
+        first.extra = 1
+    again = compose_config(["config=mine", "machine.device=cpu"])
+    assert again.optim.lr == 0.25 and "extra" not in again
+    recipe.write_text(recipe.read_text().replace("0.25", "0.125"))
+    assert compose_config(["config=mine", "machine.device=cpu"]).optim.lr == 0.125
+    assert compose_config(["config=simclr", "machine.device=cpu"]).optim.lr != 0.125  # keyed by the recipe
