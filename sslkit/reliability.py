@@ -99,13 +99,16 @@ class PreemptionHook(SSLHook):
         except ValueError:  # not the main thread of the main interpreter
             logger.warning("pre-emption signals are not handled: the run is not in the main thread")
 
+    def _say(self, message: str, *args: Any) -> None:
+        """A warning on rank 0, on the others only at info level: said once, as every rank stops together."""
+        (logger.warning if self._primary else logger.info)(message, *args)
+
     def _stop_if_signalled(self, task: SSLTask) -> None:
         (stop,) = agree_any(self.received is not None)
         if not stop:
             return
         name = self.received.name if self.received is not None else "a signal on another rank"
-        say = logger.warning if self._primary else logger.info  # said once, by rank 0: every rank stops together
-        say("received %s: writing a checkpoint after step %d, then stopping", name, task.iteration)
+        self._say("received %s: writing a checkpoint after step %d, then stopping", name, task.iteration)
         task.stop_requested = name
 
     def on_step(self, task: SSLTask) -> None:
@@ -126,9 +129,8 @@ class PreemptionHook(SSLHook):
         """Put the previous signal handlers back (a signal during the final evaluation: the run is complete)."""
         self._restore()
         if self.received is not None:
-            (logger.warning if self._primary else logger.info)(
-                "received %s during the final evaluation; the run had finished training and is complete",
-                self.received.name)
+            self._say("received %s during the final evaluation; the run had finished training and is complete",
+                      self.received.name)
 
     def on_exception(self, task: SSLTask) -> None:
         """Put the previous signal handlers back."""

@@ -543,7 +543,8 @@ def _pca(job: Job) -> dict[str, Any]:
         records.append({"image": shown.names[i], "index": shown.indices[i], "label": shown.labels[i],
                         "foreground_patches": int(fg_maps[i].sum())})
     files = _write_pages(job.folder, "pca", rows, cell, 2)
-    what = "patch tokens" if getattr(job.trunk, "patch_tokens", False) else "last feature map"
+    vit = getattr(job.trunk, "patch_tokens", False)
+    what = "patch tokens" if vit else "last feature map"
     return {"kind": "pca", "files": files, "cell": cell, "caption_lines": 2, "patch_features": what, "grid": [h, w],
             "dim": d, "explained_variance_ratio": [round(float(r), 6) for r in ratio],
             "foreground_explained_variance_ratio": [round(float(r), 6) for r in fg_ratio],
@@ -551,7 +552,7 @@ def _pca(job: Job) -> dict[str, Any]:
             "about": f"The {what} of all {b} images, on their first principal component (blue to red); its two sides "
                      "split foreground from background (the side holding fewer edge patches is the foreground); the "
                      "foreground patches alone, on their own first three components, shown as red, green and blue "
-                     "(DINOv2's figures)." + ("" if what == "patch tokens" else CNN_PCA)}
+                     "(DINOv2's figures)." + ("" if vit else CNN_PCA)}
 
 
 def _features_of(job: Job, ds: Any, indices: list[int]) -> tuple[Tensor, Tensor]:
