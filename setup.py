@@ -42,5 +42,5 @@ setup(
         # benchmarks/throughput.py --tools times kornia's augmentation against sslkit's (docs/data.md)
         "bench": ["kornia>=0.8"],
     },
-    entry_points={"console_scripts": ["sslkit = sslkit.cli:console"]},
+    entry_points={"console_scripts": ["sslkit = sslkit.launch.cli:console"]},
 )

@@ -1,9 +1,9 @@
 """Fingerprint every recipe's training: the losses of each step and a hash of the final state, to compare two commits.
 
 A refactor that must not change what trains (the core reshape of issue 12) is checked by running this on
-the commit before and after it and comparing: every recipe (all 17, CNN and ViT, small as ``sslkit doctor`` runs
-them) runs 8 steps (2 epochs) of its own config on the synthetic data, in this process, on the CPU, and the SHA-256 of its final model and
-loss tensors and the list of its logged losses must be equal.
+the commit before and after it and comparing: every recipe (all 17, CNN and ViT, small as ``sslkit doctor``
+runs them) runs 8 steps (2 epochs) of its own config on the synthetic data, in this process, on the CPU, and the
+SHA-256 of its final model and loss tensors and the list of its logged losses must be equal.
 
     python benchmarks/fingerprint.py --out /tmp/before.json          # on the old commit
     python benchmarks/fingerprint.py --compare /tmp/before.json      # on the new one: exit 1 on a difference
@@ -31,8 +31,8 @@ def fingerprint(recipe: str, extra: list[str]) -> dict[str, object]:
     """Train ``recipe`` small; its final state's hash and its logged losses."""
     import torch
 
-    from sslkit.cli import main
-    from sslkit.doctor import SMALL, SMALL_RECIPES
+    from sslkit.launch.cli import main
+    from sslkit.launch.doctor import SMALL, SMALL_RECIPES
 
     with tempfile.TemporaryDirectory() as out:
         code = main([f"config={recipe}", *SMALL, *SMALL_RECIPES[recipe], *RUN, *extra, f"output_dir={out}"])
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="compare with the fingerprints in this JSON file; exit 1 on a difference")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every recipe")
     args = parser.parse_args(argv)
-    from sslkit.doctor import SMALL_RECIPES
+    from sslkit.launch.doctor import SMALL_RECIPES
 
     found = {recipe: fingerprint(recipe, args.overrides) for recipe in SMALL_RECIPES}
     if args.out:

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sslkit.runtime import reexec_with_tuned_malloc
+from sslkit.launch.runtime import reexec_with_tuned_malloc
 
 reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before torch is imported
 
@@ -66,10 +66,10 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import compose_config  # noqa: E402
-from sslkit.console import setup_logging  # noqa: E402
 from sslkit.data.seeding import mix_seed  # noqa: E402
 from sslkit.hooks import CheckpointHook, ConsistencyCheckHook, KNNHook, LogHook  # noqa: E402
 from sslkit.hooks.base import Event, SSLHook  # noqa: E402
+from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
 from sslkit.reliability import PreemptionHook  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402

@@ -63,7 +63,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from sslkit.runtime import reexec_with_tuned_malloc
+from sslkit.launch.runtime import reexec_with_tuned_malloc
 
 reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before torch is imported
 
@@ -72,8 +72,8 @@ import torch  # noqa: E402
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import ConfigError  # noqa: E402
-from sslkit.console import setup_logging  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
+from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.stages import precision, prepare_sample, split_loss  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402

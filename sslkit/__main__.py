@@ -1,5 +1,5 @@
 """``python -m sslkit``: the sslkit command (``python -m sslkit list`` shows what a config can name)."""
 
-from sslkit.cli import console
+from sslkit.launch.cli import console
 
 raise SystemExit(console())

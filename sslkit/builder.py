@@ -27,6 +27,7 @@ from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
 from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, get_world_size, setup_control_group
+from sslkit.errors import did_you_mean
 from sslkit.guard import UpdateGuard
 from sslkit.hooks import (
     CheckpointHook,
@@ -38,7 +39,7 @@ from sslkit.hooks import (
     SSLHook,
     TensorboardSink,
 )
-from sslkit.masking import MaskPlan
+from sslkit.models.masking import MaskPlan
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize
 from sslkit.reliability import PreemptionHook
@@ -122,7 +123,7 @@ def _kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> dict[str,
     return {k: v for k, v in plain.items() if k not in skip}
 
 
-def _limited(ds: Dataset, limit: int) -> Dataset:
+def limited(ds: Dataset, limit: int) -> Dataset:
     """The first ``limit`` samples of ``ds`` (all if 0), keeping ``num_classes`` and ``channels``."""
     if limit <= 0 or limit >= len(ds):  # type: ignore[arg-type]
         return ds
@@ -141,10 +142,10 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
     spec = cfg.data[split]
     name = spec.source or cfg.data.train.source
     path = spec.path if spec.path is not None else cfg.data.train.path
-    return _limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
+    return limited(build_source(name, split, path, **_kwargs(spec.kwargs, ())), cfg.data.limit)
 
 
-def _loader(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
+def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
             workers: int, pin: bool, device_augment: DeviceAugment | None = None) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
     used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read
@@ -247,7 +248,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     if cfg.data.global_batch_size > 0:
         logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
                     "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
-    train_loader = _loader(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
+    train_loader = loader_for(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
                            workers=workers, pin=pin, device_augment=device_augment)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
@@ -381,7 +382,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
             hooks.append(knn)
 
     if rank == 0:  # log.wandb, log.mlflow: last, so that a failure above opens no tracker run that nothing ends
-        from sslkit.trackers import build_trackers
+        from sslkit.hooks.trackers import build_trackers
 
         sinks += build_trackers(cfg)  # the list the log and kNN hooks hold: they write to the trackers too
     task = SSLTask(
@@ -433,11 +434,14 @@ def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | Non
     now: list[str] = []
     later: list[tuple[list[str], str, int]] = []
     params = dict(model.named_parameters())
-    for glob, unit, n in entries:
+    for i, (glob, unit, n) in enumerate(entries):
         matched = fnmatch.filter(names, glob)
         if not matched:
-            raise ConfigError(f"model.freeze: {glob} matches no trainable parameter of the model; they are named like "
-                              f"{', '.join(names[:6])}")
+            prefix = glob.split("*")[0].rsplit(".", 1)[0]
+            near = [n for n in names if n.startswith(prefix)][:6] or names[:6]
+            raise ConfigError(f"'model.freeze[{i}]' = {glob} matches no parameter of the "
+                              f"model.{did_you_mean(glob, names)} Parameters are named like {', '.join(near)} "
+                              "(model.named_parameters())")
         if unit is None:
             for name in matched:
                 params[name].requires_grad_(False)
@@ -448,7 +452,7 @@ def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | Non
 
 
 def mask_plan(cfg: DictConfig, trunk: torch.nn.Module) -> MaskPlan | None:
-    """``masking``: the mask stage of the run (:class:`~sslkit.masking.MaskPlan`), or None without masks."""
+    """``masking``: the mask stage of the run (:class:`~sslkit.models.masking.MaskPlan`), or None without masks."""
     m = cfg.masking
     if m.name in (None, "none"):
         return None
@@ -474,7 +478,7 @@ def _monitor_hooks(cfg: DictConfig, device: torch.device, trunk: torch.nn.Module
     if m.online_linear and m.online_linear_test and num_classes > 0:
         try:
             _, test_source, _ = eval_sources(cfg, train_source)
-            test_loader = _loader(cfg, test_source, cfg.data.eval_transform, train=False,
+            test_loader = loader_for(cfg, test_source, cfg.data.eval_transform, train=False,
                                   batch_size=cfg.eval.knn.batch_size, workers=workers, pin=pin)
         except (DataSourceError, ConfigError) as exc:
             logger.warning("online linear probe: no test top-1 (%s)", exc)
@@ -527,7 +531,7 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
             raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
                                   f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
                                   "sets of their own)")
-        sets.append(_limited(build_source(source, split, path, **kwargs), cfg.data.limit))
+        sets.append(limited(build_source(source, split, path, **kwargs), cfg.data.limit))
     num_classes = int(getattr(sets[0], "num_classes", 0))
     if num_classes <= 0:
         source, path, _, where = specs["train"]
@@ -565,19 +569,19 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers:
     k = cfg.eval.knn
     channels = getattr(train_source, "channels", 3)
     loading = {"batch_size": k.batch_size, "workers": workers, "pin": pin}
-    memory = _loader(cfg, train_source, cfg.data.eval_transform, train=False, **loading)
-    queries = _loader(cfg, test_source, cfg.data.eval_transform, train=False, **loading)
+    memory = loader_for(cfg, train_source, cfg.data.eval_transform, train=False, **loading)
+    queries = loader_for(cfg, test_source, cfg.data.eval_transform, train=False, **loading)
     raw = None
     if k.baselines:  # the same eval crop without normalisation: pixels in [0, 1]
         identity = OmegaConf.create({**_kwargs(cfg.data.eval_transform, ()), "mean": [0.0] * channels,
                                      "std": [1.0] * channels})
-        raw = (_loader(cfg, train_source, identity, train=False, **loading),
-               _loader(cfg, test_source, identity, train=False, **loading))
+        raw = (loader_for(cfg, train_source, identity, train=False, **loading),
+               loader_for(cfg, test_source, identity, train=False, **loading))
     curve, curve_k = None, None
     if k.every_n_epochs > 0:  # the curve: a fixed subsample on the CPU (eval.knn.subsample), apart from the final kNN
         n = knn_subsample(k.subsample, device)
         subsets = [_fixed_subset(s, n, cfg.seed + i) for i, s in enumerate((train_source, test_source))]
-        curve = tuple(_loader(cfg, s, cfg.data.eval_transform, train=False, **loading) for s in subsets)
+        curve = tuple(loader_for(cfg, s, cfg.data.eval_transform, train=False, **loading) for s in subsets)
         # k scaled with the memory: 200 neighbours of 2000 reach far further than 200 of 60000 (on Fashion-MNIST
         # SimCLR features, 0.776 against the whole kNN's 0.853; 7 of them give 0.825, 17 of 5000 give 0.849)
         curve_k = max(1, round(k.k * len(subsets[0]) / len(train_source)))  # type: ignore[arg-type]

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from iopath.common.file_io import g_pathmgr
 
+from sslkit.checkpointing.sharded import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
-from sslkit.sharded_checkpoint import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
 
 __all__ = [
     "CheckpointError",
@@ -107,7 +107,7 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
     except (OSError, RuntimeError) as exc:
         # torch.save reports a full disk as a RuntimeError ("enforce fail at inline_container.cc")
         # with the OSError as its cause, or none at all: look for the errno in the chain.
-        cause = _os_error(exc)
+        cause = os_error_in(exc)
         if cause is None:
             raise
         with contextlib.suppress(OSError):  # the new file is incomplete or unpointed: keep the old pointer valid
@@ -117,7 +117,7 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_l
     return path
 
 
-def _os_error(exc: BaseException) -> OSError | None:
+def os_error_in(exc: BaseException) -> OSError | None:
     """The storage OSError behind ``exc`` (itself, a cause in its chain, or one named in torch's message)."""
     seen: BaseException | None = exc
     while seen is not None:
@@ -150,24 +150,15 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, named[1]) if named else None
 
 
-def _numpy_array_globals() -> list[Any]:
-    """What a pickled numpy array needs (data, not code): checkpoints written before 2026-11-23 hold numpy's RNG
-    state as an array."""
-    import numpy as np
-
-    multiarray = getattr(np, "_core", None) or np.core
-    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
 def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read one checkpoint file without running code: ``torch.load(weights_only=True)`` takes tensors, numbers,
-    strings and plain containers only (and numpy arrays, for older checkpoints). A file that holds anything
+    strings and plain containers only. A file that holds anything
     else (a pickled object whose loading would call a function) raises :class:`CheckpointError` naming it.
     A sharded checkpoint folder is read whole onto the CPU, without its optimizer state
-    (:func:`sslkit.sharded_checkpoint.read_whole`): what evaluation and export need."""
+    (:func:`sslkit.checkpointing.sharded.read_whole`): what evaluation and export need."""
     if os.path.isdir(path):
         return read_whole(path)
-    with g_pathmgr.open(path, "rb") as f, torch.serialization.safe_globals(_numpy_array_globals()):
+    with g_pathmgr.open(path, "rb") as f:
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:

@@ -268,7 +268,7 @@ def shutdown() -> None:
 
 #: What the worker processes' fork server imports once, before it forks them: each worker then starts in
 #: milliseconds instead of importing torch and sslkit anew (about 4 s of one core each on a small machine).
-WORKER_PRELOAD = ("torch", "torchvision", "timm", "sslkit.builder", "sslkit.cli")
+WORKER_PRELOAD = ("torch", "torchvision", "timm", "sslkit.builder", "sslkit.launch.cli")
 
 
 class _ParentFd:

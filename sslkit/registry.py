@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from fvcore.common.registry import Registry
 
-from sslkit.suggest import did_you_mean
+from sslkit.errors import did_you_mean
 
 __all__ = [
     "DATASETS",
@@ -58,10 +58,10 @@ DATASETS.__doc__ = "Data sources: ``build(split=..., path=..., **kwargs) -> Data
 TRANSFORMS = Registry("transform")
 TRANSFORMS.__doc__ = "Transform builders: ``build(**kwargs) -> callable(uint8 image) -> list of views``."
 MASKINGS = Registry("masking")
-MASKINGS.__doc__ = ("Mask generators (:mod:`sslkit.masking`): ``build(**kwargs) -> generator``, called with a batch's "
-                    "sample keys and a patch grid; picked by ``masking.name``.")
+MASKINGS.__doc__ = ("Mask generators (:mod:`sslkit.models.masking`): ``build(**kwargs) -> generator``, called with a "
+                    "batch's sample keys and a patch grid; picked by ``masking.name``.")
 METHODS = Registry("method")
-METHODS.__doc__ = ("SSL methods (:class:`sslkit.method.Method`): model wiring, loss, required hooks, default "
+METHODS.__doc__ = ("SSL methods (:class:`sslkit.methods.base.Method`): model wiring, loss, required hooks, default "
                    "augmentation; picked by ``method.name``.")
 
 REGISTRIES: dict[str, Registry] = {

@@ -18,25 +18,32 @@ if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
 __all__ = [
-    "PREEMPTED_EXIT_CODE",
     "NonFiniteLossError",
     "OutOfMemoryHalt",
     "Preempted",
     "PreemptionHook",
     "TrainingHalted",
+    "last_stop_signal",
 ]
 
 logger = logging.getLogger("sslkit")
 
-#: Exit status of a pre-empted run (EX_TEMPFAIL: "try again later"): its checkpoint is written
-#: and the same command resumes it.
-PREEMPTED_EXIT_CODE = 75
+
+
+#: The signal of the last pre-emption in this process (``signal``), if there was one.
+_LAST_STOP: dict[str, str] = {}
+
+
+def last_stop_signal() -> str | None:
+    """The name of the signal that pre-empted the last run in this process (``SIGUSR2``, ...), or None."""
+    return _LAST_STOP.get("signal")
 
 
 class Preempted(Exception):
     """Raised on every rank after a pre-emption signal, once the step and its checkpoint are done."""
 
     def __init__(self, signal_name: str, iteration: int, path: str | None) -> None:
+        _LAST_STOP["signal"] = signal_name  # (a SLURM task requeues its job after SIGUSR2: last_stop_signal)
         self.signal_name = signal_name
         self.iteration = iteration
         self.path = path

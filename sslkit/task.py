@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sslkit.checkpointing.sharded import load_into, read_rank_state
 from sslkit.clock import StepContext, TrainClock
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
@@ -26,7 +27,6 @@ from sslkit.parallel import (
     load_full_model_state,
     load_optimizer_state,
 )
-from sslkit.sharded_checkpoint import load_into, read_rank_state
 
 __all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
@@ -185,8 +185,8 @@ class DataPlan:
     #: ``data.decode_on=device``: decodes the JPEG bytes of a train batch on the device before that
     #: (:class:`~sslkit.data.device_decode.DeviceDecoder`); None when the workers decode.
     device_decoder: Any = None
-    #: ``masking``: draws each train batch's masks on the device (:class:`~sslkit.masking.MaskPlan`), handed to the
-    #: model as ``model(views, masks=sample["masks"])``; None for methods without masks.
+    #: ``masking``: draws each train batch's masks on the device (:class:`~sslkit.models.masking.MaskPlan`), handed to
+    #: the model as ``model(views, masks=sample["masks"])``; None for methods without masks.
     masking: Any = None
 
 
@@ -444,7 +444,7 @@ class SSLTask:
         return {"model": model_state, "optimizer": optimizer_state, **self._run_state(gather_rng)}
 
     def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """What a sharded checkpoint holds (:mod:`sslkit.sharded_checkpoint`): this rank's model and optimizer
+        """What a sharded checkpoint holds (:mod:`sslkit.checkpointing.sharded`): this rank's model and optimizer
         state dicts as torch.distributed.checkpoint reads them (DTensor shards under FSDP2, parameters by name),
         the rest of :meth:`state_dict` that is the same on every rank, and this rank's own state (its RNG states
         and rank-local buffers), which it writes under a key of its own: nothing is gathered. Every rank calls it
@@ -559,10 +559,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state`'s output."""
     random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    if isinstance(keys, torch.Tensor):  # stored as a tensor (checkpoints before 2026-11-23 hold the array itself)
-        keys = keys.numpy().astype(np.uint32)
-    np.random.set_state((kind, keys, *rest))
+    kind, keys, *rest = state["numpy"]  # the key array is stored as a tensor (a checkpoint holds no numpy object)
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

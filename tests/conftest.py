@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _restore_sslkit_logger():
-    """A test that runs ``sslkit.cli.main`` in-process sets up the "sslkit" logger as a run does (its own
+    """A test that runs ``sslkit.launch.cli.main`` in-process sets up the "sslkit" logger as a run does (its own
     handlers, no propagation); put it back afterwards so later tests' ``caplog`` sees its records."""
     import logging
 

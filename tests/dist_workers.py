@@ -220,8 +220,9 @@ def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, 
 
 
 def cli_main(rank: int, world: int, argv: list[str]) -> str:
-    """``sslkit.cli.main(argv)`` on this rank of an initialised gloo group: its exit code, or the error it raised."""
-    from sslkit.cli import main
+    """``sslkit.launch.cli.main(argv)`` on this rank of an initialised gloo group: its exit code, or the error it
+    raised."""
+    from sslkit.launch.cli import main
 
     try:
         return str(main(list(argv)))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import sslkit.doctor as _doctor
+import sslkit.launch.doctor as _doctor
 from sslkit.hooks.base import SSLHook
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
@@ -107,14 +107,14 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
 
 
 def run_main(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """:func:`run_cli` in this process (``sslkit.cli.main``, output captured): the same outcome without the
+    """:func:`run_cli` in this process (``sslkit.launch.cli.main``, output captured): the same outcome without the
     seconds a new interpreter takes to import torch. For runs that need no process of their own (signals,
     environment, working directory, spawned workers)."""
     import contextlib
     import io
     import logging
 
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     logger = logging.getLogger("sslkit")  # put the logger back as it was (module fixtures run outside conftest's)
     handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
@@ -140,7 +140,7 @@ def run_sslkit(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from sslkit.cli import console
+    from sslkit.launch.cli import console
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -55,7 +55,7 @@ def latest_state(out: Path) -> dict[str, Any]:
 
     path = Path(latest_checkpoint(str(out / "checkpoints")) or out / "checkpoints" / "latest.txt")
     if path.is_dir():  # a sharded checkpoint: read whole, optimizer included
-        from sslkit.sharded_checkpoint import read_whole
+        from sslkit.checkpointing.sharded import read_whole
 
         return read_whole(str(path), optimizer=True)
     return torch.load(path, map_location="cpu", weights_only=False)  # as the folder is read: on the CPU
@@ -86,7 +86,7 @@ def assert_identical(a: Any, b: Any, path: str = "state") -> None:
 
 
 def run_ranks_main(nproc: int, scratch: Path, *args: str) -> Any:
-    """``tools/run.py args`` on ``nproc`` gloo processes spawned by this test process (``sslkit.cli.main`` in
+    """``tools/run.py args`` on ``nproc`` gloo processes spawned by this test process (``sslkit.launch.cli.main`` in
     each, as under torchrun): what :func:`helpers.run_cli` does with ``distributed.nproc_per_node``, without
     an interpreter for the launcher. Returns ``returncode`` and, as ``stdout``, the run's log.txt."""
     from types import SimpleNamespace

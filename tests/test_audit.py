@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import HANG_S, RECIPES, SMALL
 
-from sslkit.audit import StepAudit, audit_recipe
+from sslkit.launch.audit import StepAudit, audit_recipe
 
 PLANTED = '''
 import torch

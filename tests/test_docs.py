@@ -70,7 +70,7 @@ def doc_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _clipped(capsys: pytest.CaptureFixture[str], doc_steps: str, out: Path, *args: str) -> str:
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     code = main([*SMALL, "eval.knn.enabled=false", "log.tensorboard=false", doc_steps, "train_step=clipped",
                  "checkpoint.keep_last=0", *args, f"output_dir={out}"])
@@ -90,7 +90,7 @@ def test_method_example_trains_with_its_schedule_logged(tmp_path: Path, capsys: 
     """docs/methods.md's method in one file: registered, it trains, and its temperature falls with the clock."""
     from helpers import metrics
 
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     (tmp_path / "doc_method.py").write_text(python_block("methods.md"))
     sys.path.insert(0, str(tmp_path))
@@ -639,7 +639,7 @@ _PRINTED_ORDER = r'''
 import json, os, sys
 from sslkit.checkpoint import checkpoint_dir
 from sslkit.config.compose import compose_config
-from sslkit.runfolder import RunFolderError, prepare_output_dir, write_config
+from sslkit.launch.runfolder import RunFolderError, prepare_output_dir, write_config
 problems, folders = [], {}
 for where, kind, args in json.load(sys.stdin):
     if kind == "tool":

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from sslkit import doctor
-from sslkit.cli import console
+from sslkit.launch import doctor
+from sslkit.launch.cli import console
 
 
 def test_recipes_and_determinism_pass_and_are_reported(capsys: pytest.CaptureFixture[str]) -> None:

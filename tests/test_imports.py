@@ -1,10 +1,12 @@
-"""sslkit's modules import one another without a circle, counting imports made for type checking only."""
+"""sslkit's import map: no circle and no private name across modules, counting imports inside functions and those
+made for type checking only; the layers' contracts; few modules at the top of the package."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 PACKAGE = REPO / "sslkit"
@@ -15,23 +17,28 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    """Every import statement of the file: at module level, under ``if TYPE_CHECKING:`` and inside functions (they
+    run later, but a circle through them is a circle of the design all the same)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import)]
+
+
 def _graph() -> dict[str, set[str]]:
-    """Module -> the sslkit modules it imports at module level (``if TYPE_CHECKING:`` blocks included, and the
-    packages a dotted import runs first, but not the module's own packages); imports inside functions are left
-    out (they run after loading)."""
+    """Module -> the sslkit modules it imports anywhere in it (and the packages a dotted import runs first, but not
+    the module's own packages)."""
     modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            for stmt in node.body if isinstance(node, ast.If) else [node]:
-                targets: list[str] = []
-                if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith("sslkit"):
-                    targets = [stmt.module, *(f"{stmt.module}.{a.name}" for a in stmt.names)]
-                elif isinstance(stmt, ast.Import):
-                    targets = [a.name for a in stmt.names if a.name.startswith("sslkit")]
-                for target in targets:
-                    parts = target.split(".")
-                    graph[name] |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & modules.keys()
+        for stmt in _imports(path):
+            targets: list[str] = []
+            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith("sslkit"):
+                targets = [stmt.module, *(f"{stmt.module}.{a.name}" for a in stmt.names)]
+            elif isinstance(stmt, ast.Import):
+                targets = [a.name for a in stmt.names if a.name.startswith("sslkit")]
+            for target in targets:
+                parts = target.split(".")
+                graph[name] |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & modules.keys()
         # a module's own packages are being imported when it is (their __init__ imported it): not an edge back
         parts = name.split(".")
         graph[name] -= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
@@ -63,7 +70,50 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_circle() -> None:
     graph = _graph()
     assert "sslkit.events" in graph["sslkit.task"] and "sslkit.task" in graph["sslkit.train_steps.stages"]
+    assert "sslkit.builder" in graph["sslkit.launch.cli"]  # (imported inside a function: counted)
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    """What two modules share is public and named: ``from sslkit.x import _name`` only inside ``sslkit.x``."""
+    found = [f"{_module(path)} takes {stmt.module}.{alias.name}" for path in PACKAGE.rglob("*.py")
+             for stmt in _imports(path) if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("sslkit")
+             for alias in stmt.names if alias.name.startswith("_") and stmt.module != _module(path)]
+    assert not found, found
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+#: (who, what it must never import, why): the layers, downwards only.
+CONTRACTS = [
+    (("sslkit.config",), ("sslkit.builder",), "validation never builds a model"),
+    (("sslkit.hooks",), ("sslkit.tools", "sslkit.launch", "sslkit.builder"), "hooks run inside a built task"),
+    (("sslkit.models", "sslkit.methods"), ("sslkit.builder",), "models and methods are built, they do not build"),
+    (("sslkit.task", "sslkit.trainer", "sslkit.clock", "sslkit.events", "sslkit.guard", "sslkit.registry",
+      "sslkit.errors", "sslkit.distributed", "sslkit.checkpoint", "sslkit.checkpointing", "sslkit.parallel",
+      "sslkit.train_steps", "sslkit.data", "sslkit.models", "sslkit.methods", "sslkit.optim", "sslkit.config",
+      "sslkit.reliability", "sslkit.stability"),
+     ("sslkit.launch", "sslkit.tools", "sslkit.builder"), "the core and its parts know nothing of their start"),
+    (("sslkit.evaluation",), ("sslkit.launch", "sslkit.tools", "sslkit.builder"),
+     "evaluation holds protocols only: the tools on a run folder use them, not the other way round"),
+]
+
+
+@pytest.mark.parametrize(("who", "never", "why"), CONTRACTS, ids=[c[0][0] for c in CONTRACTS])
+def test_layers_import_downwards_only(who: tuple[str, ...], never: tuple[str, ...], why: str) -> None:
+    graph = _graph()
+    broken = sorted(f"{a} -> {b}" for a in graph if _under(a, who) for b in graph[a] if _under(b, never))
+    assert not broken, f"{why}: {broken}"
+
+
+def test_few_modules_at_the_top_of_the_package() -> None:
+    """Each concern in its folder (launch/, tools/, checkpointing/, ...): at most 14 modules directly under sslkit/
+    besides the package's own ``__init__`` and ``__main__``."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 14, top
+    assert {"registry.py", "task.py", "trainer.py", "distributed.py", "checkpoint.py"} <= set(top)  # the fixed names
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -1,5 +1,5 @@
 """The suite itself: no test has a wall-clock deadline a slow or busy machine could reach (it waits for an event
-under helpers.HANG_S instead), and `import sslkit.cli` pulls in none of the heavy libraries."""
+under helpers.HANG_S instead), and `import sslkit.launch.cli` pulls in none of the heavy libraries."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_the_scan_finds_a_deadline(tmp_path: Path) -> None:
     assert [d.split(": ", 1)[1] for d in _deadlines(bad, tmp_path)] == ["timeout=30", "a deadline of 5 s"]
 
 
-#: What ``import sslkit.cli`` must not import: the CLI answers ``--help`` and a config error before any of them
+#: What ``import sslkit.launch.cli`` must not import: the CLI answers ``--help`` and a config error before any of them
 #: would have loaded (torch alone takes seconds); a run imports each where it is used.
 HEAVY = ("torch", "torchvision", "timm", "numpy", "matplotlib", "tensorboard", "onnx", "onnxruntime", "wandb",
          "mlflow", "PIL", "umap", "submitit")
@@ -72,7 +72,7 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_importing_the_cli_loads_no_heavy_library() -> None:
-    loaded = _modules_after("import sslkit.cli")
+    loaded = _modules_after("import sslkit.launch.cli")
     assert not {m.split(".")[0] for m in loaded} & set(HEAVY), sorted({m.split(".")[0] for m in loaded} & set(HEAVY))
 
 
@@ -84,6 +84,6 @@ def test_a_small_cnn_run_imports_only_what_it_uses(tmp_path: Path) -> None:
 
     args = ["config=simclr", *SMALL, "optim.max_steps=2", "eval.knn.enabled=false", "log.tensorboard=false",
             f"output_dir={tmp_path / 'run'}"]
-    loaded = _modules_after(f"from sslkit.cli import main\nassert main({args!r}) == 0")
+    loaded = _modules_after(f"from sslkit.launch.cli import main\nassert main({args!r}) == 0")
     assert "torch" in loaded and "sslkit.builder" in loaded  # (it did train)
     assert not loaded & set(NOT_FOR_A_CNN_RUN), sorted(loaded & set(NOT_FOR_A_CNN_RUN))

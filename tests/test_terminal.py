@@ -15,11 +15,11 @@ import tqdm
 from helpers import make_task
 
 from sslkit import registry as R
-from sslkit.catalog import catalog_text, usage_text
 from sslkit.config import compose
 from sslkit.config.compose import ABSENT, ConfigError, compose_config, format_recipe_diff, recipe_diff
 from sslkit.hooks.base import SSLHook
 from sslkit.hooks.logging import LogHook
+from sslkit.launch.catalog import catalog_text, usage_text
 from sslkit.task import Phase, SSLTask
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
@@ -255,6 +255,6 @@ def test_list_into_a_reader_that_stops_early_is_not_an_error() -> None:
     from helpers import HANG_S
 
     script = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)\n"
-              "from sslkit.cli import console\nsys.exit(console(['list']))\n")
+              "from sslkit.launch.cli import console\nsys.exit(console(['list']))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

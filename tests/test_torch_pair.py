@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import HANG_S, REPO
 
-from sslkit import cli
-from sslkit.runtime import matching_torchvision, pair_note, pair_problem, run_entry
+from sslkit.launch import cli
+from sslkit.launch.runtime import matching_torchvision, pair_note, pair_problem, run_entry
 
 #: What a torchvision built for another torch raises while it is imported (a user's torch 2.13 + torchvision).
 BROKEN = 'raise RuntimeError("operator torchvision::nms does not exist")'

@@ -2,13 +2,13 @@
 """Check a recipe on the CPU for what would break or stall it on CUDA: ``tools/audit.py config=NAME [key=value]``.
 
 Runs a few real train steps and lists, with file and line, every tensor made without a device
-and every host-device sync inside the step (sslkit/audit.py). Exit 0 when nothing is found, 1
+and every host-device sync inside the step (sslkit/launch/audit.py). Exit 0 when nothing is found, 1
 otherwise, 2 for a bad config.
 """
 
 import sys
 
-from sslkit.runtime import reexec_with_tuned_malloc, run_entry
+from sslkit.launch.runtime import reexec_with_tuned_malloc, run_entry
 
 reexec_with_tuned_malloc()  # before torch is imported
 
@@ -21,8 +21,8 @@ def main(argv: list[str]) -> int:
     import logging
 
     from sslkit import registry as R
-    from sslkit.audit import audit_recipe
     from sslkit.config.compose import ConfigError
+    from sslkit.launch.audit import audit_recipe
 
     logging.getLogger("sslkit").setLevel(logging.WARNING)
     try:

@@ -3,11 +3,11 @@
 
 import sys
 
-from sslkit.runtime import reexec_with_tuned_malloc
+from sslkit.launch.runtime import reexec_with_tuned_malloc
 
 reexec_with_tuned_malloc()  # before torch is imported
 
-from sslkit.cli import main  # noqa: E402
+from sslkit.launch.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,10 +3,10 @@
 
 import sys
 
-from sslkit.runtime import reexec_with_tuned_malloc, run_entry
+from sslkit.launch.runtime import reexec_with_tuned_malloc, run_entry
 
 reexec_with_tuned_malloc()  # before torch is imported
 
 if __name__ == "__main__":
     # main is imported by run_entry: a torchvision that does not load with this torch ends in a message
-    sys.exit(run_entry("sslkit.viz:viz_main"))
+    sys.exit(run_entry("sslkit.tools.viz:viz_main"))

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from sslkit import registry as R
 from sslkit.config.run_keys import folder_suffix
 from sslkit.errors import UserError
-from sslkit.suggest import did_you_mean as _nearest
+from sslkit.errors import did_you_mean as _nearest
 
 __all__ = [
     "ABSENT",
@@ -151,7 +151,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     except HydraException as exc:
         raise ConfigError(str(exc).split("\nConfig search path:")[0]) from None
     OmegaConf.set_struct(cfg, False)
-    _apply_overrides(cfg, rest)
+    apply_overrides(cfg, rest)
     choices = {g: "" for g in GROUPS}
     for ov in overrides:
         key, value = ov.split("=", 1) if "=" in ov else (ov, "")
@@ -251,7 +251,7 @@ def _in_free_form(key: str) -> bool:
     return any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in FREE_FORM)
 
 
-def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Apply ``key=value``, ``+key=value`` and ``~key`` overrides (Hydra's grammar) to ``cfg``.
 
     A key that does not exist is an error naming the closest key, unless it is added with ``+``
@@ -1052,32 +1052,12 @@ def freeze_entries(spec: Any) -> list[tuple[str, str | None, int]]:
 
 
 def _check_freeze(cfg: DictConfig, errors: list[str]) -> None:
-    """Every ``model.freeze`` entry is well formed and its glob names at least one parameter of the model (built on
-    the ``meta`` device: no memory, no weights)."""
+    """Every ``model.freeze`` entry is well formed. (That its glob names a parameter of the model is checked where
+    the model is built: :func:`sslkit.builder.freeze_parameters`; validation never builds a model.)"""
     try:
-        entries = freeze_entries(cfg.model.freeze)
+        freeze_entries(cfg.model.freeze)
     except ConfigError as exc:
         errors.append(str(exc))
-        return
-    if not entries:
-        return
-    import fnmatch
-
-    import torch
-
-    from sslkit.builder import build_model
-
-    try:
-        with torch.device("meta"):
-            names = [n for n, p in build_model(cfg, 3).named_parameters() if p.requires_grad]
-    except Exception:  # a model that cannot be built on meta is checked when it is built for real
-        return
-    for i, (glob, _, _) in enumerate(entries):
-        if not fnmatch.filter(names, glob):
-            prefix = glob.split("*")[0].rsplit(".", 1)[0]
-            near = [n for n in names if n.startswith(prefix)][:6] or names[:6]
-            errors.append(f"'model.freeze[{i}]' = {glob} matches no parameter of the model.{_nearest(glob, names)} "
-                          f"Parameters are named like {', '.join(near)} (model.named_parameters())")
 
 
 def _check_hooks(cfg: DictConfig, errors: list[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, _blur_taps
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_taps
 
 __all__ = [
     "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "ReadForDevice",
@@ -223,13 +223,13 @@ def _shift_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 def _blur_matrices(n: int, sigma: torch.Tensor, kernel_size: int,
                    taps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[N, n, n]`` matrices applying a Gaussian of per-sample ``sigma`` [N] along an axis of ``n`` pixels
-    (reflect padding), as the per-image transform's blur. ``taps``: :func:`_blur_taps` of ``n`` and the kernel's
+    (reflect padding), as the per-image transform's blur. ``taps``: :func:`blur_taps` of ``n`` and the kernel's
     half width on ``sigma``'s device (looked up when not given)."""
     half = kernel_size // 2
     offsets = torch.arange(-half, half + 1, dtype=torch.float32, device=sigma.device)
     k1 = torch.exp(-0.5 * (offsets[None] / sigma[:, None].float()) ** 2)
     k1 = k1 / k1.sum(1, keepdim=True)  # [N, K]
-    rows, src = taps if taps is not None else _blur_taps(n, half, str(sigma.device))
+    rows, src = taps if taps is not None else blur_taps(n, half, str(sigma.device))
     flat = (rows * n + src)[None].expand(len(sigma), -1)
     out = torch.zeros(len(sigma), n * n, dtype=torch.float32, device=sigma.device)
     return out.scatter_add_(1, flat, k1.repeat(1, n)).view(-1, n, n)
@@ -265,7 +265,7 @@ class DeviceSimCLRAugment:
         spec = self.spec
         x = crop_and_resize(images, u, spec.image_size, spec.crop_scale, spec.crop_ratio)
         mean, inv_std = self._normalisation(x.shape[1], x.device)
-        taps = _blur_taps(spec.image_size, spec.blur_kernel // 2, str(x.device))
+        taps = blur_taps(spec.image_size, spec.blur_kernel // 2, str(x.device))
         pixels = self._pixels if self.compiled is None else self.compiled
         return pixels(x, u[:, 40:].to(x.dtype), mean, inv_std, taps)
 

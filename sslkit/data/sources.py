@@ -14,9 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.console import plural
 from sslkit.data.seeding import mix_seed
-from sslkit.errors import UserError
+from sslkit.errors import UserError, plural
 from sslkit.registry import DATASETS, get, register_dataset
 
 __all__ = [

@@ -153,7 +153,7 @@ def _saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _blur_taps(n: int, half: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def blur_taps(n: int, half: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Row and (reflect-padded) source-column indices of a ``2*half+1``-tap filter along ``n`` pixels, made on
     ``device`` (once per size: cached)."""
     rows = torch.arange(n, device=device).repeat_interleave(2 * half + 1)
@@ -166,7 +166,7 @@ def _blur_taps(n: int, half: int, device: str = "cpu") -> tuple[torch.Tensor, to
 
 def _blur_matrix(n: int, kernel: torch.Tensor) -> torch.Tensor:
     """``[n, n]`` matrix applying the 1-D ``kernel`` along an axis of length ``n`` with reflect padding."""
-    rows, cols = _blur_taps(n, len(kernel) // 2)
+    rows, cols = blur_taps(n, len(kernel) // 2)
     return torch.zeros(n, n).index_put_((rows, cols), kernel.repeat(n), accumulate=True)
 
 

@@ -9,7 +9,7 @@ from torch import Tensor
 __all__ = ["knn_class_scores", "weighted_knn"]
 
 
-def _select_neighbours(sim: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def select_neighbours(sim: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-``k`` columns of each row of ``sim``, ties at the k-th value broken by lower column index.
 
     ``torch.topk`` does not specify which of several equal values it returns when they straddle
@@ -70,7 +70,7 @@ def knn_class_scores(
     k = min(k, train.shape[0])
 
     sim = query @ train.T  # [Q, N_train], the only large intermediate
-    top_sim, top_idx = _select_neighbours(sim, k)
+    top_sim, top_idx = select_neighbours(sim, k)
     best = top_sim.max(dim=1, keepdim=True).values
     weights = torch.exp((top_sim - best) / temperature)  # [Q, k], all in (0, 1]
     votes = labels[top_idx]  # [Q, k]

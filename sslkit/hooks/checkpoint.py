@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sslkit import sharded_checkpoint
-from sslkit.checkpoint import _os_error, atomic_write, checkpoint_dir, commit, latest_checkpoint, save_checkpoint
+from sslkit.checkpoint import atomic_write, checkpoint_dir, commit, latest_checkpoint, os_error_in, save_checkpoint
+from sslkit.checkpointing import sharded as sharded_checkpoint
 from sslkit.distributed import barrier, is_distributed, is_primary
 from sslkit.errors import storage_error
 from sslkit.guard import TrainingHalted
@@ -40,7 +40,7 @@ class CheckpointHook(SSLHook):
     rewrites that file only if a hook's state changed in between (the final kNN results), and
     logs it as an update naming those hooks; otherwise nothing is written or logged twice.
 
-    ``sharded``: write sharded checkpoint folders (:mod:`sslkit.sharded_checkpoint`), every rank its part, instead
+    ``sharded``: write sharded checkpoint folders (:mod:`sslkit.checkpointing.sharded`), every rank its part, instead
     of one file gathered by rank 0; ``async_save`` then lets the periodic saves write in the background (a stop
     and the end of the run wait for theirs). A folder becomes the latest checkpoint (``latest.txt``) only once
     complete.
@@ -129,7 +129,7 @@ class CheckpointHook(SSLHook):
         torch.distributed.checkpoint error's per-rank failures: raised as sslkit's StorageError."""
         causes = [exc, *getattr(exc, "failures", {}).values()]
         for cause in causes:
-            found = _os_error(cause) if isinstance(cause, BaseException) else None
+            found = os_error_in(cause) if isinstance(cause, BaseException) else None
             if found is not None:
                 raise storage_error(found, "the checkpoint", path, latest_checkpoint(self.dir)) from exc
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sslkit.distributed import gather_with_grad
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.registry import register_loss
 
 __all__ = ["BARLOW_TWINS", "BarlowTwinsLoss", "barlow_twins_loss", "cross_correlation", "standardise"]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.models.heads import MLPHead
 from sslkit.models.teacher import PredictorTeacherModel, projection_dim
 from sslkit.registry import register_loss, register_model

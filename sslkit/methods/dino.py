@@ -13,7 +13,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
 from sslkit.hooks.base import SSLHook
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.models.teacher import frozen_copy

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from sslkit.clock import StepContext
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
 from sslkit.methods.ibot import IBOTLoss
 from sslkit.registry import register_loss

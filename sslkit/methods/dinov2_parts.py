@@ -90,9 +90,10 @@ def masked_slots(mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Te
     """Each image's masked patches in ``slots`` fixed places: ``mask`` ``[B, N]`` (True where masked) -> ``(index
     [B, slots], weight [B, slots])``, the masked patches first (raster order), the remaining slots filled with
     unmasked patches of weight 0 (:func:`gather_slots` takes the tokens there). ``slots`` must be at least the most
-    patches a mask can hide (:meth:`sslkit.masking.BlockMasking.max_masked`): a fixed shape, no boolean indexing, no
+    patches a mask can hide (:meth:`sslkit.models.masking.BlockMasking.max_masked`): a fixed shape, no boolean
+    indexing, no
     host sync (DINOv2 gathers the masked tokens of the batch with an index its host-side collate built). A whole
-    batch in one buffer: ``mask.reshape(1, -1)`` and ``slots`` from :func:`sslkit.masking.batch_slots`; past them
+    batch in one buffer: ``mask.reshape(1, -1)`` and ``slots`` from :func:`sslkit.models.masking.batch_slots`; past them
     the last masked patches have no place and are left out."""
     index = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :slots]
     return index, mask.gather(1, index).float()
@@ -118,7 +119,7 @@ def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, weight
     ``weight`` ``[B, M]`` 1 on the masked patches: each image's loss is the mean over its masked patches, the
     batch's the mean over *all* its images (an unmasked image adds 0, as in both reference codes). Float32.
 
-    With ``image`` ``[S]`` the slots are a whole batch's in one buffer (:func:`sslkit.masking.batch_slots`):
+    With ``image`` ``[S]`` the slots are a whole batch's in one buffer (:func:`sslkit.models.masking.batch_slots`):
     ``student`` and ``teacher_probs`` ``[S, K]``, ``weight`` ``[S]``, ``image`` the image of each slot among
     ``images``; the same loss, each image's sums taken by a one-hot product (a fixed order of additions: no
     atomic adds, deterministic on CUDA).

@@ -11,8 +11,7 @@ from torch import nn
 
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum
-from sslkit.masking import Masks, batch_slots
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.methods.dino import (
     DINOHead,
     DINOLoss,
@@ -22,6 +21,7 @@ from sslkit.methods.dino import (
     teacher_temp_at,
 )
 from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
+from sslkit.models.masking import Masks, batch_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
@@ -39,7 +39,7 @@ class IBOTModel(nn.Module):
     ``projections`` (the CLS head's logits); per global crop: ``targets`` (the teacher's CLS logits); for all
     global crops together (one-element lists): ``patch_projections`` / ``patch_targets`` (the student's and
     teacher's patch-head logits ``[S, K]`` at the masked patches of the ``G x B`` crops, gathered into ``S``
-    fixed places, :func:`~sslkit.masking.batch_slots`: only masked patches go through the patch head, as DINOv2
+    fixed places, :func:`~sslkit.models.masking.batch_slots`: only masked patches go through the patch head, as DINOv2
     does, without a host-side index), ``patch_weights`` ``[S]`` (1 on a masked patch, 0 on padding) and
     ``patch_images`` ``[S]`` (the crop each place belongs to, ``g x B + b``).
 
@@ -121,7 +121,7 @@ class IBOTModel(nn.Module):
 
 def _slots(masks: Sequence[Masks | None], images: int) -> int:
     """The places of the masked patches of ``images`` global crops (all crops in one buffer): the masks' bound
-    (:func:`~sslkit.masking.batch_slots`), or one place (of weight 0) when no crop is masked."""
+    (:func:`~sslkit.models.masking.batch_slots`), or one place (of weight 0) when no crop is masked."""
     return max((batch_slots(m, images) for m in masks if m is not None), default=1)
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sslkit.masking import Masks
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.methods.dinov2_parts import gather_slots, masked_slots
+from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
@@ -100,7 +100,7 @@ class IJEPAModel(nn.Module):
     :class:`IJEPAPredictor` predicts them from the context.
 
     Outputs per masked view: ``predictions`` and ``targets`` ``[B, T, M, D]`` (``T`` target blocks of ``M`` slots,
-    ``M`` the largest block the sampler can draw: :meth:`~sslkit.masking.MultiBlockMasking.max_target_patches`),
+    ``M`` the largest block the sampler can draw: :meth:`~sslkit.models.masking.MultiBlockMasking.max_target_patches`),
     ``patch_weights`` ``[B, T, M]`` (1 on a block's patches, 0 on padding), ``masks``; ``features`` /
     ``projections`` the mean of the context's patch tokens (I-JEPA has no CLS objective; sslkit's ViT carries a
     CLS token, which attends with the context and enters neither the predictor nor the loss). Views without

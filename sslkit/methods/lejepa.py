@@ -11,7 +11,7 @@ from torch import nn
 from sslkit.clock import StepContext
 from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_reduce_sum_with_grad, get_world_size, is_distributed
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.registry import register_loss
 
 __all__ = ["LEJEPA", "LeJEPALoss", "epps_pulley", "epps_pulley_knots", "lejepa_loss", "slice_directions"]

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sslkit.masking import Masks
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
+from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
 from sslkit.models.tokens import Tokens, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
@@ -84,7 +84,7 @@ class MAEDecoder(nn.Module):
 
     def forward(self, tokens: Tokens, restore: torch.Tensor) -> torch.Tensor:
         """Pixels ``[B, N, p * p * C]`` of every patch from the encoder's ``tokens`` of the kept patches and
-        ``restore`` ``[B, N]`` (:meth:`~sslkit.masking.Masks.restore_order`)."""
+        ``restore`` ``[B, N]`` (:meth:`~sslkit.models.masking.Masks.restore_order`)."""
         prefix = torch.cat([tokens.cls[:, None], tokens.registers], dim=1)
         x = self.embed(torch.cat([prefix, tokens.patches], dim=1))
         prefix, kept = x[:, :prefix.shape[1]], x[:, prefix.shape[1]:]

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_no_grad, get_rank, is_distributed
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.models.heads import MLPHead
 from sslkit.models.output import ModelOutput

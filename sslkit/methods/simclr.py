@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_with_grad, get_rank
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.registry import register_loss
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.models.heads import MLPHead
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import check_two_views, forward_views

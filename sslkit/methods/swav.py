@@ -14,7 +14,7 @@ from torch import nn
 from sslkit.clock import StepContext
 from sslkit.distributed import all_reduce_sum, gather_no_grad, get_world_size
 from sslkit.hooks.base import SSLHook
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.registry import register_hook, register_loss, register_model

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.distributed import gather_with_grad
-from sslkit.method import Method, register_method
+from sslkit.methods.base import Method, register_method
 from sslkit.registry import register_loss
 
 __all__ = ["VICREG", "VICRegLoss", "covariance_term", "variance_term", "vicreg_loss"]

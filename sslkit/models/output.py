@@ -24,7 +24,7 @@ class ModelOutput:
     * ``prototypes``: the prototype matrix, detached (SwAV);
     * ``tokens``: per view, a ViT trunk's output tokens (:class:`~sslkit.models.tokens.Tokens`: CLS, registers,
       patches), so dense and masked methods read patch features without hooks into the trunk; None for CNNs;
-    * ``masks``: per view, the :class:`~sslkit.masking.Masks` the model applied (None for a view left whole):
+    * ``masks``: per view, the :class:`~sslkit.models.masking.Masks` the model applied (None for a view left whole):
       which patches a masked loss is computed on;
     * ``patch_projections``, ``patch_targets``, ``patch_weights``: the student's and the teacher's patch-head
       logits at fixed slots, and the slots' weights (1 on a masked patch, 0 on padding): iBOT's and DINOv2's

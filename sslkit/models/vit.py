@@ -40,7 +40,7 @@ _CONTROLLED = {
 def check_vit_kwargs(kwargs: dict[str, Any]) -> list[str]:
     """Problems with a ViT's ``model.trunk_kwargs``: a key sslkit sets itself, or one that neither sslkit's
     builder nor timm's ``VisionTransformer`` has (with the closest names)."""
-    from sslkit.suggest import did_you_mean
+    from sslkit.errors import did_you_mean
 
     ours = [p for p in inspect.signature(build_vit).parameters if p not in ("size", "in_channels", "timm_kwargs")]
     timm_names: list[str] = []

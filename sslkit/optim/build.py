@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sslkit.errors import did_you_mean
 from sslkit.optim.lars import LARS
 from sslkit.optim.param_groups import has_layers, param_groups
-from sslkit.suggest import did_you_mean
 
 __all__ = ["OPTIMIZER_NAMES", "build_optimizer", "set_lr", "set_weight_decay"]
 

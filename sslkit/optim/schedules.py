@@ -12,7 +12,7 @@ from fvcore.common.param_scheduler import (
     ParamScheduler,
 )
 
-from sslkit.suggest import did_you_mean
+from sslkit.errors import did_you_mean
 
 __all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "build_schedule", "scaled_lr"]
 

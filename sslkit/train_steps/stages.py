@@ -112,7 +112,7 @@ def prepare_sample(task: SSLTask, batch: dict[str, Any]) -> dict[str, Any]:
     """A train batch made the model's sample: copied to the device (non-blocking from pinned memory) and, with
     ``data.augment_on=device``, decoded and augmented there (each sample brings its own uniforms); with
     ``masking``, each view's masks drawn there too (``sample["masks"]``: from every sample's seed, epoch and
-    index, :class:`~sslkit.masking.MaskPlan`)."""
+    index, :class:`~sslkit.models.masking.MaskPlan`)."""
     device_side = task.data.device_augment is not None
     sample = to_sample(batch, task.device, task.channels_last and not device_side)
     if device_side:

@@ -9,8 +9,8 @@ import torch
 
 import sslkit.config.compose as compose
 from sslkit.builder import resolve_num_workers, set_determinism
-from sslkit.cli import main
 from sslkit.config.compose import ConfigError, compose_config
+from sslkit.launch.cli import main
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import RECIPES, SMALL, metrics
 
-from sslkit.cli import main
 from sslkit.clock import StepContext, TrainClock, call_loss
+from sslkit.launch.cli import main
 
 SCHEDULED = ("lr", "weight_decay", "teacher_momentum", "teacher_temp")
 

@@ -51,7 +51,7 @@ def test_resume_on_one_and_on_four_processes_reads_the_same_images_and_ends_at_t
     32, and the weights after step 8 agree with its weights within float32 reduction order: measured max difference
     1.5e-8 (1 process) and 1.9e-8 (4 processes) under ddp, tolerance 5e-6, as for 1 against 2 processes. Under fsdp
     the checkpoints are sharded folders (2 files), read back resharded into 4 processes and whole into one."""
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     args = [*ARGS, f"distributed.strategy={strategy}"]

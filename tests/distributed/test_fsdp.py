@@ -106,7 +106,7 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
     process (ddp or fsdp alike), and the export tool reads it into timm's ViT, strictly."""
     from reliability_helpers import RECIPE_ARGS, assert_identical, latest_state
 
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     options = {"sharded": [], "whole": ["checkpoint.sharded=false"], "sharded-async": ["checkpoint.async_save=true"]}
     args = [*RESUMED, *RECIPE_ARGS["dinov2"], *options[form]]
@@ -128,7 +128,7 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
         assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         sizes = [(folder / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
         assert 0.6 < sizes[1] / sizes[0] < 1.1, sizes  # each rank wrote its half (rank 0 also the run's record)
-        from sslkit.sharded_checkpoint import _metadata
+        from sslkit.checkpointing.sharded import _metadata
 
         storage = _metadata(str(folder)).storage_data  # each rank's own state (RNG) under its key, in its file
         files = {index.fqn: info.relative_path for index, info in storage.items()}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import HANG_S, REPO, wait_for
 
-from sslkit.cli import main
+from sslkit.launch.cli import main
 
 
 def _slurm_up() -> bool:

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from sslkit.config.compose import ConfigError, compose_config
 from sslkit.evaluation import FeatureEncoder, weighted_knn
-from sslkit.evaluation.export import _twin, export_vit
-from sslkit.evaluation.pretrained import ToolError, load_pretrained
 from sslkit.models.trunks import SmallCNN
 from sslkit.models.vit import build_vit
+from sslkit.tools.export import _twin, export_vit
+from sslkit.tools.pretrained import ToolError, load_pretrained
 
 #: A tiny ViT run: 2 blocks of 192-d tokens, 4 x 4 patches of the synthetic 32 px images, 64 train and 64 test images.
 TINY_VIT = [*SMALL, *RECIPES["simclr_vit"], "optim.max_steps=2", "log.tensorboard=false",
@@ -199,8 +199,8 @@ def _imports(path: Path) -> set[str]:
 
 def test_the_evaluation_package_does_not_reach_the_command_line() -> None:
     """No module that sslkit.evaluation imports, directly or through others, at any depth of their code, is
-    sslkit.cli: the command line dispatches to the tools, never the other way round (the shared helpers are in
-    sslkit.console, which the command line uses too)."""
+    sslkit.launch.cli: the command line dispatches to the tools, never the other way round (the shared helpers are in
+    sslkit.launch.console, which the command line uses too)."""
     package = REPO / "sslkit"
     files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
              for p in package.rglob("*.py")}
@@ -211,9 +211,9 @@ def test_the_evaluation_package_does_not_reach_the_command_line() -> None:
             continue
         reached.add(module)
         todo += [m for m in _imports(files[module]) if m in files]
-    assert "sslkit.evaluation.finetune" in reached and "sslkit.console" in reached
-    assert "sslkit.cli" not in reached
+    assert "sslkit.tools.finetune" in reached and "sslkit.launch.console" in reached
+    assert "sslkit.launch.cli" not in reached
 
     # one owner of the log's set-up, which the training command uses too
     assert "def setup_logging" not in (package / "cli.py").read_text()
-    assert "from sslkit.console import setup_logging" in (package / "cli.py").read_text()
+    assert "from sslkit.launch.console import setup_logging" in (package / "cli.py").read_text()

@@ -35,15 +35,15 @@ def test_tools_on_cuda_and_the_export_loads_on_the_cpu(gpu_run: Path, tmp_path: 
     import torchvision
     from safetensors.torch import load_file
 
-    from sslkit.evaluation.pretrained import load_pretrained
-    from sslkit.evaluation.tools import extract_main, knn_main, linear_main
+    from sslkit.tools.common import extract_main, knn_main, linear_main
+    from sslkit.tools.pretrained import load_pretrained
 
     assert knn_main([f"checkpoint={gpu_run}"]) == 0
     trained = [r for r in metrics(gpu_run) if "knn_top1" in r][-1]["knn_top1"]
     assert json.loads((gpu_run / "eval" / "knn.json").read_text())["top1"] == pytest.approx(trained, abs=0.02)
     assert linear_main([f"checkpoint={gpu_run}", "eval.linear.epochs=2", "eval.linear.augment=true"]) == 0
     assert extract_main([f"checkpoint={gpu_run}", f"output={tmp_path / 'f.pt'}"]) == 0
-    from sslkit.evaluation.export import export_main
+    from sslkit.tools.export import export_main
 
     assert export_main([f"checkpoint={gpu_run}", f"output={tmp_path / 'e.safetensors'}"]) == 0
     model = torchvision.models.resnet18()
@@ -64,7 +64,7 @@ def test_a_multi_gpu_checkpoint_evaluates_on_this_gpu_and_too_many_extract_proce
 
     from omegaconf import OmegaConf
 
-    from sslkit.cli import console
+    from sslkit.launch.cli import console
 
     n = torch.cuda.device_count() + 1
     copy = tmp_path / "run"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sslkit.doctor import PAPER, PAPER_RECIPES
+from sslkit.launch.doctor import PAPER, PAPER_RECIPES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

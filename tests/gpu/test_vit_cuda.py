@@ -2,7 +2,7 @@
 
 Marked ``gpu``: skipped where no CUDA device is visible (CI); ``python -m pytest -q -m gpu`` on a GPU machine.
 Every recipe, the ViT ones included, also trains for 3 bf16 steps in tests/gpu/test_cuda.py. The CPU checks of the
-same properties: tests/test_masking.py, tests/models/test_vit.py, tests/test_audit.py.
+same properties: tests/models/test_masking.py, tests/models/test_vit.py, tests/test_audit.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from helpers import MAE_VIT_S16_224, RECIPES, SMALL, run_cli
 from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
 
-from sslkit.masking import BlockMasking, MultiBlockMasking, RandomMasking, SampleKeys
+from sslkit.models.masking import BlockMasking, MultiBlockMasking, RandomMasking, SampleKeys
 from sslkit.models.vit import build_vit
 
 pytestmark = [pytest.mark.gpu]

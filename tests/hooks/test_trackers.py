@@ -1,5 +1,5 @@
-"""W&B and MLflow trackers (sslkit/trackers.py) in real in-process runs: what they hold is what metrics.jsonl holds,
-across a pre-emption or a crash and the resume; a missing or failing tracker never costs the training run."""
+"""W&B and MLflow trackers (sslkit/hooks/trackers.py) in real in-process runs: what they hold is what metrics.jsonl
+holds, across a pre-emption or a crash and the resume; a missing or failing tracker never costs the training run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from helpers import SMALL, metrics, run_main
 from reliability_helpers import hooks_override
 
-from sslkit.reliability import PREEMPTED_EXIT_CODE
+from sslkit.errors import PREEMPTED_EXIT_CODE
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -168,7 +168,7 @@ def test_a_file_store_still_works_when_asked_for(tmp_path: Path, monkeypatch: py
     sets for its process; the run and its numbers are there."""
     from mlflow.tracking import MlflowClient
 
-    from sslkit.trackers import MlflowTracker
+    from sslkit.hooks.trackers import MlflowTracker
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     store = (tmp_path / "store").as_uri()
@@ -261,7 +261,7 @@ def test_wandb_auto_mode_is_offline_without_a_key_or_a_server(root: Path, monkey
                                                               caplog: pytest.LogCaptureFixture) -> None:
     import wandb
 
-    from sslkit.trackers import WandbTracker
+    from sslkit.hooks.trackers import WandbTracker
 
     tracker = WandbTracker.__new__(WandbTracker)
     tracker._wandb = wandb

@@ -9,8 +9,8 @@ import pytest
 import torch
 from dist_workers import dinov2_parts_on_shard, run_ranks
 
-from sslkit.masking import BlockMasking, SampleKeys, batch_slots
 from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
+from sslkit.models.masking import BlockMasking, SampleKeys, batch_slots
 
 
 def _koleo_by_loop(x: torch.Tensor, eps: float = 1e-8) -> float:

@@ -10,9 +10,9 @@ import torch
 from helpers import SMALL, VIT, distillation_output, run_main
 
 from sslkit.clock import StepContext, TrainClock
-from sslkit.masking import BlockMasking, SampleKeys, batch_slots
 from sslkit.methods.dino import build_dino_head, dino_loss
 from sslkit.methods.ibot import IBOTLoss, build_ibot
+from sslkit.models.masking import BlockMasking, SampleKeys, batch_slots
 from sslkit.models.vit import build_vit
 
 

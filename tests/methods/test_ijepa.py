@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers import RECIPES, SMALL, run_main
 
 from sslkit.hooks.ema import momentum_at
-from sslkit.masking import MultiBlockMasking, SampleKeys
 from sslkit.methods.ijepa import IJEPALoss, IJEPAPredictor, build_ijepa, ijepa_loss
+from sslkit.models.masking import MultiBlockMasking, SampleKeys
 from sslkit.models.vit import build_vit
 
 
@@ -145,7 +145,7 @@ def test_targets_are_the_teachers_layer_normed_patches_and_the_student_never_see
 
 def test_ijepa_refuses_masks_without_targets_and_a_head() -> None:
     model = _model()
-    from sslkit.masking import RandomMasking
+    from sslkit.models.masking import RandomMasking
 
     with pytest.raises(ValueError, match="multi_block"):
         model([torch.randn(2, 1, 24, 24)], [RandomMasking(0.5)(SampleKeys(0, 0, torch.arange(2)), (6, 6))])

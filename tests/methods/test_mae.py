@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sslkit.masking import RandomMasking, SampleKeys
 from sslkit.methods.mae import MAELoss, build_mae, mae_loss, patchify
+from sslkit.models.masking import RandomMasking, SampleKeys
 from sslkit.models.vit import build_vit
 
 

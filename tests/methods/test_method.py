@@ -11,8 +11,8 @@ from reliability_helpers import latest_state
 
 import sslkit.methods  # noqa: F401  (registrations)
 from sslkit import registry as R
-from sslkit.cli import main
 from sslkit.config.compose import compose_config
+from sslkit.launch.cli import main
 
 QUICK = [*SMALL, "log.tensorboard=false", "eval.knn.enabled=false"]
 

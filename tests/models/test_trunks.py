@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sslkit.audit import StepAudit
+from sslkit.launch.audit import StepAudit
 from sslkit.models.trunks import SmallCNN, grid_pool
 
 

@@ -11,8 +11,8 @@ import torch
 from helpers import SMALL, VIT
 from timm.layers import resample_abs_pos_embed
 
-from sslkit.audit import StepAudit
 from sslkit.config.compose import ConfigError, compose_config
+from sslkit.launch.audit import StepAudit
 from sslkit.models.tokens import resample_matrix, sincos_pos_embed
 from sslkit.models.vit import build_vit
 from sslkit.models.vit_trunk import ViTTrunk
@@ -207,7 +207,7 @@ def test_masked_methods_need_a_vit_and_a_mask_ratio_in_range(tmp_path: Path) -> 
         "config=mae", "masking={name: block}")
     assert "padded to a fixed count, and method mae" in _error("config=mae", "masking={name: multi_block}")
     # before anything is written: the CLI stops with a message and makes no run folder
-    from sslkit.cli import main
+    from sslkit.launch.cli import main
 
     assert main(["config=mae", "machine.device=cpu", "masking.ratio=-0.1", f"output_dir={tmp_path / 'run'}"]) == 2
     assert not (tmp_path / "run").exists()

@@ -166,11 +166,15 @@ def test_a_parameter_frozen_for_the_first_updates_starts_training_after_them(tmp
     assert all(int(task.optimizer.state[p]["step"]) == 1 for p in head if p.ndim > 1)
 
 
-def test_freeze_entries_are_checked_against_the_models_parameters() -> None:
+def test_freeze_entries_are_checked_against_the_models_parameters(tmp_path: Path) -> None:
+    """A malformed entry is a config error when the config is composed; a glob that names no parameter, when the
+    model is built (validation never builds a model), with the nearest names."""
     base = ["config=simclr_vit", "machine.device=cpu"]
-    with pytest.raises(ConfigError, match=r"'model.freeze\[0\]' = trunk.patch_embd.\* matches no parameter"):
-        compose_config([*base, "model.freeze=[trunk.patch_embd.*]"])
     with pytest.raises(ConfigError, match=r"takes params and one of updates / epochs"):
         compose_config([*base, "model.freeze=[{params: 'head.*', steps: 2}]"])
     cfg = compose_config([*base, "model.freeze=[trunk.patch_embed.*, {params: 'head.*', epochs: 1}]"])
     assert len(cfg.model.freeze) == 2
+    with pytest.raises(ConfigError, match=r"'model.freeze\[1\]' = trunk.patch_embd.\* matches no parameter of the "
+                                          r"model. Did you mean 'trunk.patch_embed.proj.bias'\? Parameters are "
+                                          r"named like trunk.cls_token, trunk.pos_embed, trunk.patch_embed"):
+        _vit_task(tmp_path, "model.freeze=[head.*, trunk.patch_embd.*]")

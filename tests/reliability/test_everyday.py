@@ -1,5 +1,5 @@
 """Everyday use that must never mislead or lose work: one config per run folder, lengthened runs, every recipe's
-exact resume, and the failures a user can cause ending in a message (in-process through ``sslkit.cli.main``)."""
+exact resume, and the failures a user can cause ending in a message (in-process through ``sslkit.launch.cli.main``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import yaml
 from helpers import RECIPES, SMALL, metrics
 from reliability_helpers import _render, assert_identical, latest_state
 
-from sslkit.cli import main
-from sslkit.runfolder import config_changes
+from sslkit.launch.cli import main
+from sslkit.launch.runfolder import config_changes
 
 QUICK = [*SMALL, "log.tensorboard=false", "optim.max_steps=4", "eval.knn.k=5"]
 

@@ -13,13 +13,13 @@ import pytest
 from helpers import HANG_S, REPO, metrics, run_cli, run_main, wait_for
 from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state, run_ranks_main
 
-from sslkit.reliability import PREEMPTED_EXIT_CODE
+from sslkit.errors import PREEMPTED_EXIT_CODE
 
 ARGS = ["config=simclr", *BASE, "optim.epochs=2"]  # 12 steps, checkpoints only at epoch ends
 
 
 def _reference(tmp_path: Path, nproc: int = 1) -> dict:
-    """The uninterrupted run's final state (one process: in this process, through sslkit.cli.main)."""
+    """The uninterrupted run's final state (one process: in this process, through sslkit.launch.cli.main)."""
     out = tmp_path / "ref"
     never = hooks_override("simclr", {"name": "fault_signal", "step": 10**6})
     args = [*ARGS, f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", never, f"output_dir={out}"]

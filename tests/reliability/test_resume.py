@@ -23,7 +23,7 @@ STEPS = ["optim.epochs=2", "checkpoint.every_n_steps=4"]
 
 def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list[str]) -> None:
     """The run SIGKILLed after step 10 is a process of its own (tools/run.py, with its own workers); the uninterrupted
-    reference and the resumed run go through sslkit.cli.main in this process (one process) or in processes it
+    reference and the resumed run go through sslkit.launch.cli.main in this process (one process) or in processes it
     spawns (two): the same outcome, without the launcher's interpreter starts."""
     args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *STEPS, *extra,
             f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}"]  # 6 steps per epoch

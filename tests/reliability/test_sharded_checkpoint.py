@@ -14,8 +14,8 @@ import torch
 from helpers import RECIPES, SMALL
 from reliability_helpers import assert_identical, latest_state
 
-from sslkit.cli import main
-from sslkit.sharded_checkpoint import _put, read_whole
+from sslkit.checkpointing.sharded import _put, read_whole
+from sslkit.launch.cli import main
 
 ARGS = ["config=dino_vit", *SMALL, *RECIPES["dino_vit"], "optim.epochs=2", "checkpoint.every_n_steps=3",
         "checkpoint.every_n_epochs=0", "eval.knn.enabled=false", "log.tensorboard=false", "checkpoint.sharded=true"]
@@ -110,7 +110,7 @@ def test_evaluation_reads_a_folder_itself_or_the_run_and_refuses_an_unfinished_o
     """checkpoint= a sharded folder loads its model strictly (as the run folder does: the same weights); a folder
     whose save never finished is refused with what to give instead."""
     from sslkit.checkpoint import CheckpointError
-    from sslkit.evaluation.pretrained import load_pretrained
+    from sslkit.tools.pretrained import load_pretrained
 
     folder = run / "checkpoints" / "checkpoint_000000006"
     got = load_pretrained(str(folder), ["machine.device=cpu"])

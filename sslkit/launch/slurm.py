@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -80,11 +81,12 @@ def executor(cfg: DictConfig) -> Any:
     return ex
 
 
-def submit(cfg: DictConfig, argv: list[str]) -> int:
-    """Submit the run ``argv`` describes as a SLURM job; print its id and log paths. Returns the exit code (0)."""
+def submit(cfg: DictConfig, argv: list[str], entry: Callable[[list[str]], int]) -> int:
+    """Submit the run ``argv`` describes as a SLURM job whose tasks run ``entry(argv)`` (the CLI's ``main``); print
+    its id and log paths. Returns the exit code (0)."""
     ex = executor(cfg)
     try:
-        job = ex.submit(SlurmTask(list(argv), int(cfg.slurm.max_requeues)))
+        job = ex.submit(SlurmTask(list(argv), int(cfg.slurm.max_requeues), entry))
     except Exception as exc:  # sbatch refused it (a partition, an account, a limit): its own words
         raise UserError(f"sbatch refused the job: {str(exc).strip()[-800:]}") from None
     s = cfg.slurm
@@ -100,18 +102,19 @@ def submit(cfg: DictConfig, argv: list[str]) -> int:
 
 
 class SlurmTask:
-    """What each task of the job runs: the run's command as one rank of it; after a SIGUSR2 stop, rank 0
-    requeues the job."""
+    """What each task of the job runs: the run's command (``entry(argv)``, the CLI's ``main``, pickled by reference)
+    as one rank of it; after a SIGUSR2 stop, rank 0 requeues the job."""
 
-    def __init__(self, argv: list[str], max_requeues: int) -> None:
+    def __init__(self, argv: list[str], max_requeues: int, entry: Callable[[list[str]], int]) -> None:
         self.argv = argv
         self.max_requeues = max_requeues
+        self.entry = entry
 
     def __call__(self) -> int:
         import submitit
 
-        from sslkit import cli
-        from sslkit.reliability import PREEMPTED_EXIT_CODE
+        from sslkit.errors import PREEMPTED_EXIT_CODE
+        from sslkit.reliability import last_stop_signal
 
         env = submitit.JobEnvironment()
         tasks_per_node = env.num_tasks // max(env.num_nodes, 1)
@@ -120,8 +123,8 @@ class SlurmTask:
             "WORLD_SIZE": str(env.num_tasks), "LOCAL_WORLD_SIZE": str(tasks_per_node),
             "MASTER_ADDR": env.hostnames[0], "MASTER_PORT": str(master_port(env.job_id)),
         })
-        code = cli.main(self.argv)
-        if code == PREEMPTED_EXIT_CODE and cli.LAST_STOP.get("signal") == "SIGUSR2" and env.global_rank == 0:
+        code = self.entry(self.argv)
+        if code == PREEMPTED_EXIT_CODE and last_stop_signal() == "SIGUSR2" and env.global_rank == 0:
             self.requeue(env.job_id)
         if code not in (0, PREEMPTED_EXIT_CODE):
             raise SystemExit(code)

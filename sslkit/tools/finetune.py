@@ -18,29 +18,29 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
-from sslkit.console import plural
+from sslkit.errors import plural
 from sslkit.evaluation.features import extract_features
 from sslkit.evaluation.linear import accuracy
-from sslkit.evaluation.pretrained import Pretrained, ToolError
-from sslkit.evaluation.tools import (
-    _amp,
-    _describe_data,
-    _feature_record,
-    _features_part,
-    _loader,
-    _module,
-    _output,
-    _pretrained,
-    _sources,
-    _usage,
-    _write_json,
+from sslkit.optim import build_optimizer, set_lr
+from sslkit.tools.common import (
+    amp_dtype,
+    describe_data,
     epochs_record,
     feature_encoder,
+    feature_record,
+    features_part,
+    output_path,
     parse_tool_args,
+    part_module,
     run_tool,
+    tool_loader,
+    tool_pretrained,
+    tool_sources,
+    tool_usage,
     train_crop,
+    write_json,
 )
-from sslkit.optim import build_optimizer, set_lr
+from sslkit.tools.pretrained import Pretrained, ToolError
 
 __all__ = ["Classifier", "FinetuneSettings", "finetune_main", "make_head", "make_optimizer", "set_drop_path",
            "settings_of", "smoothed_cross_entropy", "train_epoch", "warmup_cosine_lr"]
@@ -233,10 +233,10 @@ def _finetune(args: list[str]) -> int:
     from sslkit.builder import set_determinism
 
     opts, overrides = parse_tool_args("finetune", args, FINETUNE_KEYS)
-    pre: Pretrained = _pretrained("finetune", opts, overrides)
+    pre: Pretrained = tool_pretrained("finetune", opts, overrides)
     cfg = pre.config
-    part = _features_part(opts, ("trunk", "teacher"))
-    trunk = _module(pre, part)
+    part = features_part(opts, ("trunk", "teacher"))
+    trunk = part_module(pre, part)
     vit = bool(getattr(trunk, "patch_tokens", False))
     section = cfg.eval.finetune
     s = settings_of(section, vit)
@@ -244,9 +244,9 @@ def _finetune(args: list[str]) -> int:
         raise ToolError(f"eval.finetune.layer_decay={section.layer_decay}: layer-wise lr decay needs a ViT's ordered "
                         f"blocks, and model.trunk={cfg.model.trunk} has none. Set eval.finetune.layer_decay=1.0 (or "
                         "null, the default: 0.75 for a ViT, 1.0 for a CNN).")
-    device, amp = pre.device, _amp(cfg)
+    device, amp = pre.device, amp_dtype(cfg)
     set_determinism(bool(cfg.machine.deterministic), device)
-    train_source, test_source, num_classes = _sources(cfg)
+    train_source, test_source, num_classes = tool_sources(cfg)
     encoder = feature_encoder(trunk, cfg)
     rates = set_drop_path(trunk, s.drop_path) if vit else None
     for p in encoder.parameters():  # every weight trains (a teacher's are frozen in the checkpoint's model)
@@ -258,8 +258,8 @@ def _finetune(args: list[str]) -> int:
     optimizer = make_optimizer(model, s)
     scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
 
-    train_loader = _loader(cfg, train_source, train_crop(cfg, s.crop_scale), device, s.batch_size, train=True)
-    test_loader = _loader(cfg, test_source, cfg.data.eval_transform, device, s.batch_size)
+    train_loader = tool_loader(cfg, train_source, train_crop(cfg, s.crop_scale), device, s.batch_size, train=True)
+    test_loader = tool_loader(cfg, test_source, cfg.data.eval_transform, device, s.batch_size)
     for loader in (train_loader, test_loader):
         # a loader's iterator draws its workers' base seed from torch's global RNG unless it has a generator of its
         # own: with persistent workers that draw happens in the first epoch of a start, so a resumed run's drop-path
@@ -272,7 +272,7 @@ def _finetune(args: list[str]) -> int:
     def lr_at(t: int) -> float:
         return warmup_cosine_lr(s.lr, s.min_lr, t, warmup, total)
 
-    out = _output(opts, pre, "finetune.json")
+    out = output_path(opts, pre, "finetune.json")
     state_path = os.path.splitext(out)[0] + ".state.pt"
     eval_cfg = {"protocol": "MAE end-to-end fine-tuning (He et al. 2022, Table 9; facebookresearch/mae "
                             "main_finetune.py) without mixup, cutmix, RandAugment and random erasing",
@@ -282,8 +282,8 @@ def _finetune(args: list[str]) -> int:
                 "embeddings and tokens", "schedule": "linear warmup, then cosine to min_lr, per step",
                 "loss": "cross-entropy with label smoothing", "head": "nn.Linear, trunc_normal(std) weights, zero bias",
                 "augment": "random resized crop (crop_scale) and flip; test: the eval transform",
-                "features": part, **_feature_record(encoder), "steps_per_epoch": steps_per_epoch,
-                "amp": str(amp).replace("torch.", "") if amp else None, "data": _describe_data(cfg), "seed": seed,
+                "features": part, **feature_record(encoder), "steps_per_epoch": steps_per_epoch,
+                "amp": str(amp).replace("torch.", "") if amp else None, "data": describe_data(cfg), "seed": seed,
                 "eval_transform": OmegaConf.to_container(cfg.data.eval_transform, resolve=True)}
     key = json.dumps({"step": pre.step, "checkpoint": os.path.abspath(pre.path), **eval_cfg}, sort_keys=True)
 
@@ -308,9 +308,9 @@ def _finetune(args: list[str]) -> int:
                  "scaler": scaler.state_dict() if scaler is not None else None, "records": records,
                  "epoch": epoch + 1, "step": step, "rng": _rng_state(device)}
         atomic_write(state_path, lambda f, st=state: torch.save(st, f))
-        _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source)))
+        write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source)))
     record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, len(test_source))
-    _write_json(out, record)
+    write_json(out, record)
     logger.info("fine-tuning of step %d: top-1 %.4f%s after %s; written to %s (the fine-tuned weights: %s)",
                 pre.step, record["top1"], f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "",
                 plural(s.epochs, "epoch"), out, state_path)
@@ -319,7 +319,7 @@ def _finetune(args: list[str]) -> int:
 
 def finetune_main(argv: list[str] | None = None) -> int:
     """``sslkit finetune checkpoint=RUN_DIR [eval.finetune.epochs=50] [eval.finetune.blr=5e-4] ...``"""
-    return run_tool("finetune", _finetune, argv, _usage(
+    return run_tool("finetune", _finetune, argv, tool_usage(
         "finetune", "the whole trunk and a linear head trained on labels (MAE's fine-tuning protocol: AdamW, "
         "layer-wise lr decay, drop path, label smoothing, warmup and cosine), top-1/top-5 per epoch into "
         "<run>/eval/finetune.json; resumes from its last epoch (eval.finetune.*)", FINETUNE_KEYS))

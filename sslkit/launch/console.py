@@ -62,11 +62,6 @@ def guard_streams() -> None:
         sys.stderr = _Unbroken(sys.stderr)
 
 
-def plural(n: int, noun: str) -> str:
-    """``"1 epoch"``, ``"3 epochs"``: a count and its noun for a message (an English ``s`` plural)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def setup_logging(output_dir: str | None, rank: int = 0) -> None:
     """Log to stdout (rank 0; warnings only elsewhere) and to ``<output_dir>/log.txt`` on rank 0. This process's
     stdout and stderr become :func:`guard_streams`' first: a reader that goes away costs nothing but the output."""
@@ -103,7 +98,7 @@ def launch_workers(fn: Any, fn_args: tuple[Any, ...], who: str = "sslkit", then:
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     from sslkit.distributed import launch
-    from sslkit.reliability import PREEMPTED_EXIT_CODE
+    from sslkit.errors import PREEMPTED_EXIT_CODE
 
     try:
         launch(fn, fn_args, **launch_kwargs)

@@ -16,7 +16,7 @@ from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAG
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from sslkit.runfolder import FolderPlan
+    from sslkit.launch.runfolder import FolderPlan
     from sslkit.task import SSLTask
 
 __all__ = ["console", "main", "run"]
@@ -28,17 +28,17 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
         argv: list[str] | None = None) -> SSLTask:
     """Train with a composed config: write config.yaml (and command.json), build the task, auto-resume, train.
 
-    ``plan`` is what :func:`~sslkit.runfolder.prepare_output_dir` decided for the folder (made by
+    ``plan`` is what :func:`~sslkit.launch.runfolder.prepare_output_dir` decided for the folder (made by
     :func:`main` before any worker starts); ``summary`` the config as a diff against its recipe; ``argv``
     the command-line arguments, kept in the folder for the run's report.
     """
     from sslkit import registry as R
     from sslkit.builder import build_task
     from sslkit.checkpoint import checkpoint_dir, load_checkpoint
-    from sslkit.console import setup_logging
     from sslkit.distributed import get_rank
-    from sslkit.runfolder import write_command, write_config
-    from sslkit.trackers import finish_trackers
+    from sslkit.hooks.trackers import finish_trackers
+    from sslkit.launch.console import setup_logging
+    from sslkit.launch.runfolder import write_command, write_config
     from sslkit.trainer import train
 
     rank = get_rank()
@@ -75,10 +75,10 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
 
 
 def _write_report(output_dir: str) -> None:
-    """The finished run's summary (report.md) and plots (sslkit/report.py); a failure there is logged, never
+    """The finished run's summary (report.md) and plots (sslkit/tools/report.py); a failure there is logged, never
     raised: the run's work is done and saved."""
     try:
-        from sslkit.report import write_report
+        from sslkit.tools.report import write_report
 
         text = write_report(output_dir)
         logger.info("%s\nsummary and plots: %s (again at any time: sslkit report %s)", text.rstrip(),
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
     traceback means a bug in sslkit (or in user code it runs).
     """
-    from sslkit.console import debug_flag, guard_streams
+    from sslkit.launch.console import debug_flag, guard_streams
 
     if argv is None:  # this process's own command (tools/run.py): a closed pipe must not cost the checkpoint
         guard_streams()
@@ -118,15 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_status(exc: BaseException, debug: bool) -> int | None:
     """The exit status of a run that ended with ``exc``, its message printed; None for what is re-raised (a bug,
     or anything but a pre-emption with ``--debug``)."""
-    from sslkit.runtime import pair_problem
+    from sslkit.launch.runtime import pair_problem
 
     problem = pair_problem(exc)  # before the imports below, which may need the torchvision that failed
     if problem is not None and not debug:
         print(f"sslkit: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     from sslkit import registry as R
+    from sslkit.errors import PREEMPTED_EXIT_CODE
     from sslkit.guard import TrainingHalted
-    from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted
+    from sslkit.reliability import Preempted
 
     if isinstance(exc, KeyboardInterrupt) and not debug:
         print("sslkit: interrupted at once (a second Ctrl-C, or one before training started); no checkpoint was "
@@ -136,7 +137,6 @@ def _exit_status(exc: BaseException, debug: bool) -> int | None:
     if isinstance(exc, Preempted):
         from sslkit.distributed import launched_by_torchrun
 
-        LAST_STOP["signal"] = exc.signal_name  # (a SLURM task requeues its job after SIGUSR2)
         if not launched_by_torchrun() or os.environ.get("RANK", "0") == "0":  # rank 0 says it once
             print(f"sslkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
@@ -172,7 +172,7 @@ def _print(text: str) -> None:
 
 
 def _usage() -> str:
-    from sslkit.catalog import usage_text
+    from sslkit.launch.catalog import usage_text
 
     return usage_text()
 
@@ -180,12 +180,12 @@ def _usage() -> str:
 def _main(args: list[str]) -> int:
     from sslkit.config.compose import compose_config, format_recipe_diff
     from sslkit.distributed import init_process_group, launched_by_torchrun, shutdown
-    from sslkit.runfolder import prepare_output_dir
-    from sslkit.slurm import in_slurm_task, submit
+    from sslkit.launch.runfolder import prepare_output_dir
+    from sslkit.launch.slurm import in_slurm_task, submit
 
     cfg = compose_config(args)
     if cfg.launcher == "slurm" and not in_slurm_task():
-        return submit(cfg, args)  # (in the job's tasks the same command trains)
+        return submit(cfg, args, main)  # (in the job's tasks the same command trains)
     import torchvision  # noqa: F401  (one that does not load with this torch stops here, before the run folder)
 
     d = cfg.distributed
@@ -207,7 +207,7 @@ def _main(args: list[str]) -> int:
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:
     """Spawn this node's training workers; their failures become a message and an exit status."""
-    from sslkit.console import launch_workers
+    from sslkit.launch.console import launch_workers
 
     d = cfg.distributed
     return launch_workers(_worker_main, (args, plan, summary), "sslkit", RESUMES, nproc_per_node=d.nproc_per_node,
@@ -215,9 +215,6 @@ def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary:
                           master_port=d.master_port, backend=d.backend, timeout_s=d.timeout_s,
                           device=cfg.machine.device)
 
-
-#: The signal that pre-empted the last run :func:`main` ran in this process (``signal``), if one did.
-LAST_STOP: dict[str, str] = {}
 
 #: What a training run's failure message ends with.
 RESUMES = " Running the same command resumes from the last checkpoint."
@@ -230,10 +227,11 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
     error is printed by rank 0 and ends the worker with its exit code, without a traceback.
     """
     from sslkit.config.compose import compose_config
-    from sslkit.console import end_worker
     from sslkit.distributed import get_rank
+    from sslkit.errors import PREEMPTED_EXIT_CODE
     from sslkit.guard import TrainingHalted
-    from sslkit.reliability import PREEMPTED_EXIT_CODE, Preempted
+    from sslkit.launch.console import end_worker
+    from sslkit.reliability import Preempted
 
     try:
         run(compose_config(args), plan if get_rank() == 0 else None, summary, args)
@@ -276,32 +274,32 @@ def _command(name: str) -> Any:
         return main
     if name == "list":
         def listing(_args: list[str]) -> int:
-            from sslkit.catalog import catalog_text
+            from sslkit.launch.catalog import catalog_text
 
             _print(catalog_text())
             return 0
         return listing
     if name == "export":
-        from sslkit.evaluation.export import export_main
+        from sslkit.tools.export import export_main
 
         return export_main
     if name == "finetune":
-        from sslkit.evaluation.finetune import finetune_main
+        from sslkit.tools.finetune import finetune_main
 
         return finetune_main
     if name == "report":
-        from sslkit.report import main as report_main
+        from sslkit.tools.report import main as report_main
 
         return report_main
     if name == "doctor":
-        from sslkit.doctor import main as doctor_main
+        from sslkit.launch.doctor import main as doctor_main
 
         return doctor_main
     if name == "viz":
-        from sslkit.viz import viz_main
+        from sslkit.tools.viz import viz_main
 
         return viz_main
-    from sslkit.evaluation import tools
+    from sslkit.tools import common as tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]
 
@@ -310,17 +308,17 @@ def console(argv: list[str] | None = None) -> int:
     """The ``sslkit`` command: ``sslkit <command> [key=value ...]``, one of :data:`COMMANDS`."""
     args = sys.argv[1:] if argv is None else argv
     if argv is None:
-        from sslkit.console import guard_streams
+        from sslkit.launch.console import guard_streams
 
         guard_streams()
     if args and args[0] in COMMANDS:
-        from sslkit.runtime import run_entry
+        from sslkit.launch.runtime import run_entry
 
         return run_entry(lambda: _command(args[0])(args[1:]))
     lines = "\n".join(f"  {name:8s} {what}" for name, what in COMMANDS.items())
     text = f"usage: sslkit <command> [key=value ...]\n\ncommands:\n{lines}\n\nsslkit <command> --help says more."
     if args and args[0] not in ("-h", "--help"):
-        from sslkit.suggest import did_you_mean
+        from sslkit.errors import did_you_mean
 
         print(f"sslkit: unknown command '{args[0]}'.{did_you_mean(args[0], list(COMMANDS))}\n\n{text}",
               file=sys.stderr)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
-from sslkit.evaluation.pretrained import Pretrained, ToolError
+from sslkit.tools.pretrained import Pretrained, ToolError
 
 __all__ = ["KINDS", "VIZ_KEYS", "cls_attention", "embed_2d", "foreground", "kept_by_mass", "nearest", "patch_features",
            "principal_components", "viz_main"]
@@ -83,7 +83,7 @@ def cls_attention(trunk: nn.Module, x: Tensor) -> tuple[Tensor, int]:
                         f"{type(trunk).__name__} has none")
     seen: dict[str, Tensor] = {}
 
-    def grab(_module: nn.Module, args: tuple[Any, ...]) -> None:
+    def grab(part_module: nn.Module, args: tuple[Any, ...]) -> None:
         seen["x"] = args[0]
 
     handle = attn.register_forward_pre_hook(grab)
@@ -202,10 +202,10 @@ def nearest(memory: Tensor, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` most cosine-similar rows of ``memory`` for each query: ``(similarities [Q, k], indices [Q, k])`` by
     decreasing similarity, ties at the k-th place broken by the lower index, exactly as the kNN protocol
     (:mod:`sslkit.evaluation.knn`) picks its voters."""
-    from sslkit.evaluation.knn import _select_neighbours
+    from sslkit.evaluation.knn import select_neighbours
 
     sim = F.normalize(queries.float(), dim=1) @ F.normalize(memory.float(), dim=1).T
-    return _select_neighbours(sim, min(k, memory.shape[0]))
+    return select_neighbours(sim, min(k, memory.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def _transforms(cfg: DictConfig, channels: int, size: int | None) -> tuple[Any, 
 def _dataset(pre: Pretrained, images: str | None, split: str, channels: int) -> tuple[Any, list[str], str]:
     """The images to draw: ``(dataset, class names, what it is)``."""
     from sslkit.data.sources import DataSourceError, FileListDataset, FolderDataset
-    from sslkit.evaluation.tools import eval_split
+    from sslkit.tools.common import eval_split
 
     if images:
         path = os.path.expanduser(images)
@@ -561,12 +561,12 @@ def _features_of(job: Job, ds: Any, indices: list[int]) -> tuple[Tensor, Tensor]
     from torch.utils.data import Subset
 
     from sslkit.evaluation.features import extract_features
-    from sslkit.evaluation.tools import _amp, _loader, feature_encoder
+    from sslkit.tools.common import amp_dtype, feature_encoder, tool_loader
 
     cfg = job.pre.config
     transform = OmegaConf.create(_eval_transform(cfg, job.size))
-    loader = _loader(cfg, Subset(ds, indices), transform, job.pre.device, int(cfg.eval.knn.batch_size))
-    return extract_features(feature_encoder(job.trunk, cfg), loader, job.pre.device, _amp(cfg), normalize=True)
+    loader = tool_loader(cfg, Subset(ds, indices), transform, job.pre.device, int(cfg.eval.knn.batch_size))
+    return extract_features(feature_encoder(job.trunk, cfg), loader, job.pre.device, amp_dtype(cfg), normalize=True)
 
 
 def _embedding(job: Job) -> dict[str, Any]:
@@ -630,10 +630,10 @@ def _neighbors(job: Job) -> dict[str, Any]:
     if not shown.classes:
         shown.classes = classes
     from sslkit.evaluation.features import extract_features
-    from sslkit.evaluation.tools import _amp, feature_encoder
+    from sslkit.tools.common import amp_dtype, feature_encoder
 
     batch = [{"input": [shown.inputs], "target": torch.tensor(shown.labels)}]  # as the memory: the same autocast
-    q, _ = extract_features(feature_encoder(job.trunk, cfg), batch, job.pre.device, _amp(cfg), normalize=True)
+    q, _ = extract_features(feature_encoder(job.trunk, cfg), batch, job.pre.device, amp_dtype(cfg), normalize=True)
     sims, idx = nearest(mem_f, q, k)
     vote_k = min(int(cfg.eval.knn.k), len(mem_f))
     scores = knn_class_scores(mem_f, mem_y, q, num_classes, vote_k, float(cfg.eval.knn.temperature))
@@ -732,7 +732,7 @@ def _kinds(opts: dict[str, str], trunk: nn.Module) -> list[str]:
     asked = [k.strip() for k in opts["kind"].split(",") if k.strip()]
     for k in asked:
         if k not in KINDS:
-            from sslkit.suggest import did_you_mean
+            from sslkit.errors import did_you_mean
 
             raise ToolError(f"kind={k}: unknown.{did_you_mean(k, list(KINDS))} Use one or more of {', '.join(KINDS)}")
         if k not in works:
@@ -742,14 +742,14 @@ def _kinds(opts: dict[str, str], trunk: nn.Module) -> list[str]:
 
 
 def _viz(args: list[str]) -> int:
-    from sslkit.evaluation.tools import _features_part, _module, _pretrained, parse_tool_args
+    from sslkit.tools.common import features_part, parse_tool_args, part_module, tool_pretrained
 
     opts, overrides = parse_tool_args("viz", args, VIZ_KEYS)
     if opts.get("split", "test") not in ("train", "test"):
         raise ToolError(f"split={opts['split']}: use split=test or split=train")
-    pre = _pretrained("viz", opts, overrides)
-    part = _features_part(opts, ("trunk", "teacher"))
-    trunk = _module(pre, part).eval()
+    pre = tool_pretrained("viz", opts, overrides)
+    part = features_part(opts, ("trunk", "teacher"))
+    trunk = part_module(pre, part).eval()
     kinds = _kinds(opts, trunk)
     channels = int(next(p for p in trunk.parameters() if p.ndim == 4).shape[1])
     if "image_size" in opts:
@@ -776,9 +776,9 @@ def _viz(args: list[str]) -> int:
 
 def viz_main(argv: list[str] | None = None) -> int:
     """``sslkit viz checkpoint=RUN_DIR [kind=attention,pca,embedding,neighbors] [images=FOLDER] ...``"""
-    from sslkit.evaluation.tools import _usage, run_tool
+    from sslkit.tools.common import run_tool, tool_usage
 
-    return run_tool("viz", _viz, argv, _usage("viz", "pictures of what the encoder learned, with an index.html, into "
-                                              "<run>/viz/<kind>/: attention (a ViT's CLS attention per head), pca "
-                                              "(patch features as RGB), embedding (a 2-D map of a labelled split), "
-                                              "neighbors (queries and their kNN neighbours)", VIZ_KEYS))
+    usage = tool_usage("viz", "pictures of what the encoder learned, with an index.html, into <run>/viz/<kind>/: "
+                              "attention (a ViT's CLS attention per head), pca (patch features as RGB), embedding "
+                              "(a 2-D map of a labelled split), neighbors (queries and their kNN neighbours)", VIZ_KEYS)
+    return run_tool("viz", _viz, argv, usage)

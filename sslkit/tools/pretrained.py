@@ -11,10 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
-from sslkit.config.compose import ConfigError, _apply_overrides, import_modules, schema, validate
+from sslkit.checkpointing.sharded import METADATA
+from sslkit.config.compose import ConfigError, apply_overrides, import_modules, schema, validate
 from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError
-from sslkit.sharded_checkpoint import METADATA
 
 __all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint"]
 
@@ -110,7 +110,7 @@ def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
     # says otherwise. (Kept, a run from 4 GPUs or 2 nodes would fail the device check on a 1-GPU machine.)
     cfg.distributed = schema().distributed
     cfg.launcher = "local"  # an evaluation runs here (a SLURM-trained run's config says slurm)
-    _apply_overrides(cfg, overrides)
+    apply_overrides(cfg, overrides)
     import_modules(cfg)
     validate(cfg)
     OmegaConf.set_struct(cfg, True)

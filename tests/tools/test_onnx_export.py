@@ -15,7 +15,7 @@ import torch
 from helpers import RECIPES, SMALL, run_main, run_sslkit
 
 from sslkit.evaluation import export as E
-from sslkit.evaluation.pretrained import load_pretrained
+from sslkit.tools.pretrained import load_pretrained
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false", "eval.knn.enabled=false"]
 

@@ -9,8 +9,7 @@ import statistics
 import sys
 from typing import Any
 
-from sslkit.console import plural
-from sslkit.errors import EXIT_BAD_INPUT, UserError
+from sslkit.errors import EXIT_BAD_INPUT, UserError, plural
 
 __all__ = ["ReportError", "main", "read_metrics", "summarize", "write_report"]
 

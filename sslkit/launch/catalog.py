@@ -53,7 +53,7 @@ def _cut(text: str, width: int) -> str:
 def description(obj: Any) -> str:
     """One line about a registered object: the first sentence of its own docstring ("" without one); for a
     method, what it is made of and the hooks it requires, then its summary."""
-    from sslkit.method import Method
+    from sslkit.methods.base import Method
 
     if isinstance(obj, Method):
         required = ", ".join(obj.required_hooks) or "none"
@@ -97,9 +97,9 @@ def registered() -> dict[str, dict[str, str]]:
     """Registry name -> {registered name -> description}, after importing sslkit's own registrations."""
     import sslkit.data
     import sslkit.hooks
-    import sslkit.masking
     import sslkit.methods
     import sslkit.models
+    import sslkit.models.masking
     import sslkit.reliability
     import sslkit.train_steps.standard  # noqa: F401
     from sslkit.registry import REGISTRIES

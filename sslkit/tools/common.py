@@ -19,8 +19,16 @@ from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
 from sslkit.config.compose import schema
-from sslkit.console import debug_flag, end_worker, launch_workers, plural, setup_logging
-from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAGE_ERRNOS, UserError, storage_error
+from sslkit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    STORAGE_ERRNOS,
+    UserError,
+    did_you_mean,
+    plural,
+    storage_error,
+)
 from sslkit.evaluation.features import FeatureEncoder, extract_features
 from sslkit.evaluation.knn import weighted_knn
 from sslkit.evaluation.linear import (
@@ -32,9 +40,9 @@ from sslkit.evaluation.linear import (
     settings_of,
     train_epoch,
 )
-from sslkit.evaluation.pretrained import Pretrained, ToolError, load_pretrained
+from sslkit.launch.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.registry import UnknownNameError
-from sslkit.suggest import did_you_mean
+from sslkit.tools.pretrained import Pretrained, ToolError, load_pretrained
 
 __all__ = ["eval_split", "extract_main", "feature_encoder", "knn_main", "linear_main", "parse_tool_args", "run_tool",
            "train_crop"]
@@ -82,11 +90,11 @@ def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[d
             raise ToolError(f"sslkit {tool}: unknown argument '{key}'.{did_you_mean(key, [*keys, *top_level])} "
                             f"It takes {', '.join(f'{k}=' for k in keys)} and config overrides (a.b=c).")
     if overrides:  # a mistyped key is said before the checkpoint is read (values are checked with the run's config)
-        from sslkit.config.compose import _apply_overrides
+        from sslkit.config.compose import apply_overrides
 
         probe = schema()
         OmegaConf.set_struct(probe, False)
-        _apply_overrides(probe, overrides)
+        apply_overrides(probe, overrides)
     return opts, overrides
 
 
@@ -124,7 +132,7 @@ def run_tool(tool: str, body: Callable[[list[str]], int], argv: list[str] | None
 # ----------------------------------------------------------------------------------------------------
 
 
-def _pretrained(tool: str, opts: dict[str, str], overrides: list[str]) -> Pretrained:
+def tool_pretrained(tool: str, opts: dict[str, str], overrides: list[str]) -> Pretrained:
     if "checkpoint" not in opts:
         raise ToolError(f"sslkit {tool} needs checkpoint=RUN_DIR (a run's output_dir: its latest checkpoint) or "
                         "checkpoint=FILE.pt")
@@ -134,9 +142,9 @@ def _pretrained(tool: str, opts: dict[str, str], overrides: list[str]) -> Pretra
     return pre
 
 
-def _loader(cfg: DictConfig, source: Any, transform: DictConfig, device: torch.device, batch_size: int,
+def tool_loader(cfg: DictConfig, source: Any, transform: DictConfig, device: torch.device, batch_size: int,
             train: bool = False) -> Any:
-    from sslkit.builder import _loader as build
+    from sslkit.builder import loader_for as build
     from sslkit.builder import resolve_num_workers
 
     workers, _ = resolve_num_workers(cfg.data.num_workers, device)
@@ -144,31 +152,31 @@ def _loader(cfg: DictConfig, source: Any, transform: DictConfig, device: torch.d
     return build(cfg, source, transform, train=train, batch_size=batch_size, workers=workers, pin=pin)
 
 
-def _amp(cfg: DictConfig) -> torch.dtype | None:
+def amp_dtype(cfg: DictConfig) -> torch.dtype | None:
     if not cfg.amp.enabled:
         return None
     return torch.bfloat16 if cfg.amp.dtype == "bfloat16" else torch.float16
 
 
-def _describe_data(cfg: DictConfig) -> dict[str, Any]:
+def describe_data(cfg: DictConfig) -> dict[str, Any]:
     from sslkit.builder import eval_specs
 
     return {split: {"source": source, "path": path, "from": where}
             for split, (source, path, _, where) in eval_specs(cfg).items()}
 
 
-def _output(opts: dict[str, str], pre: Pretrained, default: str) -> str:
+def output_path(opts: dict[str, str], pre: Pretrained, default: str) -> str:
     path = opts.get("output") or os.path.join(pre.run_dir, "eval", default)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
 
 
-def _write_json(path: str, record: dict[str, Any]) -> None:
+def write_json(path: str, record: dict[str, Any]) -> None:
     text = json.dumps(record, indent=1)
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def _sources(cfg: DictConfig) -> tuple[Any, Any, int]:
+def tool_sources(cfg: DictConfig) -> tuple[Any, Any, int]:
     from sslkit.builder import eval_sources
 
     return eval_sources(cfg)
@@ -178,23 +186,23 @@ def eval_split(cfg: DictConfig, split: str, advice: str = "") -> tuple[Any, str,
     """The evaluation set ``split`` (train or test) as :func:`~sslkit.builder.eval_specs` names it, cut to
     ``data.limit``: ``(dataset, source name, path)``. A folder or file-list source without its path is a
     :class:`ToolError` naming the key (``advice`` added)."""
-    from sslkit.builder import _limited, eval_specs
+    from sslkit.builder import eval_specs, limited
     from sslkit.data import build_source
 
     source_name, path, kwargs, where = eval_specs(cfg)[split]
     if path is None and source_name in ("folder", "filelist"):
         raise ToolError(f"{where}.path is not set: a {source_name} source needs the path of its {split} set{advice}")
-    return _limited(build_source(source_name, split, path, **kwargs), cfg.data.limit), str(source_name), path
+    return limited(build_source(source_name, split, path, **kwargs), cfg.data.limit), str(source_name), path
 
 
-def _features_part(opts: dict[str, str], allowed: tuple[str, ...]) -> str:
+def features_part(opts: dict[str, str], allowed: tuple[str, ...]) -> str:
     part = opts.get("features", "trunk")
     if part not in allowed:
         raise ToolError(f"features={part}: use one of {', '.join(allowed)}")
     return part
 
 
-def _module(pre: Pretrained, part: str) -> nn.Module:
+def part_module(pre: Pretrained, part: str) -> nn.Module:
     """The network ``features=`` names: the trunk, the teacher (momentum encoder) or the trunk and its head."""
     if part == "teacher":
         teacher = getattr(pre.model, "teacher_trunk", None)
@@ -218,7 +226,7 @@ def feature_encoder(trunk: nn.Module, cfg: DictConfig) -> FeatureEncoder:
 def _encoder(pre: Pretrained, part: str) -> nn.Module:
     """What an evaluation encodes images with: the trunk or the teacher read through :func:`feature_encoder`, or the
     projector's output (the head reads the trunk's own features, so ``eval.vit_features`` does not apply)."""
-    module = _module(pre, part)
+    module = part_module(pre, part)
     if part == "projector":
         if pre.config.eval.vit_features != "pool":
             logger.info("features=projector: the head's output on the trunk's own features (eval.vit_features=%s "
@@ -227,7 +235,7 @@ def _encoder(pre: Pretrained, part: str) -> nn.Module:
     return feature_encoder(module, pre.config)
 
 
-def _feature_record(encoder: nn.Module) -> dict[str, Any]:
+def feature_record(encoder: nn.Module) -> dict[str, Any]:
     """What a results file says of the features read: ``vit_features`` and ``vit_last_n``."""
     if isinstance(encoder, FeatureEncoder):
         return encoder.describe()
@@ -251,29 +259,30 @@ def train_crop(cfg: DictConfig, crop_scale: Any) -> DictConfig:
 
 def _knn(args: list[str]) -> int:
     opts, overrides = parse_tool_args("knn", args, TOOL_KEYS["knn"])
-    pre = _pretrained("knn", opts, overrides)
+    pre = tool_pretrained("knn", opts, overrides)
     cfg = pre.config
-    part = _features_part(opts, ("trunk", "teacher", "projector"))
-    train_source, test_source, num_classes = _sources(cfg)
+    part = features_part(opts, ("trunk", "teacher", "projector"))
+    train_source, test_source, num_classes = tool_sources(cfg)
     k = cfg.eval.knn
     start = time.perf_counter()
     encoder = _encoder(pre, part)
-    loaders = [_loader(cfg, s, cfg.data.eval_transform, pre.device, k.batch_size) for s in (train_source, test_source)]
-    train_f, train_y = extract_features(encoder, loaders[0], pre.device, _amp(cfg))
-    test_f, test_y = extract_features(encoder, loaders[1], pre.device, _amp(cfg))
+    loaders = [tool_loader(cfg, s, cfg.data.eval_transform, pre.device, k.batch_size)
+               for s in (train_source, test_source)]
+    train_f, train_y = extract_features(encoder, loaders[0], pre.device, amp_dtype(cfg))
+    test_f, test_y = extract_features(encoder, loaders[1], pre.device, amp_dtype(cfg))
     used_k = min(int(k.k), len(train_f))
     if used_k < k.k:
         logger.warning("kNN: eval.knn.k=%d but the train set has %d samples: using k=%d", k.k, len(train_f), used_k)
     found = weighted_knn(train_f, train_y, test_f, test_y, num_classes, used_k, float(k.temperature))
     record = {"top1": found["knn_top1"], "top5": found.get("knn_top5"), "step": pre.step, "checkpoint": pre.path,
-              "features": part, **_feature_record(encoder), "feature_dim": int(train_f.shape[1]),
+              "features": part, **feature_record(encoder), "feature_dim": int(train_f.shape[1]),
               "num_train": len(train_f), "num_test": len(test_f), "num_classes": num_classes,
               "time_s": round(time.perf_counter() - start, 2),
               "config": {"k": used_k, "temperature": float(k.temperature), "protocol": "weighted kNN (Wu et al. "
-                         "2018): cosine similarity, votes exp(s/T)", "data": _describe_data(cfg),
+                         "2018): cosine similarity, votes exp(s/T)", "data": describe_data(cfg),
                          "eval_transform": OmegaConf.to_container(cfg.data.eval_transform, resolve=True)}}
-    path = _output(opts, pre, "knn.json")
-    _write_json(path, record)
+    path = output_path(opts, pre, "knn.json")
+    write_json(path, record)
     top5 = f", top-5 {record['top5']:.4f}" if record["top5"] is not None else ""
     logger.info("kNN (k=%d, T=%g) of step %d: top-1 %.4f%s; written to %s", used_k, k.temperature, pre.step,
                 record["top1"], top5, path)
@@ -282,7 +291,7 @@ def _knn(args: list[str]) -> int:
 
 def knn_main(argv: list[str] | None = None) -> int:
     """``sslkit knn checkpoint=RUN_DIR [features=trunk] [eval.knn.k=20] [eval.data.train.path=...] ...``"""
-    return run_tool("knn", _knn, argv, _usage("knn", "weighted kNN top-1/top-5 of a checkpoint's features, into "
+    return run_tool("knn", _knn, argv, tool_usage("knn", "weighted kNN top-1/top-5 of a checkpoint's features, into "
                                                "<run>/eval/knn.json (eval.knn.k, eval.knn.temperature)"))
 
 
@@ -295,15 +304,15 @@ def _linear(args: list[str]) -> int:
     from sslkit.checkpoint import read_checkpoint
 
     opts, overrides = parse_tool_args("linear", args, TOOL_KEYS["linear"])
-    pre = _pretrained("linear", opts, overrides)
+    pre = tool_pretrained("linear", opts, overrides)
     cfg = pre.config
-    part = _features_part(opts, ("trunk", "teacher"))
+    part = features_part(opts, ("trunk", "teacher"))
     lin = cfg.eval.linear
     s = settings_of(lin)
-    train_source, test_source, num_classes = _sources(cfg)
+    train_source, test_source, num_classes = tool_sources(cfg)
     encoder = _encoder(pre, part)
-    device, amp = pre.device, _amp(cfg)
-    out = _output(opts, pre, "linear.json")
+    device, amp = pre.device, amp_dtype(cfg)
+    out = output_path(opts, pre, "linear.json")
     state_path = os.path.splitext(out)[0] + ".state.pt"
     eval_cfg = {"protocol": "SimCLR linear evaluation (Chen et al. 2020; google-research/simclr README, linear eval)",
                 "epochs": s.epochs,
@@ -311,13 +320,13 @@ def _linear(args: list[str]) -> int:
                 "nesterov": s.nesterov, "weight_decay": s.weight_decay, "schedule": "cosine, no warmup",
                 "classifier": "zero-initialised nn.Linear", "augment": bool(lin.augment),
                 "crop_scale": list(lin.crop_scale) if lin.augment else None, "features": part,
-                **_feature_record(encoder), "data": _describe_data(cfg), "seed": int(cfg.seed),
+                **feature_record(encoder), "data": describe_data(cfg), "seed": int(cfg.seed),
                 "eval_transform": OmegaConf.to_container(cfg.data.eval_transform, resolve=True)}
     key = json.dumps({"step": pre.step, "checkpoint": os.path.abspath(pre.path), **eval_cfg}, sort_keys=True)
 
     fb = int(lin.batch_size_features)
     start = time.perf_counter()
-    test_f, test_y = extract_features(encoder, _loader(cfg, test_source, cfg.data.eval_transform, device, fb),
+    test_f, test_y = extract_features(encoder, tool_loader(cfg, test_source, cfg.data.eval_transform, device, fb),
                                       device, amp, normalize=False)
     test_f, test_y = test_f.to(device), test_y.to(device)
     dim = test_f.shape[1]
@@ -336,14 +345,14 @@ def _linear(args: list[str]) -> int:
             logger.info("linear: %s is of another checkpoint or other settings; starting afresh", state_path)
 
     if not lin.augment:
-        train_f, train_y = extract_features(encoder, _loader(cfg, train_source, cfg.data.eval_transform, device, fb),
-                                            device, amp, normalize=False)
+        train_loader = tool_loader(cfg, train_source, cfg.data.eval_transform, device, fb)
+        train_f, train_y = extract_features(encoder, train_loader, device, amp, normalize=False)
         train_f, train_y = train_f.to(device), train_y.to(device)
         steps_per_epoch = -(-train_f.shape[0] // s.batch_size)
         logger.info("linear: features computed once (eval.linear.augment=false): %d train x %d, %d test",
                     train_f.shape[0], dim, test_f.shape[0])
     else:
-        train_loader = _loader(cfg, train_source, train_crop(cfg, lin.crop_scale), device, s.batch_size, train=True)
+        train_loader = tool_loader(cfg, train_source, train_crop(cfg, lin.crop_scale), device, s.batch_size, train=True)
         steps_per_epoch = len(train_loader)
         logger.info("linear: random resized crop (scale %s) and flip each epoch, the trunk frozen in eval mode",
                     list(lin.crop_scale))
@@ -366,9 +375,9 @@ def _linear(args: list[str]) -> int:
         state = {"key": key, "classifier": head.state_dict(), "optimizer": optimizer.state_dict(),
                  "records": records, "epoch": epoch + 1, "step": step}
         atomic_write(state_path, lambda f, st=state: torch.save(st, f))
-        _write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0]))
+        write_json(out, epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0]))
     record = epochs_record(records, pre, s.epochs, eval_cfg, start, dim, num_classes, test_f.shape[0])
-    _write_json(out, record)
+    write_json(out, record)
     logger.info("linear probe of step %d: top-1 %.4f%s after %s; written to %s", pre.step, record["top1"],
                 f", top-5 {record['top5']:.4f}" if record.get("top5") is not None else "", plural(s.epochs, "epoch"),
                 out)
@@ -399,7 +408,7 @@ def _encoded(encoder: nn.Module, loader: Any, device: torch.device, amp: torch.d
 
 def linear_main(argv: list[str] | None = None) -> int:
     """``sslkit linear checkpoint=RUN_DIR [eval.linear.epochs=30] [eval.linear.augment=false] ...``"""
-    return run_tool("linear", _linear, argv, _usage("linear", "a linear classifier on the frozen trunk (SimCLR's "
+    return run_tool("linear", _linear, argv, tool_usage("linear", "a linear classifier on the frozen trunk (SimCLR's "
                                                      "protocol), top-1/top-5 per epoch into <run>/eval/linear.json; "
                                                      "resumes from its last epoch (eval.linear.*)"))
 
@@ -424,7 +433,7 @@ def _extract(args: list[str]) -> int:
     nproc = int(_O.from_dotlist([o for o in overrides if o.startswith("distributed.nproc_per_node=")] or
                                 ["distributed.nproc_per_node=1"]).distributed.nproc_per_node)
     if nproc > 1:
-        from sslkit.evaluation.pretrained import pretrained_config
+        from sslkit.tools.pretrained import pretrained_config
 
         # Checked here, once, before any process starts: the checkpoint, the keys, and one GPU per process.
         cfg = pretrained_config(opts["checkpoint"], overrides)
@@ -451,18 +460,18 @@ def _extract_worker(args: list[str]) -> None:
 def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> None:
     from sslkit.distributed import all_gather_object, get_rank, is_distributed
 
-    pre = _pretrained("extract", opts, overrides)
+    pre = tool_pretrained("extract", opts, overrides)
     cfg = pre.config
-    part = _features_part(opts, ("trunk", "teacher", "projector"))
+    part = features_part(opts, ("trunk", "teacher", "projector"))
     normalize = opts.get("normalize", "false").lower() in ("1", "true", "yes")
     source, _, _ = eval_split(cfg, split)
-    loader = _loader(cfg, source, cfg.data.eval_transform, pre.device, int(cfg.eval.linear.batch_size_features))
+    loader = tool_loader(cfg, source, cfg.data.eval_transform, pre.device, int(cfg.eval.linear.batch_size_features))
     encoder = _encoder(pre, part)
     encoder.eval()
     feats: list[Tensor] = []
     labels: list[Tensor] = []
     indices: list[Tensor] = []
-    amp = _amp(cfg)
+    amp = amp_dtype(cfg)
     with torch.no_grad():
         for batch in loader:
             x = batch["input"][0].to(pre.device, non_blocking=True)
@@ -487,9 +496,9 @@ def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> Non
     keep[1:] = index[order][1:] != index[order][:-1]
     order = order[keep]
     features, targets, index = features[order], targets[order], index[order]
-    out = _output(opts, pre, f"features_{split}.npz")
+    out = output_path(opts, pre, f"features_{split}.npz")
     _save_features(out, features, targets, index, {"checkpoint": pre.path, "step": pre.step, "split": split,
-                                                   "features": part, **_feature_record(encoder),
+                                                   "features": part, **feature_record(encoder),
                                                    "normalized": normalize})
     logger.info("extract: %d x %d %s features of the %s split (step %d) written to %s", features.shape[0],
                 features.shape[1], part, split, pre.step, out)
@@ -511,11 +520,11 @@ def _save_features(path: str, features: Tensor, labels: Tensor, indices: Tensor,
 
 def extract_main(argv: list[str] | None = None) -> int:
     """``sslkit extract checkpoint=RUN_DIR split=test output=feats.npz [features=projector] ...``"""
-    return run_tool("extract", _extract, argv, _usage("extract", "features and labels of a split to a file, in "
+    return run_tool("extract", _extract, argv, tool_usage("extract", "features and labels of a split to a file, in "
                                                        "dataset order (distributed.nproc_per_node=N: N processes)"))
 
 
-def _usage(tool: str, what: str, keys_of: dict[str, str] | None = None) -> str:
+def tool_usage(tool: str, what: str, keys_of: dict[str, str] | None = None) -> str:
     keys = "\n".join(f"  {k}=...  {v}" for k, v in (keys_of or TOOL_KEYS.get(tool, {})).items())
     return (f"usage: sslkit {tool} checkpoint=RUN_DIR|FILE [key=value ...]\n\n{what}.\n\n{keys}\n"
             "  a.b=c    any config key, applied to the run's config (e.g. machine.device=cpu, eval.data.train.path=..."

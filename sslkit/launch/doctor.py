@@ -112,7 +112,7 @@ def _version(module: str) -> str | None:
 
 
 def _torchvision_failed(exc: BaseException) -> bool:
-    from sslkit.runtime import pair_problem
+    from sslkit.launch.runtime import pair_problem
 
     return pair_problem(exc) is not None
 
@@ -133,7 +133,7 @@ def _installed(module: str) -> str | None:
 
 def pair_check() -> Check:
     """torchvision: installed, the release of this torch, and loading with it."""
-    from sslkit.runtime import pair_note, pair_problem, torch_pair
+    from sslkit.launch.runtime import pair_note, pair_problem, torch_pair
 
     torch_v, vision_v = torch_pair()
     if vision_v is None:
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     known = [*SMALL_RECIPES, *PAPER_RECIPES]
     unknown = [r for r in recipes if r not in known]
     if unknown:
-        from sslkit.suggest import did_you_mean
+        from sslkit.errors import did_you_mean
 
         print(f"sslkit doctor: error: unknown recipe {unknown[0]}.{did_you_mean(unknown[0], known)} "
               f"The recipes: {', '.join(known)}", file=sys.stderr)

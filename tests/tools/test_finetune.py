@@ -13,7 +13,7 @@ from helpers import RECIPES, SMALL, run_main, run_sslkit
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-import sslkit.evaluation.finetune as FT
+import sslkit.tools.finetune as FT
 from sslkit.evaluation import FeatureEncoder
 from sslkit.models.vit import build_vit
 

@@ -136,8 +136,7 @@ def _planner(**kwargs: Any) -> Any:
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            with torch.serialization.safe_globals(_numpy_globals()):
-                obj = torch.load(value, map_location="cpu", weights_only=True)
+            obj = torch.load(value, map_location="cpu", weights_only=True)
             fqn = read_item.dest_index.fqn
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -254,8 +253,7 @@ def read_rank_state(path: str, rank: int) -> tuple[int, dict[str, Any]]:
 def _unbytes(data: bytes) -> Any:
     """An item :func:`_bytes` wrote, read without running code and onto the CPU (a GPU run's loss and hook states
     hold CUDA tensors: evaluation on a machine without one reads them too; a resume moves them where they go)."""
-    with torch.serialization.safe_globals(_numpy_globals()):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def read_extra(path: str) -> dict[str, Any]:
@@ -264,12 +262,6 @@ def read_extra(path: str) -> dict[str, Any]:
     state: dict[str, Any] = {"extra": io.BytesIO()}
     _load(state, path, no_dist=True)
     return _unbytes(state["extra"])
-
-
-def _numpy_globals() -> list[Any]:
-    from sslkit.checkpoint import _numpy_array_globals
-
-    return _numpy_array_globals()
 
 
 def _template(path: str, prefix: str) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from sslkit.config.compose import compose_config
-from sslkit.report import ReportError, main, summarize, write_report
-from sslkit.runfolder import write_command, write_config
+from sslkit.launch.runfolder import write_command, write_config
+from sslkit.tools.report import ReportError, main, summarize, write_report
 from tests.helpers import SMALL, run_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -75,7 +75,7 @@ def test_summary_figures_match_the_records(tmp_path: Path) -> None:
 def test_the_final_loss_is_the_end_of_the_run_not_its_last_five_records() -> None:
     """A 100-step run logged every step: the mean of steps 90-100 (11 values); a short run logged at steps 2, 4, 6
     (MAE's 0.848 of issue 34 averaged back to its start): its last value only."""
-    from sslkit.report import final_loss, training_time
+    from sslkit.tools.report import final_loss, training_time
 
     losses = [(step, 1000.0 - step) for step in range(1, 101)]
     assert final_loss(losses, 100) == {"value": pytest.approx(905.0), "count": 11, "from_step": 90, "to_step": 100}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sslkit.masking import BlockMasking, MaskPlan, Masks, MultiBlockMasking, RandomMasking, SampleKeys, hash32
+from sslkit.models.masking import BlockMasking, MaskPlan, Masks, MultiBlockMasking, RandomMasking, SampleKeys, hash32
 
 
 def _fmix32(x: int) -> int:
@@ -216,7 +216,7 @@ def test_every_context_keeps_min_context_patches(recipe: str, grid: tuple[int, i
 
 
 def test_multi_block_masks_are_a_function_of_seed_epoch_and_index_with_no_host_sync() -> None:
-    from sslkit.audit import StepAudit
+    from sslkit.launch.audit import StepAudit
 
     gen = MultiBlockMasking()
     whole = gen(_keys(64), (14, 14))

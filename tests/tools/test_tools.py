@@ -14,7 +14,7 @@ from helpers import SMALL, metrics, run_main, run_sslkit
 from omegaconf import OmegaConf
 
 from sslkit.evaluation import linear as L
-from sslkit.evaluation.export import torchvision_twin
+from sslkit.tools.export import torchvision_twin
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false"]
 
@@ -158,7 +158,7 @@ def test_linear_tool_writes_every_epoch_and_resumes_exactly(run: Path, tmp_path:
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    import sslkit.evaluation.tools as T
+    import sslkit.tools.common as T
 
     monkeypatch.setattr(T, "accuracy", interrupted)
     code, _, err = sslkit(*args, f"output={tmp_path / 'cut.json'}")
@@ -189,7 +189,7 @@ def test_linear_tool_with_augmentation(run: Path, tmp_path: Path) -> None:
 
 def test_extract_gives_the_trunks_features_in_dataset_order(run: Path, tmp_path: Path) -> None:
     from sslkit.data import build_source, build_transform
-    from sslkit.evaluation.pretrained import load_pretrained
+    from sslkit.tools.pretrained import load_pretrained
 
     code, _, err = sslkit("extract", f"checkpoint={run}", "split=test", f"output={tmp_path / 'f.npz'}")
     assert code == 0, err
@@ -227,7 +227,7 @@ def test_extract_with_two_processes_equals_one(run: Path, tmp_path: Path) -> Non
 def test_the_runs_process_layout_does_not_carry_into_an_evaluation(run: Path) -> None:
     """A checkpoint trained over 4 processes on 2 nodes with NCCL is evaluated in one process here (its layout,
     kept, fails the device check: NCCL on a CPU, or 4 processes on a 1-GPU machine); an override still applies."""
-    from sslkit.evaluation.pretrained import eval_config
+    from sslkit.tools.pretrained import eval_config
 
     saved = OmegaConf.load(run / "config.yaml")
     saved.distributed.update(nproc_per_node=4, num_nodes=2, node_rank=1, backend="nccl", master_port=29500)
@@ -266,7 +266,7 @@ def test_export_loads_strictly_into_torchvision_and_gives_the_same_features(resn
     import torchvision
     from safetensors.torch import load_file
 
-    from sslkit.evaluation.pretrained import load_pretrained
+    from sslkit.tools.pretrained import load_pretrained
 
     out = tmp_path / "encoder.safetensors"
     code, _, err = sslkit("export", f"checkpoint={resnet_run}", f"output={out}")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from sslkit.checkpoint import atomic_write
-from sslkit.evaluation.pretrained import Pretrained, ToolError, normalisation
-from sslkit.suggest import did_you_mean
+from sslkit.errors import did_you_mean
+from sslkit.tools.pretrained import Pretrained, ToolError, normalisation
 
 __all__ = ["export_main", "export_onnx", "export_trunk", "export_vit", "timm_twin", "torchvision_twin"]
 
@@ -385,7 +385,7 @@ def _architecture(trunk: nn.Module, cfg: Any, channels: int) -> str:
 
 
 def _export(args: list[str]) -> int:
-    from sslkit.evaluation.tools import _features_part, _module, _pretrained, parse_tool_args
+    from sslkit.tools.common import features_part, parse_tool_args, part_module, tool_pretrained
 
     opts, overrides = parse_tool_args("export", args, EXPORT_KEYS)
     output = opts.get("output")
@@ -395,9 +395,9 @@ def _export(args: list[str]) -> int:
     fmt = _format(opts)
     if fmt == "onnx":
         _onnx_modules()  # said before the checkpoint is read
-    pre: Pretrained = _pretrained("export", opts, overrides)
-    part = _features_part(opts, ("trunk", "teacher"))
-    trunk = _module(pre, part)
+    pre: Pretrained = tool_pretrained("export", opts, overrides)
+    part = features_part(opts, ("trunk", "teacher"))
+    trunk = part_module(pre, part)
     channels = int(next(p for p in trunk.parameters() if p.ndim == 4).shape[1])
     path = output or os.path.join(pre.run_dir, "export", f"encoder{FORMATS[fmt][0]}")
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
@@ -461,7 +461,7 @@ def _export(args: list[str]) -> int:
 def export_main(argv: list[str] | None = None) -> int:
     """``sslkit export checkpoint=RUN_DIR [output=encoder.safetensors] [format=safetensors|pt|onnx]
     [features=teacher] [twin=auto|torchvision|timm|none]``"""
-    from sslkit.evaluation.tools import run_tool
+    from sslkit.tools.common import run_tool
 
     keys = "\n".join(f"  {k}=...  {v}" for k, v in EXPORT_KEYS.items())
     usage = ("usage: sslkit export checkpoint=RUN_DIR|FILE [output=encoder.safetensors] [format=onnx] "

@@ -13,8 +13,8 @@ import torch
 from helpers import RECIPES, SMALL, run_main, run_sslkit
 from PIL import Image
 
-from sslkit.evaluation.pretrained import load_pretrained
-from sslkit.viz import (
+from sslkit.tools.pretrained import load_pretrained
+from sslkit.tools.viz import (
     LINE,
     cls_attention,
     embed_2d,
@@ -142,7 +142,7 @@ def test_embedding_falls_back_to_pca_and_names_the_method(monkeypatch: pytest.Mo
     _, _, vh = np.linalg.svd(x, full_matrices=False)
     for i in range(2):
         np.testing.assert_allclose(np.abs(coords[:, i]), np.abs(x @ vh[i]), atol=1e-10)
-    from sslkit.evaluation.pretrained import ToolError
+    from sslkit.tools.pretrained import ToolError
 
     with pytest.raises(ToolError, match=r"pip install 'sslkit\[viz\]'"):
         embed_2d(feats, "umap")

@@ -1,0 +1,1 @@
+"""How checkpoints are stored: sharded DCP folders and what a checkpoint may unpickle."""

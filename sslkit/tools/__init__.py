@@ -1,0 +1,1 @@
+"""What runs after training, on a run folder: the report and the visualisations."""
