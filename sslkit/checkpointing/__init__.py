@@ -1,1 +1,1 @@
-"""How checkpoints are stored: sharded DCP folders and what a checkpoint may unpickle."""
+"""How checkpoints are stored beneath sslkit/checkpoint.py: sharded DCP folders (sharded.py)."""

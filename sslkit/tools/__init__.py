@@ -1,1 +1,1 @@
-"""What runs after training, on a run folder: the report and the visualisations."""
+"""What runs after training, on a run folder: knn, linear, extract (common.py), finetune, export, viz, report."""

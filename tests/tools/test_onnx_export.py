@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import RECIPES, SMALL, run_main, run_sslkit
 
-from sslkit.evaluation import export as E
+from sslkit.tools import export as E
 from sslkit.tools.pretrained import load_pretrained
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false", "eval.knn.enabled=false"]
