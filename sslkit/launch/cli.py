@@ -184,6 +184,10 @@ def _main(args: list[str]) -> int:
     from sslkit.launch.slurm import in_slurm_task, submit
 
     cfg = compose_config(args)
+    if cfg.model.freeze:  # validation builds no model: the globs are checked on one here, before anything is written
+        from sslkit.builder.model import check_freeze
+
+        check_freeze(cfg)
     if cfg.launcher == "slurm" and not in_slurm_task():
         return submit(cfg, args, main)  # (in the job's tasks the same command trains)
     import torchvision  # noqa: F401  (one that does not load with this torch stops here, before the run folder)

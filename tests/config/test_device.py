@@ -88,9 +88,9 @@ def test_num_workers_and_pin_memory_values_are_checked() -> None:
 ])
 def test_auto_num_workers_follows_the_cores_per_process(monkeypatch: pytest.MonkeyPatch, cores: int, procs: int,
                                                         device: str, expected: int) -> None:
-    import sslkit.builder as builder
+    import sslkit.builder.runtime as runtime
 
-    monkeypatch.setattr(builder, "_cores", lambda: cores)
+    monkeypatch.setattr(runtime, "_cores", lambda: cores)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
     workers, why = resolve_num_workers("auto", torch.device(device))
     assert workers == expected and why.startswith("auto")

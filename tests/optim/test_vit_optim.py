@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, VIT, per_sample_task
+from helpers import SMALL, VIT, per_sample_task, run_main
 from torch import nn
 
 from sslkit.builder import build_task
@@ -178,3 +178,9 @@ def test_freeze_entries_are_checked_against_the_models_parameters(tmp_path: Path
                                           r"model. Did you mean 'trunk.patch_embed.proj.bias'\? Parameters are "
                                           r"named like trunk.cls_token, trunk.pos_embed, trunk.patch_embed"):
         _vit_task(tmp_path, "model.freeze=[head.*, trunk.patch_embd.*]")
+    # the command stops on it before it writes anything (docs/configs.md, "Validation")
+    proc = run_main(*base, *SMALL, *VIT, "model.freeze=[trunk.patch_embd.*]", f"output_dir={tmp_path / 'run'}",
+                    check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "config error: 'model.freeze[0]' = trunk.patch_embd.* matches no parameter of the model" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,26 @@
+"""What the builders share: a config section as keyword arguments, and the pre-emption signals of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["preemption_signals", "section_kwargs"]
+
+
+def section_kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> dict[str, Any]:
+    """A config section as plain keyword arguments (interpolations resolved), without the keys in ``skip``."""
+    plain = OmegaConf.to_container(section, resolve=True)
+    assert isinstance(plain, dict)
+    return {k: v for k, v in plain.items() if k not in skip}
+
+
+def preemption_signals(cfg: DictConfig) -> list[str]:
+    """``reliability.preemption_signals``, and SIGUSR2 in a SLURM job (its warning before pre-emption or the time
+    limit: sslkit checkpoints, then the job requeues itself)."""
+    names = list(cfg.reliability.preemption_signals)
+    if cfg.get("launcher") == "slurm" and "SIGUSR2" not in names:
+        names.append("SIGUSR2")
+    return names
+

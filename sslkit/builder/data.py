@@ -1,0 +1,248 @@
+"""The data of a run: the training source, its loader and device-side augmentation, the run's length, and the
+labelled sets of the evaluations."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset, Subset
+
+from sslkit.builder.common import preemption_signals, section_kwargs
+from sslkit.builder.runtime import resolve_num_workers
+from sslkit.config.compose import ConfigError, per_process_batch
+from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
+from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
+from sslkit.data.device_decode import DeviceDecoder, collate_raw
+from sslkit.data.loader import collate_views
+from sslkit.data.sources import DataSourceError
+from sslkit.distributed import get_rank, get_world_size
+
+__all__ = ["TrainData", "build_train_data", "eval_sources", "eval_specs", "fixed_subset", "knn_subsample", "limited",
+           "loader_for"]
+
+logger = logging.getLogger("sslkit")
+
+
+def limited(ds: Dataset, limit: int) -> Dataset:
+    """The first ``limit`` samples of ``ds`` (all if 0), keeping ``num_classes`` and ``channels``."""
+    if limit <= 0 or limit >= len(ds):  # type: ignore[arg-type]
+        return ds
+    return _subset(ds, range(limit))
+
+
+def _subset(ds: Dataset, indices: Any) -> Dataset:
+    """``Subset(ds, indices)`` that keeps the dataset's ``num_classes`` and ``channels``."""
+    sub = Subset(ds, indices)
+    sub.num_classes = getattr(ds, "num_classes", 0)  # type: ignore[attr-defined]
+    sub.channels = getattr(ds, "channels", 3)  # type: ignore[attr-defined]
+    return sub
+
+
+def _source(cfg: DictConfig, split: str) -> Dataset:
+    spec = cfg.data[split]
+    name = spec.source or cfg.data.train.source
+    path = spec.path if spec.path is not None else cfg.data.train.path
+    return limited(build_source(name, split, path, **section_kwargs(spec.kwargs, ())), cfg.data.limit)
+
+
+def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
+            workers: int, pin: bool, device_augment: DeviceAugment | None = None) -> Any:
+    """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
+    used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read
+    and draw each sample's augmentation parameters (:class:`~sslkit.data.device_augment.ReadForDevice`); batches
+    of images of many sizes come packed (:func:`~sslkit.data.device_decode.collate_raw`)."""
+    made = ReadForDevice(device_augment.num_views) if device_augment is not None else \
+        build_transform(transform.name, **section_kwargs(transform))
+    ds = SSLDataset(source, made, seed=cfg.seed)
+    sampler = StatefulDistributedSampler(
+        len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
+        drop_last=train and cfg.data.drop_last,
+    )
+    ignores = tuple(int(getattr(signal, name)) for name in preemption_signals(cfg))
+    collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
+    return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
+                        drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores,
+                        collate_fn=collate)
+
+
+def _device_augment(cfg: DictConfig, device: torch.device) -> DeviceAugment | None:
+    """``data.augment_on``: the batch augmentation, or None where the workers augment. ``auto`` is ``device``
+    wherever the training transform has a device version (else workers, said in the log): on CUDA, where the
+    worker pipeline starves the GPU, and on the CPU, where it measured faster too (docs/data.md)."""
+    choice = cfg.data.augment_on
+    if choice == "workers":
+        return None
+    try:
+        augment = device_augment_for(build_transform(cfg.data.transform.name, **section_kwargs(cfg.data.transform)))
+    except ValueError as exc:  # augment_on=device was checked with the config; auto falls back
+        logger.info("data: augmented in the loader workers (data.augment_on=auto): %s", exc)
+        return None
+    logger.info("data: augmented on the training device (data.augment_on=%s); the loader workers only read", choice)
+    return augment
+
+
+def _device_decoder(cfg: DictConfig, source: Dataset, device: torch.device, augment: DeviceAugment | None,
+                    describe: Any) -> DeviceDecoder | None:
+    """``data.decode_on``: a decoder of JPEG bytes on the training device, where the source has files and the
+    batch is augmented there; ``auto`` decodes on CUDA, and in the workers on the CPU (which has the workers'
+    cores for it). Tells the source to give its JPEGs as bytes."""
+    choice = cfg.data.decode_on
+    if augment is None:
+        if choice == "device":  # augment_on=auto fell back to the workers (a transform without a device version)
+            raise ConfigError("data.decode_on=device needs the augmentation on the device too, and data.augment_on="
+                              f"{cfg.data.augment_on} augments in the loader workers here ({cfg.data.transform.name} "
+                              "has no device version): use data.decode_on=auto")
+        return None
+    files = source.dataset if isinstance(source, Subset) else source
+    if not hasattr(files, "jpeg_bytes"):
+        return None  # tensors in memory, nothing to decode
+    if choice == "workers" or (choice == "auto" and device.type != "cuda"):
+        return None
+    files.jpeg_bytes = True
+    logger.info("data: JPEG files decoded on the training device in batches (data.decode_on=%s)", choice)
+    return DeviceDecoder(getattr(files, "channels", 3), describe)
+
+
+
+@dataclass
+class TrainData:
+    """The training data of a run and the length of the run it sets."""
+
+    source: Dataset
+    loader: Any
+    device_augment: DeviceAugment | None
+    device_decoder: DeviceDecoder | None
+    #: loader workers per process, and whether batches are pinned
+    workers: int
+    pin: bool
+    #: images per process and micro-batch; per optimizer step over every process and micro-batch
+    batch: int
+    global_batch: int
+    steps_per_epoch: int
+    epochs: int
+    max_iterations: int
+
+
+def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> TrainData:
+    """The training source, its loader (workers, pinning, the device augmentation and decoder) and the run's length
+    in epochs and updates (``optim.max_steps`` or ``optim.epochs``)."""
+    train_source = _source(cfg, "train")
+    workers, why = resolve_num_workers(cfg.data.num_workers, device)
+    pin = device.type == "cuda" if cfg.data.pin_memory == "auto" else bool(cfg.data.pin_memory)
+    logger.info("data: %d loader worker(s) per process (%s), pinned memory %s", workers, why, "on" if pin else "off")
+    device_augment = _device_augment(cfg, device)
+    if device_augment is not None and cfg.machine.compile:
+        device_augment.compile(cfg.machine.compile_backend, None if cfg.machine.compile_mode == "default"
+                               else cfg.machine.compile_mode)
+    batch = per_process_batch(cfg, world)
+    if cfg.data.global_batch_size > 0:
+        logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
+                    "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
+    train_loader = loader_for(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
+                              workers=workers, pin=pin, device_augment=device_augment)
+    device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
+    accumulate = cfg.optim.accumulate_steps
+    steps_per_epoch = len(train_loader) // accumulate
+    if steps_per_epoch == 0:
+        raise _no_step(cfg, len(train_source), batch, world)  # type: ignore[arg-type]
+    if cfg.optim.max_steps > 0:
+        max_iterations = cfg.optim.max_steps
+        epochs = math.ceil(max_iterations / steps_per_epoch)
+    else:
+        epochs = cfg.optim.epochs
+        max_iterations = epochs * steps_per_epoch
+    return TrainData(train_source, train_loader, device_augment, device_decoder, workers, pin, batch,
+                     batch * world * accumulate, steps_per_epoch, epochs, max_iterations)
+
+
+def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:
+    """The error of a batch larger than the training data: no optimizer step would run."""
+    accumulate = cfg.optim.accumulate_steps
+    per_step = batch * world * accumulate
+    most = max(1, n // (world * accumulate))
+    cut = " (data.limit keeps only those; raise it)" if 0 < cfg.data.limit <= n else ""
+    fix = (f"Set data.global_batch_size={min(most, batch) * world * accumulate} or lower"
+           if cfg.data.global_batch_size > 0 else f"Set data.batch_size={min(most, batch)} or lower")
+    return ConfigError(
+        f"data.batch_size={batch}: one optimizer step takes {batch} x {world} "
+        f"process(es) x optim.accumulate_steps={accumulate} = {per_step} images, and the training data has "
+        f"{n}{cut}: no step would run. {fix}, or use more data."
+    )
+
+
+#: Sources whose test split is a path of its own (the others find their test files next to the train ones).
+_OWN_TEST_PATH = ("folder", "filelist")
+
+
+def eval_specs(cfg: DictConfig) -> dict[str, tuple[str, str | None, dict[str, Any], str]]:
+    """Where the labelled evaluation sets come from, per split: ``(source, path, kwargs, where)``, ``where`` the
+    config section that set it. ``eval.data.*`` when given (a run on unlabelled images is measured on those),
+    else the training data's own splits (``data.train``, ``data.test``)."""
+    e, d = cfg.eval.data, cfg.data
+    if e.train.source is None and e.train.path is None:
+        if e.test.source is not None or e.test.path is not None:
+            raise ConfigError("eval.data.test is set but eval.data.train is not: kNN and the linear probe need both "
+                              "a labelled training set (eval.data.train.path=...) and a test set")
+        train_source = d.train.source
+        test_source = d.test.source or train_source
+        test_path = d.test.path if d.test.path is not None else (None if test_source in _OWN_TEST_PATH
+                                                                   else d.train.path)
+        return {"train": (train_source, d.train.path, section_kwargs(d.train.kwargs, ()), "data.train"),
+                "test": (test_source, test_path, section_kwargs(d.test.kwargs, ()), "data.test")}
+    train_source = e.train.source or d.train.source
+    test_source = e.test.source or train_source
+    test_path = e.test.path if e.test.path is not None else (None if test_source in _OWN_TEST_PATH else e.train.path)
+    test_kwargs = section_kwargs(e.test.kwargs, ()) or section_kwargs(e.train.kwargs, ())
+    return {"train": (train_source, e.train.path, section_kwargs(e.train.kwargs, ()), "eval.data.train"),
+            "test": (test_source, test_path, test_kwargs, "eval.data.test")}
+
+
+def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[Dataset, Dataset, int]:
+    """The labelled train and test sets of kNN and the linear probe (:func:`eval_specs`), and their number of
+    classes; ``train_source``, the training data already built, is used again when it is the train set. Raises
+    :class:`DataSourceError` when they have no labels or no test split, saying what to set."""
+    specs = eval_specs(cfg)
+    sets: list[Dataset] = []
+    for split in ("train", "test"):
+        source, path, kwargs, where = specs[split]
+        if split == "train" and where == "data.train" and train_source is not None:
+            sets.append(train_source)
+            continue
+        if path is None and source in _OWN_TEST_PATH:
+            raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
+                                  f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
+                                  "sets of their own)")
+        sets.append(limited(build_source(source, split, path, **kwargs), cfg.data.limit))
+    num_classes = int(getattr(sets[0], "num_classes", 0))
+    if num_classes <= 0:
+        source, path, _, where = specs["train"]
+        raise DataSourceError(f"{where} ({source}{', ' + str(path) if path else ''}) has no labels, and kNN and the "
+                              "linear probe need them: give labelled sets with eval.data.train.path=... and "
+                              "eval.data.test.path=... (a folder of class folders, or a file list with labels)")
+    return sets[0], sets[1], num_classes
+
+
+def knn_subsample(setting: Any, device: torch.device) -> int:
+    """Samples per split of the kNN curve (``eval.knn.subsample``): ``auto`` is 5000 on the CPU and all (0) on a GPU,
+    where the whole kNN is cheap."""
+    if setting == "auto":
+        return 0 if device.type == "cuda" else 5000
+    return int(setting)
+
+
+def fixed_subset(ds: Dataset, n: int, seed: int) -> Dataset:
+    """``n`` samples of ``ds`` drawn once by ``seed`` (the same on every rank, every epoch and every resume), in
+    dataset order; ``ds`` itself when it holds no more than ``n`` (or ``n`` is 0)."""
+    size = len(ds)  # type: ignore[arg-type]
+    if n <= 0 or n >= size:
+        return ds
+    g = torch.Generator().manual_seed(seed)
+    return _subset(ds, torch.randperm(size, generator=g)[:n].sort().values.tolist())
+
