@@ -1,4 +1,5 @@
-"""Checkpoints: atomic files or sharded folders, a pointer to the latest, keep-last-N, fallback on corruption."""
+"""Checkpoints, one owner: the Checkpointer writes atomic files or sharded folders (async too), commits them through a
+pointer to the latest, keeps the last N, and reads them back without running code, falling back on corruption."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import os
 import pickle
 import re
 import shutil
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from iopath.common.file_io import g_pathmgr
 
+from sslkit.checkpointing import sharded as sharded_checkpoint
 from sslkit.checkpointing.sharded import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
+from sslkit.distributed import barrier, is_distributed, is_primary
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
 
 __all__ = [
-    "CheckpointError",
+    "CheckpointError", "Checkpointer", "Stateful",
     "atomic_write", "checkpoint_dir", "commit", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
@@ -200,3 +203,129 @@ def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> 
         "run's files are moved to previous/ in the folder, not deleted. Or set a new output_dir."
     )
 
+
+class Stateful(Protocol):
+    """What a checkpointer reads from the run (an :class:`~sslkit.task.SSLTask`): the state, whole or sharded, and
+    where it stands. How that state is written is the checkpointer's alone."""
+
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def state_dict(self, gather_rng: bool = True) -> dict[str, Any]: ...
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]: ...
+
+
+class Checkpointer:
+    """How a run's checkpoints are written: one file gathered by rank 0, or (``sharded``) a folder every rank writes
+    its part of (:mod:`sslkit.checkpointing.sharded`), in the background with ``async_save``; a checkpoint becomes
+    the latest (``latest.txt``) only once complete, the last ``keep_last`` are kept, a full disk becomes a
+    :class:`~sslkit.errors.StorageError`, and a halted run's state goes to ``crash_<step>.pt``. When to save is
+    the caller's (:class:`~sslkit.hooks.checkpoint.CheckpointHook`); reading is :func:`load_checkpoint`'s."""
+
+    def __init__(self, output_dir: str, keep_last: int = 3, sharded: bool = False, async_save: bool = False) -> None:
+        self.dir = checkpoint_dir(output_dir)
+        self.keep_last = keep_last
+        self.sharded = sharded
+        self.async_save = async_save and sharded
+        self._pending: tuple[Any, str] | None = None  # an async save in flight: its future and folder name
+        self._async_group: Any = None
+
+    def latest(self) -> str | None:
+        """The checkpoint a resume would read (:func:`latest_checkpoint`)."""
+        return latest_checkpoint(self.dir)
+
+    def save(self, source: Stateful, why: str, wait: bool = True) -> tuple[str | None, dict[str, Any]]:
+        """Write ``source``'s state now. Every rank calls it at the same point; a barrier keeps any rank from moving
+        on (or exiting) before the file is complete. Sharded, ``wait=False`` with ``async_save`` returns once the
+        state is copied, and the folder completes later (:meth:`finish_pending`). Returns the path on rank 0 (None
+        elsewhere) and the hook states saved."""
+        if self.sharded:
+            return self._save_sharded(source, why, wait)
+        state = source.state_dict()
+        path = None
+        if is_primary():
+            path = save_checkpoint(state, self.dir, source.iteration, self.keep_last)
+            logger.info("saved checkpoint %s (%s)", path, why)
+        barrier()
+        return path, state["hooks"]
+
+    def _save_sharded(self, source: Stateful, why: str, wait: bool) -> tuple[str | None, dict[str, Any]]:
+        self.finish_pending()
+        model_state, optimizer_state, extra, own = source.sharded_state_dict()
+        name = f"checkpoint_{source.iteration:09d}"
+        final = os.path.join(self.dir, name)
+        rewrite = is_complete(final)  # the end of the run updating its last epoch's folder
+        path = f"{final}.update" if rewrite else final
+        if is_primary():
+            os.makedirs(self.dir, exist_ok=True)
+            if os.path.isdir(path):  # a save of this step that never finished
+                shutil.rmtree(path)
+        barrier()
+        use_async = self.async_save and not wait and not rewrite
+        if use_async and is_distributed() and self._async_group is None:
+            import torch.distributed as dist  # its own group: its collectives run beside the training's
+
+            self._async_group = dist.new_group(backend="gloo")
+        try:
+            future = sharded_checkpoint.save(model_state, optimizer_state, extra if is_primary() else None, path,
+                                             rank_state=(source.rank, own), async_save=use_async,
+                                             process_group=self._async_group if use_async else None)
+        except sharded_checkpoint.failures() as exc:
+            self._raise_storage(exc, path)
+            raise
+        saved = final if is_primary() else None
+        if future is not None:
+            self._pending = (future, name)
+            logger.info("writing checkpoint %s in the background (%s)", final, why)
+            return saved, extra["hooks"]
+        if rewrite and is_primary():
+            os.replace(final, f"{final}.old")
+            os.replace(path, final)
+            shutil.rmtree(f"{final}.old")
+        self._commit(name)
+        if is_primary():
+            logger.info("saved checkpoint %s (%s)", final, why)
+        return saved, extra["hooks"]
+
+    def _raise_storage(self, exc: BaseException, path: str) -> None:
+        """A full disk (or another storage error) while writing ``path``, in the chain of ``exc`` or among a
+        torch.distributed.checkpoint error's per-rank failures: raised as sslkit's StorageError."""
+        causes = [exc, *getattr(exc, "failures", {}).values()]
+        for cause in causes:
+            found = os_error_in(cause) if isinstance(cause, BaseException) else None
+            if found is not None:
+                raise storage_error(found, "the checkpoint", path, latest_checkpoint(self.dir)) from exc
+
+    def _commit(self, name: str) -> None:
+        """Rank 0 points latest.txt at the complete folder ``name`` and prunes old ones; then every rank goes on."""
+        if is_primary():
+            commit(self.dir, name, self.keep_last)
+        barrier()
+
+    def finish_pending(self) -> None:
+        """Wait for the background save in flight, if any, and make it the latest checkpoint. Every rank calls it."""
+        if self._pending is None:
+            return
+        future, name = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except sharded_checkpoint.failures() as exc:
+            self._raise_storage(exc, os.path.join(self.dir, name))
+            raise
+        self._commit(name)
+        if is_primary():
+            logger.info("saved checkpoint %s (written in the background)", os.path.join(self.dir, name))
+
+    def write_crash(self, state: dict[str, Any], iteration: int, message: str) -> str:
+        """The state of a halted run as ``crash_<step>.pt`` (rank 0, no collective), for inspection: never resumed
+        from, and ``latest.txt`` keeps naming the last good checkpoint. Returns its path."""
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, f"crash_{iteration:09d}.pt")
+        state["crash"] = message
+        atomic_write(path, lambda f: torch.save(state, f))
+        return path
