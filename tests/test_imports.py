@@ -119,3 +119,17 @@ def test_few_modules_at_the_top_of_the_package() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _functions() -> list[tuple[str, str, int]]:
+    return [(_module(path), node.name, node.end_lineno - node.lineno + 1) for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None]
+
+
+def test_no_function_is_over_90_lines_and_build_task_is_a_composition() -> None:
+    """Short functions: none in sslkit/ over 90 lines (docstring included); build_task, which composes the
+    builders, at most 60."""
+    functions = _functions()
+    assert not [f for f in functions if f[2] > 90], sorted(f for f in functions if f[2] > 90)
+    assert next(n for m, f, n in functions if (m, f) == ("sslkit.builder", "build_task")) <= 60
