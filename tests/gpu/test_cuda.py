@@ -1,7 +1,7 @@
 """On CUDA: every recipe (bf16 autocast, channels_last), resume, kNN, no sync in the step, deterministic runs.
 
 Marked ``gpu``: skipped where no CUDA device is visible (CI). Run them on a GPU machine with
-``python -m pytest -q -m gpu``. The CPU checks of the same properties are tests/test_audit.py
+``python -m pytest -q -m gpu``. The CPU checks of the same properties are tests/launch/test_audit.py
 (device-less tensors, host syncs, nondeterministic ops, unregistered state) and
 tests/reliability/test_resume.py (bit-exact resume on the CPU).
 """

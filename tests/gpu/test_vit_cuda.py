@@ -2,7 +2,7 @@
 
 Marked ``gpu``: skipped where no CUDA device is visible (CI); ``python -m pytest -q -m gpu`` on a GPU machine.
 Every recipe, the ViT ones included, also trains for 3 bf16 steps in tests/gpu/test_cuda.py. The CPU checks of the
-same properties: tests/models/test_masking.py, tests/models/test_vit.py, tests/test_audit.py.
+same properties: tests/models/test_masking.py, tests/models/test_vit.py, tests/launch/test_audit.py.
 """
 
 from __future__ import annotations
