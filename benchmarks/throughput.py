@@ -71,7 +71,7 @@ import torch  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.clock import call_loss  # noqa: E402
-from sslkit.config.compose import ConfigError  # noqa: E402
+from sslkit.config.schema import ConfigError  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402

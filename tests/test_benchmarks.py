@@ -180,7 +180,7 @@ def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
         step_rate, raw_rate = (float(v.replace(",", "")) for v in (step, raw))
         assert step_rate > 0 and float(ratio) == pytest.approx(step_rate / raw_rate, rel=0.05)  # (rates rounded)
     throughput = _throughput_module()
-    from sslkit.config.compose import ConfigError
+    from sslkit.config.schema import ConfigError
 
     (tmp_path / "a.jpg").touch()  # the JPEG presets' folder (the config check looks for an image file)
 

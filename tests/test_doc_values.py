@@ -30,7 +30,7 @@ def test_config_reference_defaults_match_defaults_yaml() -> None:
     """Every `key` | default row of docs/configs.md's key reference holds the value of sslkit/config/defaults.yaml."""
     from omegaconf import OmegaConf
 
-    from sslkit.config.compose import schema
+    from sslkit.config.schema import schema
 
     defaults = schema()
     rows = re.findall(r"^\| `([a-z_.]+)` \| ([^|]+) \|", (REPO / "docs" / "configs.md").read_text(), flags=re.M)

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     import logging
 
     from sslkit import registry as R
-    from sslkit.config.compose import ConfigError
+    from sslkit.config.schema import ConfigError
     from sslkit.launch.audit import audit_recipe
 
     logging.getLogger("sslkit").setLevel(logging.WARNING)

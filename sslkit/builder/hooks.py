@@ -15,7 +15,7 @@ from sslkit import registry as R
 from sslkit.builder.common import preemption_signals, section_kwargs
 from sslkit.builder.data import TrainData, eval_sources, fixed_subset, knn_subsample, loader_for
 from sslkit.builder.model import ModelParts
-from sslkit.config.compose import ConfigError
+from sslkit.config.schema import ConfigError
 from sslkit.data.sources import DataSourceError
 from sslkit.hooks import (
     CheckpointHook,

@@ -16,7 +16,8 @@ import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.builder.common import section_kwargs
 from sslkit.builder.data import TrainData
-from sslkit.config.compose import ConfigError, freeze_entries
+from sslkit.config.schema import ConfigError
+from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
 from sslkit.models.masking import MaskPlan
 from sslkit.optim import build_optimizer, build_schedule, scaled_lr

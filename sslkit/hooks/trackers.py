@@ -383,7 +383,7 @@ def build_trackers(cfg: DictConfig) -> list[Tracker]:
     opens new ones."""
     from omegaconf import OmegaConf
 
-    from sslkit.config.compose import flatten_config
+    from sslkit.config.diff import flatten_config
 
     log = cfg.log
     if not (log.wandb.enabled or log.mlflow.enabled):

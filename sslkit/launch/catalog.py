@@ -83,11 +83,11 @@ def yaml_description(path: Path) -> str:
 
 def presets(group: str) -> dict[str, str]:
     """``config`` (recipes) or ``data`` (data presets): name -> description, from every folder of
-    :data:`sslkit.config.compose.CONFIG_DIRS` (the first folder that has a name wins, as in Hydra)."""
-    from sslkit.config.compose import CONFIG_DIRS
+    :data:`sslkit.config.schema.CONFIG_DIRS` (the first folder that has a name wins, as in Hydra)."""
+    from sslkit.config.schema import config_dirs
 
     found: dict[str, Path] = {}
-    for folder in CONFIG_DIRS:
+    for folder in config_dirs():
         for path in sorted((Path(folder) / group).glob("*.yaml")):
             found.setdefault(path.stem, path)
     return {name: yaml_description(found[name]) for name in sorted(found)}

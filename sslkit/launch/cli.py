@@ -146,7 +146,7 @@ def _exit_status(exc: BaseException, debug: bool) -> int | None:
         print(f"sslkit: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     if isinstance(exc, UserError | R.UnknownNameError):
-        from sslkit.config.compose import ConfigError
+        from sslkit.config.schema import ConfigError
         from sslkit.data.sources import DataSourceError
         from sslkit.distributed import launched_by_torchrun
 
@@ -178,7 +178,8 @@ def _usage() -> str:
 
 
 def _main(args: list[str]) -> int:
-    from sslkit.config.compose import compose_config, format_recipe_diff
+    from sslkit.config.compose import compose_config
+    from sslkit.config.diff import format_recipe_diff
     from sslkit.distributed import init_process_group, launched_by_torchrun, shutdown
     from sslkit.launch.runfolder import prepare_output_dir
     from sslkit.launch.slurm import in_slurm_task, submit

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
-from sslkit.config.compose import flatten_config, show_value
+from sslkit.config.diff import flatten_config, show_value
 from sslkit.config.run_keys import ELASTIC_KEYS, LENGTHENING_KEYS, ignored
 from sslkit.errors import UserError
 

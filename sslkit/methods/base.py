@@ -9,7 +9,20 @@ from typing import Any
 
 from sslkit import registry as R
 
-__all__ = ["Method", "register_method"]
+__all__ = ["Method", "RunShape", "register_method"]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a method's own config rules (:attr:`Method.rules`) see of a run: plain values, no config object."""
+
+    #: images per process and micro-batch (``data.batch_size``, or ``data.global_batch_size`` split)
+    batch_per_process: int
+    #: processes of the run
+    processes: int
+    #: the ``loss`` section and ``model.kwargs``, as plain keyword arguments
+    loss: dict[str, Any]
+    model_kwargs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,9 @@ class Method:
     * ``masking``: the mask generator the method trains with (``masking.name`` defaults to it; a method
       with one cannot train with ``masking.name=none``); None for methods without masks;
     * ``patch_tokens``: the method reads a ViT's patch tokens (a CNN trunk is then a config error);
+    * ``rules``: the method's own config checks, run by validation with the run's :class:`RunShape`; each returns
+      the messages of what does not hold (none when all is well), so a user's method adds its rules without
+      editing sslkit;
     * ``summary``: one line for ``sslkit list``.
 
     The keys the method accepts are those of its builders: ``model.kwargs`` for the model's,
@@ -40,6 +56,7 @@ class Method:
     transform: str = "simclr"
     masking: str | None = None
     patch_tokens: bool = False
+    rules: tuple[Callable[[RunShape], list[str]], ...] = ()
     summary: str = ""
 
     def accepted_keys(self) -> dict[str, list[str]]:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from sslkit.clock import StepContext
-from sslkit.methods.base import Method, register_method
+from sslkit.methods.base import Method, RunShape, register_method
 from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
 from sslkit.methods.ibot import IBOTLoss
 from sslkit.registry import register_loss
 
-__all__ = ["DINOV2", "DINOv2Loss"]
+__all__ = ["DINOV2", "DINOv2Loss", "sinkhorn_batch_rule"]
 
 CENTERING = ("centering", "sinkhorn_knopp")
 
@@ -95,9 +96,32 @@ class DINOv2Loss(IBOTLoss):
 
 
 #: The method object: what ``method.name=dinov2`` trains.
+def sinkhorn_batch_rule(shape: RunShape) -> list[str]:
+    """``loss.centering=sinkhorn_knopp`` gives every prototype ``1 / K`` of each solve's mass and every teacher row
+    ``1 / R`` (``R`` rows: all global crops of all processes), so a row spreads over at least ``K / R`` prototypes:
+    its target's entropy is at least ``ln(K / R)``. DINOv2 runs 65536 prototypes on 2048 rows (32 per row, at least
+    3.5 of ln K's 11.1 nats). Below ``R = sqrt(K)`` the floor passes half of ``ln K``: the teacher can no longer say
+    much about any image, a config error."""
+    if shape.loss.get("centering") != "sinkhorn_knopp":
+        return []
+    b, world = shape.batch_per_process, shape.processes
+    crops = int(shape.model_kwargs.get("num_global", 2) or 2)
+    k = shape.loss.get("out_dim")
+    rows = b * world * crops
+    if not isinstance(k, int) or rows * rows >= k:
+        return []
+    return [f"'loss.centering' = sinkhorn_knopp: each Sinkhorn-Knopp solve sees data.batch_size={b} x "
+            f"{world} process(es) x {crops} global crops = {rows} teacher rows for loss.out_dim={k} "
+            f"prototypes, so every row must spread over at least {k / rows:.0f} prototypes and the "
+            f"teacher's targets are nearly uniform (entropy >= ln({k / rows:.0f}), more than half of "
+            f"ln({k})). Raise data.batch_size (to at least {-(-(math.isqrt(k - 1) + 1) // (world * crops))} "
+            f"here, or run more processes), lower "
+            f"model.head.out_dim and loss.out_dim (at most {rows * rows}), or use loss.centering=centering."]
+
+
 DINOV2 = register_method(Method(
     name="dinov2", model="ibot", loss="dinov2", required_hooks=("momentum_teacher",), transform="multicrop",
-    masking="block", patch_tokens=True,
+    masking="block", patch_tokens=True, rules=(sinkhorn_batch_rule,),
     summary=("DINOv2 (Oquab et al., 2024): DINO on the CLS token, iBOT on masked patches, KoLeo, Sinkhorn-Knopp"
              " or centring."),
 ))

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
-from sslkit.config.compose import schema
+from sslkit.config.schema import schema
 from sslkit.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,

@@ -12,7 +12,9 @@ from torch import nn
 
 from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
 from sslkit.checkpointing.sharded import METADATA
-from sslkit.config.compose import ConfigError, apply_overrides, import_modules, schema, validate
+from sslkit.config.compose import apply_overrides, import_modules
+from sslkit.config.schema import ConfigError, schema
+from sslkit.config.validate import validate
 from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError
 

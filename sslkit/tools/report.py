@@ -61,7 +61,7 @@ def _recipe_diff(run_dir: str, cfg: Any) -> list[str] | None:
     command = _read_json(os.path.join(run_dir, "command.json"))
     if command is None or not isinstance(command.get("argv"), list):
         return None
-    from sslkit.config.compose import recipe_diff, show_value
+    from sslkit.config.diff import recipe_diff, show_value
 
     try:
         diffs = recipe_diff([str(a) for a in command["argv"]], cfg)

@@ -10,7 +10,8 @@ import pytest
 from helpers import MAE_VIT_S16_224
 from omegaconf import open_dict
 
-from sslkit.config.compose import ConfigError, compose_config, schema
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError, schema
 
 
 def test_defaults_compose_to_simclr_on_fashion_mnist() -> None:
@@ -349,7 +350,7 @@ def test_fsdp_accepts_a_vit_recipe_with_bf16_and_checkpointing() -> None:
 
 
 def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
-    from sslkit.config.compose import per_process_batch
+    from sslkit.config.validate import per_process_batch
 
     args = ["config=simclr", "machine.device=cpu", "distributed.nproc_per_node=3", "optim.accumulate_steps=2"]
     with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 100 does not split over 3 process\(es\) x "
@@ -370,12 +371,12 @@ def test_a_composition_is_reused_only_while_its_files_are_unchanged(tmp_path: Pa
     """A process composes the same recipe again from memory (a run composes its recipe twice; tests, doctor and
     audit many times), but a recipe file edited in between is read again, and what a caller changes in one
     composition is not in the next."""
-    from sslkit.config import compose
+    from sslkit.config import schema
 
     recipe = tmp_path / "config" / "mine.yaml"
     recipe.parent.mkdir()
     recipe.write_text("# @package _global_\ndefaults:\n  - simclr\n  - _self_\noptim:\n  lr: 0.25\n")
-    monkeypatch.setattr(compose, "CONFIG_DIRS", [*compose.CONFIG_DIRS, tmp_path])
+    monkeypatch.setattr(schema, "CONFIG_DIRS", [*schema.CONFIG_DIRS, tmp_path])
     first = compose_config(["config=mine", "machine.device=cpu"])
     assert first.optim.lr == 0.25
     with open_dict(first):

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import sslkit.config.compose as compose
+import sslkit.config.validate as compose
 from sslkit.builder import resolve_num_workers, set_determinism
-from sslkit.config.compose import ConfigError, compose_config
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
 from sslkit.launch.cli import main
 
 

@@ -14,7 +14,8 @@ import torch
 from helpers import RECIPES, REPO, SMALL, metrics, run_main, run_sslkit
 from safetensors.torch import load_file
 
-from sslkit.config.compose import ConfigError, compose_config
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
 from sslkit.evaluation import FeatureEncoder, weighted_knn
 from sslkit.models.trunks import SmallCNN
 from sslkit.models.vit import build_vit

@@ -15,8 +15,10 @@ import tqdm
 from helpers import make_task
 
 from sslkit import registry as R
-from sslkit.config import compose
-from sslkit.config.compose import ABSENT, ConfigError, compose_config, format_recipe_diff, recipe_diff
+from sslkit.config import schema
+from sslkit.config.compose import compose_config
+from sslkit.config.diff import ABSENT, format_recipe_diff, recipe_diff
+from sslkit.config.schema import ConfigError
 from sslkit.hooks.base import SSLHook
 from sslkit.hooks.logging import LogHook
 from sslkit.launch.catalog import catalog_text, usage_text
@@ -176,10 +178,10 @@ def test_catalog_lists_every_recipe_preset_and_hook_with_a_description(tmp_path,
     user.mkdir()
     (user / "my_method.yaml").write_text("# @package _global_\n# My method (Doe et al. 2024), for tests. More\n"
                                          "# about it.\nseed: 1\n")
-    monkeypatch.setattr(compose, "CONFIG_DIRS", [*compose.CONFIG_DIRS, tmp_path])
+    monkeypatch.setattr(schema, "CONFIG_DIRS", [*schema.CONFIG_DIRS, tmp_path])
     sections = _sections(catalog_text())
     recipes = sections["recipes (config=NAME):"]
-    shipped = {p.stem for p in (Path(compose.PACKAGE_CONFIG_DIR).parents[1] / "configs" / "config").glob("*.yaml")}
+    shipped = {p.stem for p in (Path(schema.PACKAGE_CONFIG_DIR).parents[1] / "configs" / "config").glob("*.yaml")}
     assert set(recipes) == shipped | {"my_method"}
     assert recipes["my_method"] == "My method (Doe et al. 2024), for tests."  # first sentence, @package skipped
     assert recipes["simclr"].startswith("SimCLR")
@@ -200,9 +202,9 @@ def test_catalog_lists_every_recipe_preset_and_hook_with_a_description(tmp_path,
 def test_usage_names_every_recipe_and_how_to_override() -> None:
     text = usage_text()
     assert text.startswith("usage: python tools/run.py")
-    for path in (compose.CONFIG_DIRS[0] / "config").glob("*.yaml"):
+    for path in (schema.CONFIG_DIRS[0] / "config").glob("*.yaml"):
         assert re.search(rf"^  {path.stem} +\S", text, re.M), path.stem
-    for path in (compose.CONFIG_DIRS[0] / "data").glob("*.yaml"):
+    for path in (schema.CONFIG_DIRS[0] / "data").glob("*.yaml"):
         assert re.search(rf"^  {path.stem} +\S", text, re.M), path.stem
     for needed in ("config=NAME", "data=NAME", "key=value", "+key=value", "~key", "sslkit/config/defaults.yaml",
                    "docs/configs.md", "SSLKIT_DEBUG=1", "--debug", "python -m sslkit list"):

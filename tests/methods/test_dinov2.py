@@ -91,7 +91,9 @@ def test_recipe_trains_with_sinkhorn_knopp(tmp_path: Path) -> None:
 
 
 def test_sinkhorn_knopp_with_a_batch_too_small_for_its_prototypes_is_a_config_error(tmp_path: Path) -> None:
-    from sslkit.config.compose import ConfigError, compose_config, validate
+    from sslkit.config.compose import compose_config
+    from sslkit.config.schema import ConfigError
+    from sslkit.config.validate import validate
 
     base = ["config=dinov2", "machine.device=cpu", "data.batch_size=16", "model.head.out_dim=2048",
             "loss.centering=sinkhorn_knopp"]

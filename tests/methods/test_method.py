@@ -73,3 +73,26 @@ def test_a_hook_added_on_the_command_line_keeps_the_recipes(tmp_path: Path, caps
     assert {"momentum_teacher", "collapse_monitor"} <= set(at4["hooks"])
     teacher = [k for k in at4["model"] if k.startswith("teacher_") and at4["model"][k].is_floating_point()]
     assert any(not torch.equal(at2["model"][k], at4["model"][k]) for k in teacher)
+
+
+def test_a_method_carries_its_own_config_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method's rules (Method.rules) run in validation on the run's shape as plain values: a user's method adds
+    its own without editing sslkit, and its message is a config error like sslkit's own."""
+    from sslkit.config.schema import ConfigError
+    from sslkit.methods.base import Method, RunShape
+
+    seen: list[RunShape] = []
+
+    def at_most_eight(shape: RunShape) -> list[str]:
+        seen.append(shape)
+        return [] if shape.batch_per_process <= 8 else [f"'data.batch_size' = {shape.batch_per_process}: mine "
+                                                         "trains on at most 8 images per process"]
+
+    mine = Method(name="mine", model="ssl_model", loss="nt_xent", transform="simclr", rules=(at_most_eight,))
+    monkeypatch.setitem(R.METHODS._obj_map, "mine", mine)  # registered for this test only
+    base = ["config=simclr", "method.name=mine", "machine.device=cpu", "distributed.nproc_per_node=2"]
+    with pytest.raises(ConfigError, match=r"'data.batch_size' = 16: mine trains on at most 8 images per process"):
+        compose_config([*base, "data.batch_size=16"])
+    compose_config([*base, "data.batch_size=8"])
+    assert seen[-1].processes == 2 and seen[-1].loss["temperature"] == pytest.approx(0.2)
+    assert seen[-1].loss["name"] == "nt_xent" and isinstance(seen[-1].model_kwargs, dict)

@@ -11,7 +11,8 @@ import torch
 from helpers import SMALL, VIT
 from timm.layers import resample_abs_pos_embed
 
-from sslkit.config.compose import ConfigError, compose_config
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
 from sslkit.launch.audit import StepAudit
 from sslkit.models.tokens import resample_matrix, sincos_pos_embed
 from sslkit.models.vit import build_vit

@@ -11,7 +11,8 @@ from helpers import SMALL, VIT, per_sample_task, run_main
 from torch import nn
 
 from sslkit.builder import build_task
-from sslkit.config.compose import ConfigError, compose_config
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
 from sslkit.models.vit import build_vit
 from sslkit.optim import build_optimizer, param_groups, set_lr
 from sslkit.train_steps.standard import standard_train_step

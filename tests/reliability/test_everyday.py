@@ -216,7 +216,7 @@ def test_no_readable_checkpoint_is_a_message_and_auto_resume_false_starts_afresh
 
 
 def test_debug_flag_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from sslkit.config.compose import ConfigError
+    from sslkit.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"optim\.lr"):
         main(["config=simclr", *QUICK, "optim.lr=-1", f"output_dir={tmp_path}", "--debug"])
