@@ -155,7 +155,8 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
 def dinov2_parts_on_shard(rank: int, world: int, n: int) -> dict[str, Any]:
     """Sinkhorn-Knopp, KoLeo (with its gradient) and the global max on this rank's shard of one fixed batch."""
     from sslkit.distributed import all_reduce_max
-    from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
+    from sslkit.methods.dinov2_parts import koleo_loss
+    from sslkit.methods.sinkhorn import sinkhorn_knopp
 
     g = torch.Generator().manual_seed(3)
     logits, x = torch.randn(n, 12, generator=g) * 3, torch.randn(n, 5, generator=g)

@@ -10,8 +10,9 @@ import torch
 
 from sslkit.clock import StepContext
 from sslkit.methods.base import Method, RunShape, register_method
-from sslkit.methods.dinov2_parts import koleo_loss, sinkhorn_knopp
+from sslkit.methods.dinov2_parts import koleo_loss
 from sslkit.methods.ibot import IBOTLoss
+from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.registry import register_loss
 
 __all__ = ["DINOV2", "DINOv2Loss", "sinkhorn_batch_rule"]

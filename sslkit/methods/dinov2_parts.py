@@ -7,9 +7,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sslkit.distributed import all_reduce_max, all_reduce_sum, gather_with_grad
+from sslkit.distributed import gather_with_grad
 
-__all__ = ["gather_slots", "koleo_loss", "masked_patch_loss", "masked_slots", "sinkhorn_knopp"]
+__all__ = ["gather_slots", "koleo_loss", "masked_patch_loss", "masked_slots"]
 
 
 def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True,
@@ -51,41 +51,6 @@ def koleo_loss(x: torch.Tensor, eps: float = 1e-8, gather: bool = True,
 
 
 @torch.no_grad()
-def sinkhorn_knopp(logits: torch.Tensor, temperature: float, iterations: int = 3,
-                   weight: torch.Tensor | None = None) -> torch.Tensor:
-    r"""Teacher probabilities ``[B, K]`` by Sinkhorn-Knopp (SwAV; DINOv2's ``SinkhornKnoppTeacher``): the matrix
-    ``Q = exp(logits / temperature)`` ``[B, K]`` over the *global* batch scaled, ``iterations`` times, to equal
-    prototype marginals (each of the ``K`` columns sums to ``1 / K``) and then equal sample marginals (each of
-    the ``B_global`` rows sums to ``1 / B_global``); the rows returned sum to 1.
-
-    ``weight`` ``[B]`` (0 or 1) leaves rows out: padding slots of the masked patches (DINOv2 passes the number of
-    real rows, ``n_masked_patches``); their rows come back 0 and ``B_global`` counts the others. Every sum over the
-    batch is all-reduced (the total, the column sums and the row count), so N processes return the rows one
-    process returns on the N-fold batch. The logits' global maximum is subtracted before the exponential (the
-    scaling cancels it: DINOv2 exponentiates the raw logits, which overflows float32 for logits above
-    ``88 * temperature``). Float32.
-    """
-    if temperature <= 0:
-        raise ValueError(f"sinkhorn_knopp temperature must be > 0, got {temperature}")
-    logits = logits.detach().float()
-    k = logits.shape[1]
-    if weight is None:
-        weight = torch.ones_like(logits[:, 0])
-    weight = weight.float()
-    tiny = torch.finfo(torch.float32).tiny
-    real = weight[:, None] > 0
-    top = all_reduce_max(torch.where(real, logits, torch.full_like(logits, -torch.inf)).max())
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real row anywhere: all zeros below
-    q = torch.where(real, torch.exp((logits - top) / temperature), torch.zeros_like(logits))  # [B, K]
-    stats = all_reduce_sum(torch.stack([q.sum(), weight.sum()]))
-    q = q / stats[0].clamp(min=tiny)
-    batch = stats[1]
-    for _ in range(iterations):
-        q = q / all_reduce_sum(q.sum(dim=0, keepdim=True)).clamp(min=tiny) / k  # every prototype 1 / K of the mass
-        q = q / q.sum(dim=1, keepdim=True).clamp(min=tiny) / batch.clamp(min=1.0)  # every sample 1 / B
-    return q * batch
-
-
 def masked_slots(mask: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's masked patches in ``slots`` fixed places: ``mask`` ``[B, N]`` (True where masked) -> ``(index
     [B, slots], weight [B, slots])``, the masked patches first (raster order), the remaining slots filled with

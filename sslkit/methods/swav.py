@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.clock import StepContext
-from sslkit.distributed import all_reduce_sum, gather_no_grad, get_world_size
 from sslkit.hooks.base import SSLHook
 from sslkit.methods.base import Method, register_method
+from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.registry import register_hook, register_loss, register_model
@@ -22,7 +22,7 @@ from sslkit.registry import register_hook, register_loss, register_model
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
-__all__ = ["SWAV", "SwAVLoss", "SwAVModel", "SwAVPrototypesHook", "build_swav", "sinkhorn", "swapped_prediction_loss"]
+__all__ = ["SWAV", "SwAVLoss", "SwAVModel", "SwAVPrototypesHook", "build_swav", "swapped_prediction_loss"]
 
 logger = logging.getLogger("sslkit")
 
@@ -77,49 +77,6 @@ def build_swav(trunk: nn.Module, head: nn.Module | None = None, num_prototypes: 
     return SwAVModel(trunk, head, num_prototypes=num_prototypes, embedding_dim=embedding_dim)
 
 
-# ------------------------------------------------------------------------------------ sinkhorn
-@torch.no_grad()
-def sinkhorn(scores: torch.Tensor, epsilon: float = 0.05, iterations: int = 3) -> torch.Tensor:
-    """Soft codes ``Q`` [B, K] for scores [B, K] by Sinkhorn-Knopp (SwAV, section 3.1 and eq. 3).
-
-    Solves ``max_Q Tr(Q^T S) + eps H(Q)`` over the transportation polytope in which the K
-    prototypes share the global batch equally (mass ``1/K`` each) and every sample has mass
-    ``1/B_total``, by alternate normalisation of ``P = exp(S / eps)``::
-
-        P <- P / sum(P)
-        repeat `iterations` times:
-            P <- P / (K * row sums over samples)        # each prototype gets mass 1/K
-            P <- P / (B_total * column sums over K)     # each sample gets mass 1/B_total
-        Q = B_total * P                                 # each sample's code sums to 1
-
-    Across processes the batch is the union of every rank's samples: the total and the
-    per-prototype sums are all-reduced (``all_reduce_sum``), the per-sample sums are local.
-    With one process no collective runs. ``B_total`` (local batch x world size) only scales
-    intermediate values and cancels in ``Q``, so unequal per-rank batches are handled too.
-
-    Numerics: the computation runs in float64, and ``S`` is shifted by its maximum over all
-    ranks (``gather_no_grad`` of the local maxima) before ``exp``, so ``exp`` cannot overflow;
-    a shift common to every entry cancels in the first normalisation, so ``Q`` is unchanged.
-    Entries more than ``~700 * eps`` below the maximum underflow to 0 (never the case for the
-    cosine scores of SwAV, which span at most 2). Returns float32 (gradient-free) codes.
-    """
-    if iterations < 1:
-        raise ValueError(f"sinkhorn needs iterations >= 1, got {iterations}")
-    if epsilon <= 0:
-        raise ValueError(f"sinkhorn needs epsilon > 0, got {epsilon}")
-    s = scores.detach().to(torch.float64)
-    shift = gather_no_grad(s.max().reshape(1)).max()
-    p = torch.exp((s - shift) / epsilon).T  # [K, B]
-    k, b = p.shape
-    b_total = b * get_world_size()
-    p /= all_reduce_sum(p.sum())
-    for _ in range(iterations):
-        p /= all_reduce_sum(p.sum(dim=1, keepdim=True))
-        p /= k
-        p /= p.sum(dim=0, keepdim=True)
-        p /= b_total
-    p *= b_total
-    return p.T.float()
 
 
 # ----------------------------------------------------------------------------------------- loss
@@ -161,7 +118,7 @@ class SwAVLoss(nn.Module):
     queue_length, queue_start_iter, embedding_dim}``.
 
     Reads ``output["scores"]``, ``output["projections"]`` and ``output["prototypes"]`` (from the
-    ``swav`` model). For each assignment crop i, ``q_i = sinkhorn(scores_i)``; with a queue, the
+    ``swav`` model). For each assignment crop i, ``q_i = sinkhorn_knopp(scores_i)`` (in float64); with a queue, the
     scores of the queued embeddings of crop i (``queue_i C^T``, with the current prototypes) are
     stacked above the batch's before Sinkhorn, and only the batch's rows of the codes are kept
     (the queue enlarges the set the prototypes are equipartitioned over, for small batches).
@@ -258,7 +215,7 @@ class SwAVLoss(nn.Module):
                 if self.queue_active:
                     protos = output["prototypes"].detach().float()
                     s = torch.cat([self.queue[j] @ protos.T, s])
-                codes.append(sinkhorn(s, self.epsilon, self.sinkhorn_iterations)[-b:])
+                codes.append(sinkhorn_knopp(s, self.epsilon, self.sinkhorn_iterations, dtype=torch.float64)[-b:])
         return codes
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any], ctx: StepContext | None = None) -> torch.Tensor:

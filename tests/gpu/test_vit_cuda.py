@@ -103,7 +103,8 @@ def test_mae_at_vit_s16_224_trains_in_bf16(tmp_path: Path) -> None:
 def test_distillation_parts_on_cuda_equal_the_cpu_and_never_sync() -> None:
     """KoLeo, Sinkhorn-Knopp with padding rows, the masked slots and iBOT's patch loss: the same numbers on the GPU as
     on the CPU, and not one host-device synchronisation (``set_sync_debug_mode("error")`` raises on any)."""
-    from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
+    from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots
+    from sslkit.methods.sinkhorn import sinkhorn_knopp
 
     g = torch.Generator().manual_seed(0)
     logits, x = torch.randn(64, 32, generator=g), torch.randn(64, 16, generator=g)

@@ -9,8 +9,9 @@ import torch
 from helpers import RECIPES, SMALL, distillation_output, run_main
 
 from sslkit.methods.dinov2 import DINOv2Loss
-from sslkit.methods.dinov2_parts import koleo_loss, masked_patch_loss, sinkhorn_knopp
+from sslkit.methods.dinov2_parts import koleo_loss, masked_patch_loss
 from sslkit.methods.ibot import IBOTLoss
+from sslkit.methods.sinkhorn import sinkhorn_knopp
 
 
 def _output(seed: int) -> dict:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from dist_workers import dinov2_parts_on_shard, run_ranks
 
-from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots, sinkhorn_knopp
+from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots
+from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.models.masking import BlockMasking, SampleKeys, batch_slots
 
 

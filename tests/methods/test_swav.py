@@ -16,11 +16,17 @@ from torch.utils.data import DataLoader
 
 from sslkit.clock import StepContext, TrainClock
 from sslkit.hooks.base import Slot, SSLHook
-from sslkit.methods.swav import SwAVLoss, SwAVPrototypesHook, build_swav, sinkhorn, swapped_prediction_loss
+from sslkit.methods.sinkhorn import sinkhorn_knopp
+from sslkit.methods.swav import SwAVLoss, SwAVPrototypesHook, build_swav, swapped_prediction_loss
 from sslkit.models.heads import MLPHead
 from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
+
+
+def sinkhorn(scores: torch.Tensor, eps: float = 0.05, iters: int = 3) -> torch.Tensor:
+    """The shared Sinkhorn-Knopp as SwAV's loss calls it (float64)."""
+    return sinkhorn_knopp(scores, eps, iters, dtype=torch.float64)
 
 
 def reference_sinkhorn(scores: np.ndarray, eps: float, iters: int) -> np.ndarray:
