@@ -15,9 +15,35 @@ from sslkit.methods.ibot import IBOTLoss
 from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.registry import register_loss
 
-__all__ = ["DINOV2", "DINOv2Loss", "sinkhorn_batch_rule"]
+__all__ = ["DINOV2", "DINOv2Loss", "SinkhornKnoppTeacher", "sinkhorn_batch_rule"]
 
 CENTERING = ("centering", "sinkhorn_knopp")
+
+
+class SinkhornKnoppTeacher:
+    """DINOv2's other teacher-probability rule (``loss.centering=sinkhorn_knopp``): Sinkhorn-Knopp
+    (:func:`~sslkit.methods.sinkhorn.sinkhorn_knopp`) over the global batch, for the CLS logits of all global crops
+    together and for the masked patches of all global crops (padding slots left out); no centre, nothing moves."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+
+    def cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
+        """``[G, B, K]``: one solve over every global crop's CLS logits of the global batch."""
+        stacked = torch.stack(list(logits))  # [G, B, K]
+        return sinkhorn_knopp(stacked.flatten(0, 1), temp, self.iterations).view(stacked.shape)
+
+    def patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                    temp: float) -> list[torch.Tensor]:
+        """One solve over the masked patches (every slot of weight 1) of every global crop of the global batch."""
+        k = logits[0].shape[-1]
+        rows = torch.cat([t.reshape(-1, k) for t in logits])  # every slot of every entry: [R, K]
+        w = torch.cat([wi.reshape(-1) for wi in weights])
+        probs = sinkhorn_knopp(rows, temp, self.iterations, w)
+        return [p.view(t.shape) for p, t in zip(probs.split([t[..., 0].numel() for t in logits]), logits)]
+
+    def after_train_forward(self, output: Any, ctx: StepContext | None) -> None:
+        """Nothing moves: Sinkhorn-Knopp keeps no state."""
 
 
 @register_loss("dinov2")
@@ -57,32 +83,10 @@ class DINOv2Loss(IBOTLoss):
                          warmup_teacher_temp_epochs=warmup_teacher_temp_epochs)
         self.centering = centering
         self.sinkhorn_iterations = int(sinkhorn_iterations)
+        if centering == "sinkhorn_knopp":
+            self.teacher_rule = SinkhornKnoppTeacher(self.sinkhorn_iterations)
         self.koleo_weight = float(koleo_weight)
         self.koleo_global = bool(koleo_global)
-
-    def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
-        """Centred and sharpened, or Sinkhorn-Knopp over every global crop's CLS logits of the global batch."""
-        if self.centering == "centering":
-            return super().teacher_cls_probs(logits, temp)
-        stacked = torch.stack(list(logits))  # [G, B, K]
-        return sinkhorn_knopp(stacked.flatten(0, 1), temp, self.sinkhorn_iterations).view(stacked.shape)
-
-    def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                            temp: float) -> list[torch.Tensor]:
-        """Centred and sharpened, or Sinkhorn-Knopp over the masked patches (every slot of weight 1) of every global
-        crop of the global batch."""
-        if self.centering == "centering":
-            return super().teacher_patch_probs(logits, weights, temp)
-        k = logits[0].shape[-1]
-        rows = torch.cat([t.reshape(-1, k) for t in logits])  # every slot of every entry: [R, K]
-        w = torch.cat([wi.reshape(-1) for wi in weights])
-        probs = sinkhorn_knopp(rows, temp, self.sinkhorn_iterations, w)
-        return [p.view(t.shape) for p, t in zip(probs.split([t[..., 0].numel() for t in logits]), logits)]
-
-    def move_centres(self, output: Any, ctx: StepContext | None) -> None:
-        """The centres move under ``centering`` only (Sinkhorn-Knopp has none)."""
-        if self.centering == "centering":
-            super().move_centres(output, ctx)
 
     def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """iBOT's loss plus ``koleo_weight`` times the sum over the global crops of KoLeo on their CLS tokens."""

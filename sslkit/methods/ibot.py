@@ -27,7 +27,7 @@ from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
 from sslkit.registry import register_loss, register_model
 
-__all__ = ["IBOT", "IBOTLoss", "IBOTModel", "PatchCenter", "build_ibot"]
+__all__ = ["IBOT", "CenteredTeacher", "IBOTLoss", "IBOTModel", "PatchCenter", "build_ibot"]
 
 
 class IBOTModel(nn.Module):
@@ -174,6 +174,34 @@ class PatchCenter(nn.Module):
         self._pending.zero_()
 
 
+class CenteredTeacher:
+    """The teacher-probability rule of DINO and iBOT: the teacher's logits minus a centre that moves once per
+    update with the batches' mean, sharpened by the temperature (softmax). Holds the loss's two centres (the CLS
+    one of its :class:`~sslkit.methods.dino.DINOLoss`, the patch one) without owning them: their state is the
+    loss's."""
+
+    def __init__(self, cls: DINOLoss, patches: PatchCenter) -> None:
+        self.cls_center, self.patch_center = cls, patches
+
+    def cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
+        """``[G, B, K]``: each global crop's CLS logits centred and sharpened."""
+        return dino_teacher_probs(logits, self.cls_center.center, temp)
+
+    def patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                    temp: float) -> list[torch.Tensor]:
+        """The masked-patch slots' logits (``[B, M, K]`` per global crop, or ``[S, K]`` for them all) centred by the
+        patch centre and sharpened."""
+        return [F.softmax((t.detach().float() - self.patch_center.center) / temp, dim=-1) for t in logits]
+
+    def after_train_forward(self, output: Any, ctx: StepContext | None) -> None:
+        """Add this micro-batch's teacher logits to both centres' sums; move the centres on an update's last one."""
+        self.cls_center.accumulate_center(output["targets"])
+        self.patch_center.accumulate(output["patch_targets"], output["patch_weights"])
+        if ctx is None or ctx.clock.last_micro_batch:
+            self.cls_center.update_center()
+            self.patch_center.update()
+
+
 @register_loss("ibot")
 class IBOTLoss(nn.Module):
     """iBOT's loss (Zhou et al. 2022, section 3.2): ``lambda_cls`` times DINO's loss on the CLS tokens
@@ -203,6 +231,8 @@ class IBOTLoss(nn.Module):
         self.teacher_patch_temp = float(teacher_patch_temp)
         self.warmup_teacher_patch_temp = float(warmup_teacher_patch_temp)
         self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)
+        #: how the teacher's logits become targets (:class:`CenteredTeacher`; DINOv2 may pick Sinkhorn-Knopp)
+        self.teacher_rule: CenteredTeacher | Any = CenteredTeacher(self.cls, self.patch_center)
 
     def set_epoch_length(self, updates: int) -> None:
         """Called by the builder with the run's updates per epoch: a warm-up in epochs becomes updates (both
@@ -213,24 +243,6 @@ class IBOTLoss(nn.Module):
         """The patch teacher temperature at optimizer update ``update``."""
         return teacher_temp_at(update, self.warmup_teacher_patch_temp, self.teacher_patch_temp,
                                self.cls.warmup_teacher_temp_iters)
-
-    def teacher_cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
-        """The teacher's CLS probabilities ``[G, B, K]`` of the global crops: centred and sharpened (DINO)."""
-        return dino_teacher_probs(logits, self.cls.center, temp)
-
-    def teacher_patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                            temp: float) -> list[torch.Tensor]:
-        """The teacher's probabilities over the masked-patch slots (``[B, M, K]`` per global crop, or ``[S, K]`` for
-        them all): centred by the patch centre and sharpened."""
-        return [F.softmax((t.detach().float() - self.patch_center.center) / temp, dim=-1) for t in logits]
-
-    def move_centres(self, output: Any, ctx: StepContext | None) -> None:
-        """Add this micro-batch's teacher logits to both centres' sums; move the centres on an update's last one."""
-        self.cls.accumulate_center(output["targets"])
-        self.patch_center.accumulate(output["patch_targets"], output["patch_weights"])
-        if ctx is None or ctx.clock.last_micro_batch:
-            self.cls.update_center()
-            self.patch_center.update()
 
     def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """The weighted sum of the CLS and patch losses of this batch; on train forwards the centres move once per
@@ -245,15 +257,15 @@ class IBOTLoss(nn.Module):
                              f"gives {t[0].shape[-1]}: set loss.patch_out_dim to the patch head's out_dim")
         update = ctx.clock.update if ctx is not None else 0
         temp, patch_temp = self.cls.teacher_temp_at_update(update), self.teacher_patch_temp_at(update)
-        cls_probs = self.teacher_cls_probs(teacher, temp)
+        cls_probs = self.teacher_rule.cls_probs(teacher, temp)
         cls_loss = dino_cross_entropy(student, cls_probs, self.student_temp)
-        probs = self.teacher_patch_probs(t, w, patch_temp)
+        probs = self.teacher_rule.patch_probs(t, w, patch_temp)
         images = output["patch_images"] if "patch_images" in output else [None] * len(s)
         patch = torch.stack([masked_patch_loss(si, pi, wi, self.student_temp, im, len(student[0]) * len(teacher))
                              for si, pi, wi, im in zip(s, probs, w, images)]).mean()
         entropy, patch_entropy = mean_entropy(cls_probs[0]), mean_entropy(torch.stack(probs), torch.stack(list(w)))
         if self.training and torch.is_grad_enabled():
-            self.move_centres(output, ctx)
+            self.teacher_rule.after_train_forward(output, ctx)
         if ctx is not None:
             ctx.record("teacher_temp", temp)
             ctx.record("teacher_patch_temp", patch_temp)
