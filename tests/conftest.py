@@ -1,6 +1,7 @@
 """Shared test setup: tests/helpers.py and sslkit_faults importable from every test folder; gpu tests skipped
 without CUDA."""
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -43,17 +44,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+#: The "sslkit" logger as importing sslkit leaves it (no handler of its own, propagating to the root).
+_SSLKIT_LOGGER = logging.getLogger("sslkit")
+_LOGGER_BASELINE = (list(_SSLKIT_LOGGER.handlers), _SSLKIT_LOGGER.propagate, _SSLKIT_LOGGER.level)
+
+
+def _reset_sslkit_logger() -> None:
+    handlers, propagate, level = _LOGGER_BASELINE
+    for handler in list(_SSLKIT_LOGGER.handlers):
+        if handler not in handlers:
+            _SSLKIT_LOGGER.removeHandler(handler)
+            handler.close()
+    _SSLKIT_LOGGER.propagate, _SSLKIT_LOGGER.level = propagate, level
+
+
 @pytest.fixture(autouse=True)
 def _restore_sslkit_logger():
-    """A test that runs ``sslkit.launch.cli.main`` in-process sets up the "sslkit" logger as a run does (its own
-    handlers, no propagation); put it back afterwards so later tests' ``caplog`` sees its records."""
-    import logging
-
-    logger = logging.getLogger("sslkit")
-    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    """A run of ``sslkit.launch.cli.main`` in this process sets up the "sslkit" logger as a run does (its own
+    handlers, no propagation). Every test starts and ends with the logger as importing sslkit left it, so that its
+    ``caplog`` sees the records whatever ran before it in this worker (a module fixture's run included: a snapshot
+    taken at the test's start would keep that run's set-up)."""
+    _reset_sslkit_logger()
     yield
-    for handler in list(logger.handlers):
-        if handler not in handlers:
-            logger.removeHandler(handler)
-            handler.close()
-    logger.propagate, logger.level = propagate, level
+    _reset_sslkit_logger()
