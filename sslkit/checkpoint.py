@@ -17,6 +17,7 @@ from iopath.common.file_io import g_pathmgr
 
 from sslkit.checkpointing import sharded as sharded_checkpoint
 from sslkit.checkpointing.sharded import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
+from sslkit.clock import TrainClock
 from sslkit.distributed import barrier, is_distributed, is_primary
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
 
@@ -209,7 +210,7 @@ class Stateful(Protocol):
     where it stands. How that state is written is the checkpointer's alone."""
 
     @property
-    def iteration(self) -> int: ...
+    def clock(self) -> TrainClock: ...
 
     @property
     def rank(self) -> int: ...
@@ -248,7 +249,7 @@ class Checkpointer:
         state = source.state_dict()
         path = None
         if is_primary():
-            path = save_checkpoint(state, self.dir, source.iteration, self.keep_last)
+            path = save_checkpoint(state, self.dir, source.clock.update, self.keep_last)
             logger.info("saved checkpoint %s (%s)", path, why)
         barrier()
         return path, state["hooks"]
@@ -256,7 +257,7 @@ class Checkpointer:
     def _save_sharded(self, source: Stateful, why: str, wait: bool) -> tuple[str | None, dict[str, Any]]:
         self.finish_pending()
         model_state, optimizer_state, extra, own = source.sharded_state_dict()
-        name = f"checkpoint_{source.iteration:09d}"
+        name = f"checkpoint_{source.clock.update:09d}"
         final = os.path.join(self.dir, name)
         rewrite = is_complete(final)  # the end of the run updating its last epoch's folder
         path = f"{final}.update" if rewrite else final

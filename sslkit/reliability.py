@@ -115,12 +115,12 @@ class PreemptionHook(SSLHook):
         if not stop:
             return
         name = self.received.name if self.received is not None else "a signal on another rank"
-        self._say("received %s: writing a checkpoint after step %d, then stopping", name, task.iteration)
+        self._say("received %s: writing a checkpoint after step %d, then stopping", name, task.clock.update)
         task.stop_requested = name
 
     def on_step(self, task: SSLTask) -> None:
         """After a train step: if any rank got a signal, ask the run to stop after this step."""
-        if task.train and task.iteration % self.every_n_steps == 0:
+        if task.train and task.clock.update % self.every_n_steps == 0:
             self._stop_if_signalled(task)
 
     def on_phase_end(self, task: SSLTask) -> None:

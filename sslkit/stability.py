@@ -148,7 +148,7 @@ class StabilityWatch:
             if key in self.warned:
                 continue
             self.warned.add(key)
-            logger.warning("stability (step %d): %s", task.iteration, message)
-            out.append({"step": task.iteration, "epoch": task.clock.epoch, "phase": "warning", "warning": key,
+            logger.warning("stability (step %d): %s", task.clock.update, message)
+            out.append({"step": task.clock.update, "epoch": task.clock.epoch, "phase": "warning", "warning": key,
                         "message": message})
         return out

@@ -266,22 +266,16 @@ class SSLTask:
     seed = _Alias("run")
     output_dir = _Alias("run")
     config = _Alias("run")
-    #: Optimizer updates done in total, the steps done in the current phase (the resume position inside it), the
-    #: samples trained on (all ranks) and the updates the run makes: the clock's hands under their older names.
-    iteration = _Alias("clock", "update")
-    steps_in_phase = _Alias("clock", "step_in_epoch")
-    num_updates = _Alias("clock", "samples")
-    max_iterations = _Alias("clock", "max_updates")
 
     def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
-                 max_iterations: int = 1, guard: UpdateGuard | None = None) -> None:
+                 max_updates: int = 1, guard: UpdateGuard | None = None) -> None:
         self.training = training
         self.data = data
         self.run = run or RunInfo()
         #: Hooks in the order they run: by slot (:class:`~sslkit.events.Slot`), then as given.
         self.hooks = in_order(hooks)
         #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
-        self.clock = TrainClock(max_updates=max(1, max_iterations), micro_batches=training.accumulate_steps)
+        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=training.accumulate_steps)
         #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
         #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
         self.scheduled: dict[str, float] = {}
@@ -343,8 +337,8 @@ class SSLTask:
 
     @property
     def out_of_steps(self) -> bool:
-        """True in a train phase once ``max_iterations`` optimizer steps are done."""
-        return self.phase.train and self.iteration >= self.max_iterations
+        """True in a train phase once ``clock.max_updates`` optimizer steps are done."""
+        return self.phase.train and self.clock.update >= self.clock.max_updates
 
     @property
     def batches_per_step(self) -> int:
@@ -394,7 +388,7 @@ class SSLTask:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         if hasattr(sampler, "set_start"):
-            sampler.set_start(self.steps_in_phase * self.batches_per_step * loader.batch_size)
+            sampler.set_start(self.clock.step_in_epoch * self.batches_per_step * loader.batch_size)
         self.phase_done = False
         self.clock.epoch = self.epoch
         self.clock.micro_batch = 0
@@ -403,10 +397,10 @@ class SSLTask:
 
     def end_phase(self, exhausted: bool = True) -> None:
         """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut
-        short by ``max_iterations`` is not: a checkpoint keeps its position inside it, so a run lengthened
+        short by ``clock.max_updates`` is not: a checkpoint keeps its position inside it, so a run lengthened
         later (a larger ``optim.max_steps``) goes on from that very step."""
         per_phase = self.steps_per_phase
-        self.phase_done = exhausted or (per_phase is not None and self.steps_in_phase >= per_phase)
+        self.phase_done = exhausted or (per_phase is not None and self.clock.step_in_epoch >= per_phase)
 
     def close(self) -> None:
         """Stop the loaders' worker processes now (persistent workers otherwise live until garbage
@@ -423,7 +417,7 @@ class SSLTask:
     def advance_phase(self, to: int | None = None) -> None:
         """Move to the next phase (after ``on_phase_end``), or to phase ``to``."""
         self.phase_idx = self.phase_idx + 1 if to is None else to
-        self.steps_in_phase = 0
+        self.clock.step_in_epoch = 0
         self.phase_done = False
         self.data_iterator = iter(())
 
@@ -460,7 +454,7 @@ class SSLTask:
     def _run_state(self, gather_rng: bool) -> dict[str, Any]:
         """:meth:`state_dict` but the model and the optimizer."""
         phase_idx, steps = (
-            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.steps_in_phase)
+            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.clock.step_in_epoch)
         )
         return {
             "loss": self.loss.state_dict(),
@@ -468,9 +462,9 @@ class SSLTask:
             "hooks": self.hook_states(),
             "position": {
                 "phase_idx": phase_idx,
-                "steps_in_phase": steps,
-                "iteration": self.iteration,
-                "num_updates": self.num_updates,
+                "step_in_epoch": steps,
+                "update": self.clock.update,
+                "samples": self.clock.samples,
                 **self.guard.state_dict(),
             },
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
@@ -522,9 +516,9 @@ class SSLTask:
                 hook.load_state_dict(hook_states[hook.name])
         pos = state["position"]
         self.phase_idx = pos["phase_idx"]
-        self.steps_in_phase = pos["steps_in_phase"]
-        self.iteration = pos["iteration"]
-        self.num_updates = pos["num_updates"]
+        self.clock.step_in_epoch = pos["step_in_epoch"]
+        self.clock.update = pos["update"]
+        self.clock.samples = pos["samples"]
         self.guard.load_state_dict(pos)
         rng = state["rng"]
         if isinstance(rng, dict):  # written by a single process before per-rank states

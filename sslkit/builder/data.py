@@ -128,7 +128,7 @@ class TrainData:
     global_batch: int
     steps_per_epoch: int
     epochs: int
-    max_iterations: int
+    max_updates: int
 
 
 def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> TrainData:
@@ -154,13 +154,13 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
     if steps_per_epoch == 0:
         raise _no_step(cfg, len(train_source), batch, world)  # type: ignore[arg-type]
     if cfg.optim.max_steps > 0:
-        max_iterations = cfg.optim.max_steps
-        epochs = math.ceil(max_iterations / steps_per_epoch)
+        max_updates = cfg.optim.max_steps
+        epochs = math.ceil(max_updates / steps_per_epoch)
     else:
         epochs = cfg.optim.epochs
-        max_iterations = epochs * steps_per_epoch
+        max_updates = epochs * steps_per_epoch
     return TrainData(train_source, train_loader, device_augment, device_decoder, workers, pin, batch,
-                     batch * world * accumulate, steps_per_epoch, epochs, max_iterations)
+                     batch * world * accumulate, steps_per_epoch, epochs, max_updates)
 
 
 def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:

@@ -64,14 +64,14 @@ class CheckpointHook(SSLHook):
         task.guard.check(task)
         task.run_hooks(Event.BEFORE_CHECKPOINT)
         path, hooks = self.checkpointer.save(task, why, wait)
-        self._saved = (task.iteration, hooks)
+        self._saved = (task.clock.update, hooks)
         self._saved_path = path
         return path
 
     def save_once(self, task: SSLTask, why: str) -> str | None:
         """:meth:`save`, unless the checkpoint of this step with these hook states is written already
         (e.g. at the end of an epoch): then its path (rank 0) is returned and nothing is written."""
-        if self._saved is not None and self._saved[0] == task.iteration and not self._changed(task):
+        if self._saved is not None and self._saved[0] == task.clock.update and not self._changed(task):
             return self._saved_path
         return self.save(task, why)
 
@@ -84,14 +84,14 @@ class CheckpointHook(SSLHook):
     def on_start(self, task: SSLTask) -> None:
         """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
         state changes (a finished run started again writes nothing)."""
-        if task.iteration > 0:
-            self._saved = (task.iteration, task.hook_states())
+        if task.clock.update > 0:
+            self._saved = (task.clock.update, task.hook_states())
             self._saved_path = self.checkpointer.latest() if is_primary() else None
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases), and when the run is asked to stop."""
-        if task.train and self.every_n_steps > 0 and task.iteration % self.every_n_steps == 0:
-            self.save(task, f"step {task.iteration}", wait=False)
+        if task.train and self.every_n_steps > 0 and task.clock.update % self.every_n_steps == 0:
+            self.save(task, f"step {task.clock.update}", wait=False)
         self._save_for_stop(task)
 
     def _save_for_stop(self, task: SSLTask) -> None:
@@ -109,7 +109,7 @@ class CheckpointHook(SSLHook):
         if is_primary() or is_sharded(task.model):  # under FSDP2 the model is gathered: every rank takes part
             state = task.state_dict(gather_rng=False)
         if is_primary():
-            exc.crash_path = self.checkpointer.write_crash(state, task.iteration, exc.message)
+            exc.crash_path = self.checkpointer.write_crash(state, task.clock.update, exc.message)
         exc.resume_from = self.checkpointer.latest()
         exc.checked_checkpoints = True
 
@@ -127,7 +127,7 @@ class CheckpointHook(SSLHook):
         """Save the final state, with the results of the hooks that ran at the end (kNN), unless the
         checkpoint of this step already holds it."""
         self.checkpointer.finish_pending()
-        if self._saved is not None and self._saved[0] == task.iteration:
+        if self._saved is not None and self._saved[0] == task.clock.update:
             changed = self._changed(task)
             if not changed:
                 return

@@ -304,7 +304,7 @@ class SwAVPrototypesHook(SSLHook):
         """Normalise the prototypes once before a fresh run. Not after a resume: the checkpointed
         prototypes were normalised by the last ``on_update``, and normalising again is not exact in
         floating point (the last bits move), so a resumed run would drift from an uninterrupted one."""
-        if task.iteration == 0:
+        if task.clock.update == 0:
             self._normalize(task)
 
     def on_backward(self, task: SSLTask) -> None:

@@ -39,7 +39,7 @@ def _model(out: Path) -> dict[str, torch.Tensor]:
     from reliability_helpers import latest_state
 
     state = latest_state(out)
-    assert state["position"]["iteration"] == 8
+    assert state["position"]["update"] == 8
     return state["model"]
 
 

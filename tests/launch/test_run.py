@@ -31,7 +31,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert len(knn) == 1 and 0.0 <= knn[0]["knn_top1"] <= 1.0
     assert "knn_top1" in proc.stdout
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
-    assert state["position"] == {"phase_idx": 2, "steps_in_phase": 0, "iteration": 8, "num_updates": 128,
+    assert state["position"] == {"phase_idx": 2, "step_in_epoch": 0, "update": 8, "samples": 128,
                                  "skipped_steps": {}, "consecutive_skips": 0}
     assert state["hooks"]["knn"]["done"] is True
     # each checkpoint is logged once; the last epoch's is updated once with the kNN results of the end of the run
@@ -76,7 +76,7 @@ class MarkerHook(SSLHook):
 
     def on_end(self, task):
         with open(self.path, "w") as f:
-            f.write(f"{self.tag} steps={CALLS['steps']} iteration={task.iteration}")
+            f.write(f"{self.tag} steps={CALLS['steps']} iteration={task.clock.update}")
 '''
 
 
@@ -111,7 +111,7 @@ def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     saved = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    resumed_at = saved["position"]["iteration"]
+    resumed_at = saved["position"]["update"]
     assert 8 <= resumed_at <= 12
     logged = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     killed_past_checkpoint = max(logged) > resumed_at  # the kill came after a step was logged
@@ -123,4 +123,4 @@ def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
     steps = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     assert steps == list(range(1, 49))
     final = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert final["position"]["iteration"] == 48
+    assert final["position"]["update"] == 48

@@ -261,7 +261,7 @@ def test_last_layer_gradient_dropped_in_the_first_epoch_only() -> None:
                  lr_schedule=lambda where: 0.5),
         DataPlan(loaders={"train": DataLoader(data, batch_size=4)},
                  phases=[Phase(train=True, epoch=0), Phase(train=True, epoch=1)]),
-        [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_iterations=4,
+        [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_updates=4,
     )
     train(task, standard_train_step)
     assert [e for e, _ in rec.grads] == [0, 0, 1, 1]
@@ -281,7 +281,7 @@ def test_recipe_runs_and_checkpoints_teacher_and_center(tmp_path: Path) -> None:
     ckpts = out / "checkpoints"
     first = torch.load(ckpts / "checkpoint_000000001.pt", weights_only=False)
     last = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert last["position"]["iteration"] == 3
+    assert last["position"]["update"] == 3
     center = last["loss"]["center"]
     assert center.shape == (1, 16) and center.abs().sum() > 0  # moved from its zero initial value
     assert not torch.equal(center, first["loss"]["center"])

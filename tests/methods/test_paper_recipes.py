@@ -79,7 +79,7 @@ def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp
         train(task, standard_train_step)
     finally:
         task.close()
-    assert task.iteration == 1
+    assert task.clock.update == 1
     assert task.base_model.trunk.pos_embed.shape[1] == (224 // 16) ** 2  # a 14 x 14 grid
     # the update happened (at lr 0: the warm-up starts there), with a gradient in AdamW's first moment
     assert task.optimizer.state[qkv]["exp_avg"].abs().sum() > 0

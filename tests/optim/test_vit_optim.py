@@ -129,7 +129,7 @@ def _steps(task, n: int) -> None:
     """``n`` train steps as the trainer runs them (the position moves after each)."""
     for _ in range(n):
         standard_train_step(task)
-        task.steps_in_phase += 1
+        task.clock.step_in_epoch += 1
 
 
 def _vit_task(tmp_path: Path, *extra: str):
