@@ -64,7 +64,6 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
-from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.compose import compose_config  # noqa: E402
 from sslkit.data.seeding import mix_seed  # noqa: E402
 from sslkit.hooks import CheckpointHook, ConsistencyCheckHook, KNNHook, LogHook  # noqa: E402
@@ -293,7 +292,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                         output = model(sample["input"]) if masks is None else model(sample["input"], masks=masks)
                         task.last_batch.model_output = output
                         fire(Event.ON_FORWARD)
-                        loss = call_loss(loss_fn, output, sample, task.context())  # the clock, for schedules
+                        loss = loss_fn(output, sample, task.context())  # the clock, for schedules
                     if isinstance(loss, dict):
                         loss = loss["loss"]
                     task.last_batch.loss = loss

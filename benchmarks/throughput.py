@@ -70,7 +70,6 @@ reexec_with_tuned_malloc()  # same allocator settings as tools/run.py, before to
 import torch  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
-from sslkit.clock import call_loss  # noqa: E402
 from sslkit.config.schema import ConfigError  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.launch.console import setup_logging  # noqa: E402
@@ -224,7 +223,7 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
             out = model(views) if masks is None else model(views, masks=masks)
             task.last_batch.model_output = out
             fire(Event.ON_FORWARD)
-            loss, _ = split_loss(call_loss(task.loss, out, sample, task.context()))
+            loss, _ = split_loss(task.loss(out, sample, task.context()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         fire(Event.ON_BACKWARD)
@@ -255,7 +254,7 @@ def attention_kernels(task: SSLTask, preset: Preset) -> str:
     masks = task.data.masking(views, torch.arange(b, device=task.device), 0) if task.data.masking else None
     with profile(activities=[ProfilerActivity.CPU]) as prof, precision(task):
         out = task.model(views) if masks is None else task.model(views, masks=masks)
-        loss, _ = split_loss(call_loss(task.loss, out, {"input": views, "data_idx": torch.arange(b)}, task.context()))
+        loss, _ = split_loss(task.loss(out, {"input": views, "data_idx": torch.arange(b)}, task.context()))
         loss.backward()
     task.optimizer.zero_grad(set_to_none=True)
     seen = {ATTENTION_OPS[e.key] for e in prof.key_averages() if e.key in ATTENTION_OPS}

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-__all__ = ["StepContext", "TrainClock", "call_loss"]
+__all__ = ["StepContext", "TrainClock"]
 
 
 @dataclass
@@ -75,26 +72,3 @@ class StepContext:
     def record(self, name: str, value: float) -> None:
         """Publish the value of a schedule at this update (a Python number: logging it costs no sync)."""
         self.scheduled[name] = float(value)
-
-
-_TAKES_CONTEXT: dict[Any, bool] = {}
-
-
-def _takes_context(loss: Callable[..., Any]) -> bool:
-    """True when ``loss`` accepts a third argument (the step context); cached per class or function."""
-    fn = loss.forward if isinstance(loss, torch.nn.Module) else loss
-    key = type(loss) if isinstance(loss, torch.nn.Module) else loss
-    if key not in _TAKES_CONTEXT:
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        _TAKES_CONTEXT[key] = len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
-    return _TAKES_CONTEXT[key]
-
-
-def call_loss(loss: Callable[..., Any], output: Any, sample: dict[str, Any], ctx: StepContext) -> Any:
-    """``loss(output, sample, ctx)``, or ``loss(output, sample)`` for a loss that takes no context
-    (a user's loss without schedules needs none)."""
-    return loss(output, sample, ctx) if _takes_context(loss) else loss(output, sample)

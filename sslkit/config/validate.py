@@ -617,6 +617,8 @@ def validate(cfg: DictConfig) -> None:
         _check_kwargs(where, builder, {k: v for k, v in section.items() if k not in skip}, errors)
         if reg is R.TRANSFORMS and len(errors) == before:
             _check_transform(cfg, where, builder, errors)
+        if reg is R.LOSSES:
+            _check_loss_call(section.name, builder, errors)
     model = _registered(errors, R.MODELS, cfg.model.name, "model.name")
     if model is not None:
         _check_kwargs("model.kwargs", model, dict(cfg.model.kwargs), errors)
@@ -636,6 +638,24 @@ def validate(cfg: DictConfig) -> None:
         _check_freeze(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+def _check_loss_call(name: str, builder: Any, errors: list[str]) -> None:
+    """sslkit calls every loss one way, ``loss(output, sample, ctx)`` (``ctx``: the step context, with the training
+    clock): a registered loss module whose ``forward`` cannot take the third argument is a config error, said here
+    rather than at the first step."""
+    forward = getattr(builder, "forward", None) if inspect.isclass(builder) else None
+    if forward is None:
+        return
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        errors.append(f"'loss.name' = {name}: {builder.__name__}.forward takes ({', '.join(p.name for p in params)}), "
+                      "but sslkit calls every loss as loss(output, sample, ctx) (ctx: the step context, with the "
+                      "training clock): add a third argument, ctx=None")
 
 
 def _crop_sizes(cfg: DictConfig) -> list[tuple[str, int]]:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.distributed import gather_with_grad
 from sslkit.methods.base import Method, register_method
 from sslkit.registry import register_loss
@@ -116,7 +117,8 @@ class BarlowTwinsLoss(nn.Module):
         self.eps = eps
         self.gather = gather
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any],
+                ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """Loss of ``output["projections"][0]`` against ``output["projections"][1]``."""
         proj = output["projections"]
         if len(proj) < 2:

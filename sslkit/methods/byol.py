@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.models.heads import MLPHead
 from sslkit.models.teacher import PredictorTeacherModel, projection_dim
@@ -63,7 +64,8 @@ class BYOLLoss(nn.Module):
     """
 
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any],
+                ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """Sum over the pairs ``(predictions[i], targets[i])`` of :func:`byol_loss`."""
         preds, targets = output["predictions"], output["targets"]
         if len(preds) != len(targets) or not preds:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.dinov2_parts import gather_slots, masked_slots
 from sslkit.models.masking import Masks
@@ -207,7 +208,7 @@ class IJEPALoss(nn.Module):
             raise ValueError(f"loss.beta must be > 0, got {beta}")
         self.beta = float(beta)
 
-    def forward(self, output: Any, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """The mean over masked views of their prediction loss."""
         preds, targets, weights = output["predictions"], output["targets"], output["patch_weights"]
         if not preds:

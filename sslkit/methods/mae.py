@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
@@ -163,7 +164,7 @@ class MAELoss(nn.Module):
         super().__init__()
         self.norm_pix_loss = bool(norm_pix_loss)
 
-    def forward(self, output: Any, sample: dict[str, Any]) -> torch.Tensor:
+    def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> torch.Tensor:
         """The mean over masked views of their reconstruction loss."""
         preds, targets, masks = output["predictions"], output["targets"], output["masks"]
         if not preds:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.distributed import gather_no_grad, get_rank, is_distributed
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
@@ -249,7 +250,8 @@ class MoCoLoss(nn.Module):
         self.queue.index_copy_(0, idx, keys[first:])
         self.queue_ptr.copy_((self.queue_ptr + n) % size)
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any],
+                ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """Mean InfoNCE over query/key pairs against the current queue; then enqueue (train only)."""
         queries, keys = output["projections"], output["targets"]
         if len(queries) != len(keys) or not queries:
@@ -338,7 +340,8 @@ class MoCoV3Loss(nn.Module):
         self.temperature = temperature
         self.gather = gather
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any],
+                ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """Sum of both directions; ``acc`` the mean top-1 of the own key over the global batch."""
         preds, keys = output["predictions"], output["targets"]
         if len(preds) != len(keys) or not preds:

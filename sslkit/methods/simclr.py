@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.distributed import gather_with_grad, get_rank
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
@@ -64,7 +65,7 @@ class NTXentLoss(nn.Module):
         self.temperature = temperature
         self.gather = gather
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any], ctx: StepContext | None = None) -> torch.Tensor:
         """Loss of ``output["projections"][0]`` against ``output["projections"][1]``."""
         proj = output["projections"]
         if len(proj) < 2:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.models.heads import MLPHead
 from sslkit.models.output import ModelOutput
@@ -83,7 +84,7 @@ class SimSiamLoss(nn.Module):
     projections, the failure mode the paper studies (section 4.1).
     """
 
-    def forward(self, output: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
+    def forward(self, output: dict[str, Any], sample: dict[str, Any], ctx: StepContext | None = None) -> torch.Tensor:
         """Mean over pairs of :func:`negative_cosine`."""
         preds, targets = output["predictions"], output["targets"]
         if len(preds) != len(targets) or not preds:

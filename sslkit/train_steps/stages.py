@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from sslkit.clock import call_loss
 from sslkit.data.device_augment import Images
 from sslkit.data.device_decode import DeviceDecoder, RawImages
 from sslkit.data.prefetch import Prefetcher
@@ -153,7 +152,7 @@ def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:
         task.last_batch.model_output = output
         task.run_hooks(Event.ON_FORWARD)
         with timer("loss"):
-            loss, terms = split_loss(call_loss(task.loss, output, sample, task.context()))
+            loss, terms = split_loss(task.loss(output, sample, task.context()))
     task.last_batch.loss = loss
     task.last_batch.metrics.update(terms)
     return loss

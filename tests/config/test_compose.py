@@ -163,7 +163,7 @@ def test_imports_registers_user_components(tmp_path, monkeypatch) -> None:
                 super().__init__()
                 self.scale = scale
 
-            def forward(self, output, sample):
+            def forward(self, output, sample, ctx=None):
                 return self.scale * output["projections"][0].pow(2).mean()
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))

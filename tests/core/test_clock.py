@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import RECIPES, SMALL, metrics
 
-from sslkit.clock import StepContext, TrainClock, call_loss
+from sslkit.clock import TrainClock
 from sslkit.launch.cli import main
 
 SCHEDULED = ("lr", "weight_decay", "teacher_momentum", "teacher_temp")
@@ -23,22 +23,28 @@ def test_clock_where_and_last_micro_batch() -> None:
     assert clock.where < 1.0  # schedules are defined on [0, 1)
 
 
-def test_call_loss_passes_the_context_only_to_losses_that_take_it() -> None:
-    ctx = StepContext(TrainClock(update=7), True, torch.device("cpu"))
+def test_every_loss_is_called_one_way_with_the_step_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """loss(output, sample, ctx) for every loss: sslkit's own all take the context, and a user's loss whose forward
+    cannot is a config error naming the fix, from validation (not a TypeError at the first step)."""
+    import inspect
 
-    def plain(output, sample):
-        return output
+    import sslkit.methods  # noqa: F401  (registrations)
+    from sslkit import registry as R
+    from sslkit.config.compose import compose_config
+    from sslkit.config.schema import ConfigError
 
-    def scheduled(output, sample, ctx):
-        return ctx.clock.update
+    for name, loss in R.LOSSES:
+        assert list(inspect.signature(loss.forward).parameters)[1:4] == ["output", "sample", "ctx"], name
 
-    class Module(torch.nn.Module):
-        def forward(self, output, sample, ctx=None):
-            return ctx
+    class TwoArguments(torch.nn.Module):
+        def forward(self, output, sample):
+            return output
 
-    assert call_loss(plain, 1, {}, ctx) == 1
-    assert call_loss(scheduled, 1, {}, ctx) == 7
-    assert call_loss(Module(), 1, {}, ctx) is ctx
+    monkeypatch.setitem(R.LOSSES._obj_map, "two_arguments", TwoArguments)  # registered for this test only
+    with pytest.raises(ConfigError, match=r"'loss.name' = two_arguments: TwoArguments.forward takes \(output, "
+                                          r"sample\), but sslkit calls every loss as loss\(output, sample, ctx\).*"
+                                          r"add a third argument, ctx=None"):
+        compose_config(["config=simclr", "machine.device=cpu", "loss={name: two_arguments}"])
 
 
 def _schedules(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, *overrides: str) -> list[dict]:

@@ -123,7 +123,7 @@ class CpuScaleLoss(torch.nn.Module):
     def __init__(self, temperature: float = 0.1) -> None:
         super().__init__()
 
-    def forward(self, output, sample):
+    def forward(self, output, sample, ctx=None):
         z = output["projections"][0]
         scale = torch.tensor(2.0)
         return (z * scale).pow(2).mean() + 0 * z.sum().item()
