@@ -4,6 +4,7 @@ made for type checking only; the layers' contracts; few modules at the top of th
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,19 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The file parsed once for every test of this module (the package does not change while they run)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
     """Every import statement of the file: at module level, under ``if TYPE_CHECKING:`` and inside functions (they
     run later, but a circle through them is a circle of the design all the same)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import)]
+    return [n for n in ast.walk(_tree(path)) if isinstance(n, ast.ImportFrom | ast.Import)]
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     """Module -> the sslkit modules it imports anywhere in it (and the packages a dotted import runs first, but not
     the module's own packages)."""
@@ -123,7 +130,7 @@ def test_the_cycle_finder_finds_one() -> None:
 
 def _functions() -> list[tuple[str, str, int]]:
     return [(_module(path), node.name, node.end_lineno - node.lineno + 1) for path in PACKAGE.rglob("*.py")
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            for node in ast.walk(_tree(path))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None]
 
 

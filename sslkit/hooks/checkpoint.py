@@ -3,7 +3,6 @@ is the Checkpointer's (sslkit/checkpoint.py)."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,8 +18,6 @@ if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
 __all__ = ["CheckpointHook"]
-
-logger = logging.getLogger("sslkit")
 
 
 @register_hook("checkpoint")
