@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import forkrun
 import torch
 import torch.distributed as dist
 from helpers import mlp
@@ -29,6 +30,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+    forkrun.ensure_server()  # (sslkit's own fork server, started as a run's: with its malloc thresholds)
     start_processes(_entry, (world, find_free_port(), fn, args, out), world)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 

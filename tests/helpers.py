@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import forkrun
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -99,8 +100,8 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
             check: bool = True) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": f"{cwd or REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 **(env or {})}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True,
-                          text=True, cwd=cwd or REPO, env=full_env, timeout=HANG_S)
+    proc = forkrun.run([sys.executable, str(REPO / "tools" / "run.py"), *args], capture_output=True, text=True,
+                       cwd=cwd or REPO, env=full_env, timeout=HANG_S)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
     return proc

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import forkrun
 import pytest
 import torch
 from helpers import HANG_S, REPO, SMALL
@@ -52,7 +52,7 @@ def _cfg(overhead: ModuleType, tmp_path: Path, *overrides: str, steps: int = 4):
 def test_cli_bf16_prints_machine_ratio_and_identical_weights(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("SSLKIT_MALLOC_TUNED", None)
-    proc = subprocess.run(
+    proc = forkrun.run(
         [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--steps", "4", "--rounds", "1", "--warmup", "1",
          *TINY, *BF16], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -129,7 +129,7 @@ def test_throughput_quick_prints_every_pipeline_with_its_ratio(tmp_path: Path) -
     (a) the raw step, (b) and (c) for the three pipelines, and prints the table with c / a = step / raw."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("SSLKIT_MALLOC_TUNED", None)
-    proc = subprocess.run(
+    proc = forkrun.run(
         [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick", "--presets",
          "simclr_rn50", "--steps", "2", "--warmup", "1", "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
@@ -168,7 +168,7 @@ def test_throughput_strategy_times_ddp_and_fsdp_on_two_processes(tmp_path: Path,
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("SSLKIT_MALLOC_TUNED", None)
     base = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--device", "cpu", "--quick"]
-    proc = subprocess.run([*base, "--presets", "mae_vit_s16", "--strategy", "ddp,fsdp", "--steps", "1", "--warmup",
+    proc = forkrun.run([*base, "--presets", "mae_vit_s16", "--strategy", "ddp,fsdp", "--steps", "1", "--warmup",
                            "1", "model.trunk_kwargs.depth=2", "model.kwargs.decoder_depth=1"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkrun
 import pytest
 import reliability_helpers  # noqa: F401  (puts the fault-injection hooks, sslkit_faults, on the import path)
 from helpers import HANG_S, REPO, SMALL
@@ -409,8 +410,8 @@ def _run(command: str, cwd: Path, p: Plan) -> Outcome:
     its header is out. A command still running after :data:`HANG_S` is killed and fails the test."""
     out_file, err_file = cwd / "stdout.txt", cwd / "stderr.txt"
     with out_file.open("wb") as out, err_file.open("wb") as err:
-        proc = subprocess.Popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, start_new_session=True)
+        proc = forkrun.popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL, stdout=out,
+                             stderr=err, start_new_session=True)
     _RUNNING.add(proc.pid)
     deadline = time.monotonic() + HANG_S
     run_dir = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +89,63 @@ def test_a_small_cnn_run_imports_only_what_it_uses(tmp_path: Path) -> None:
     loaded = _modules_after(f"from sslkit.launch.cli import main\nassert main({args!r}) == 0")
     assert "torch" in loaded and "sslkit.builder" in loaded  # (it did train)
     assert not loaded & set(NOT_FOR_A_CNN_RUN), sorted(loaded & set(NOT_FOR_A_CNN_RUN))
+
+
+#: A script that prints what a new interpreter gives it and exits with code 3 (tests/forkrun.py's promise).
+PROBE = """
+import json, multiprocessing.forkserver as fs, os, signal, sys
+disposition = lambda s: {signal.SIG_DFL: "default", signal.SIG_IGN: "ignored"}.get(signal.getsignal(s), "handler")
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path, "own_group": os.getpgid(0) == os.getpid(),
+    "env": {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "SSLKIT_MALLOC"))},
+    "signals": {s.name: disposition(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGUSR1,
+                                                    signal.SIGCHLD, signal.SIGHUP)},
+    "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "stdin": sys.stdin.read(), "fork_server": fs._forkserver._forkserver_address,
+    "start_method": __import__("multiprocessing").get_start_method(),
+    "main": __name__, "file": __file__, "malloc": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> None:
+    """tests/forkrun.py forks the suite's ``python SCRIPT.py`` commands from a server with torch imported: the
+    script sees the argv, working folder, environment, sys.path, signal dispositions, stdin, streams, session and
+    exit code of a new interpreter started by subprocess, and no fork server of the parent's; only the malloc
+    thresholds of tools/run.py's re-execution are added."""
+    import forkrun
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "extra"), "PROBE_VALUE": "1"}
+    argv = [sys.executable, "sub/probe.py", "a b", "--flag"]
+    forkrun.ensure_server()
+    seen = []
+    for start in (subprocess.Popen, forkrun.popen):
+        proc = start(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        out, err = proc.communicate(timeout=HANG_S)
+        assert proc.returncode == 3 and err == "to stderr\n", err
+        seen.append(json.loads(out))
+    new, forked = seen
+    assert isinstance(proc, forkrun.ForkedProcess)  # (the second one was forked)
+    assert new.pop("malloc") is None and forked.pop("malloc") == "4294967296"
+    assert forked == new and forked["own_group"] and forked["fork_server"] is None
+    assert forked["path"][:2] == [str(tmp_path / "sub"), str(tmp_path / "extra")]
+
+
+def test_a_forked_command_ends_as_an_interpreter_does_on_a_signal_or_an_uncaught_ctrl_c(tmp_path: Path) -> None:
+    import forkrun
+
+    (tmp_path / "wait.py").write_text("import sys, time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    codes = []
+    for start in (subprocess.Popen, forkrun.popen):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            proc = start([sys.executable, "wait.py"], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+            assert proc.stdout.readline() == "ready\n"
+            os.killpg(proc.pid, sig)
+            codes.append(proc.wait(timeout=HANG_S))
+    assert codes[:2] == codes[2:] == [-signal.SIGINT, -signal.SIGTERM]

@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 from sslkit.errors import EXIT_BAD_INPUT
 
-__all__ = ["matching_torchvision", "pair_note", "pair_problem", "reexec_with_tuned_malloc", "run_entry", "torch_pair"]
+__all__ = ["TUNED_MALLOC", "matching_torchvision", "pair_note", "pair_problem", "reexec_with_tuned_malloc", "run_entry",
+           "torch_pair"]
 
-_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+#: glibc's malloc thresholds a training process runs with (see :func:`reexec_with_tuned_malloc`).
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 def reexec_with_tuned_malloc() -> None:
@@ -27,7 +29,8 @@ def reexec_with_tuned_malloc() -> None:
     lets a user opt out by setting it beforehand).
     """
     if sys.platform.startswith("linux") and os.environ.get("SSLKIT_MALLOC_TUNED") is None:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_TUNED, "SSLKIT_MALLOC_TUNED": "1"})
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, **TUNED_MALLOC, "SSLKIT_MALLOC_TUNED": "1"})
 
 
 def torch_pair() -> tuple[str | None, str | None]:

@@ -6,6 +6,7 @@ import importlib.util
 import textwrap
 from pathlib import Path
 
+import forkrun
 import pytest
 import torch
 from helpers import HANG_S, RECIPES, SMALL
@@ -133,7 +134,6 @@ class CpuScaleLoss(torch.nn.Module):
 @pytest.mark.slow
 def test_tools_audit_names_a_user_method_s_faults_and_exits_1(tmp_path: Path) -> None:
     import os
-    import subprocess
     import sys
 
     from helpers import REPO
@@ -141,10 +141,10 @@ def test_tools_audit_names_a_user_method_s_faults_and_exits_1(tmp_path: Path) ->
     (tmp_path / "my_ssl.py").write_text(BAD_LOSS.lstrip("\n"))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     base = [sys.executable, str(REPO / "tools" / "audit.py"), "config=simclr", *SMALL]
-    bad = subprocess.run([*base, "imports=[my_ssl]", "loss.name=cpu_scale_loss"],
+    bad = forkrun.run([*base, "imports=[my_ssl]", "loss.name=cpu_scale_loss"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert bad.returncode == 1, bad.stderr
     assert "my_ssl.py:12 in forward: torch.tensor [no-device]" in bad.stdout
     assert "my_ssl.py:13 in forward: Tensor.item [host-sync]" in bad.stdout
-    good = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
+    good = forkrun.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
     assert good.returncode == 0 and "0 finding(s)" in good.stdout

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forkrun
 import pytest
 import torch
 from helpers import REPO, SMALL, metrics, run_cli, run_main, wait_for
@@ -102,8 +103,8 @@ def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
             "checkpoint.keep_last=0", "imports=[sslkit_faults]",
             f"hooks=[{{name: fault_block, step: 13, marker: '{tmp_path / 'in-step-13'}'}}]", f"output_dir={out}"]
     env = {**os.environ, **FAULT_ENV}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = forkrun.popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpts = out / "checkpoints"
     latest = ckpts / "latest.txt"
     wait_for(lambda: latest.exists() and latest.read_text() >= "checkpoint_000000008.pt", "step 8's checkpoint",

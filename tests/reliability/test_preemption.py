@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkrun
 import pytest
 from helpers import HANG_S, REPO, metrics, run_cli, run_main, wait_for
 from reliability_helpers import BASE, FAULT_ENV, assert_identical, hooks_override, latest_state, run_ranks_main
@@ -51,15 +52,15 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
         assert_identical(latest_state(out), _reference(tmp_path))
 
 
-def _start(out: Path, nproc: int, *extra: str, stderr: Path | None = None) -> subprocess.Popen[str]:
+def _start(out: Path, nproc: int, *extra: str, stderr: Path | None = None) -> forkrun.ForkedProcess:
     """A long run in its own process group (as a terminal or a scheduler starts it); its stderr to a pipe, or to the
     file ``stderr`` (for a test that reads it while the run goes on)."""
     args = ["config=simclr", *BASE, "optim.epochs=40", "log.every_n_steps=1", f"output_dir={out}",
             f"distributed.nproc_per_node={nproc}", f"data.batch_size={16 // nproc}", *extra]
     env = {**os.environ, **FAULT_ENV}
     err = stderr.open("w") if stderr is not None else subprocess.PIPE
-    return subprocess.Popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    return forkrun.popen([sys.executable, str(REPO / "tools" / "run.py"), *args], cwd=REPO, env=env,  # type: ignore[return-value]
+                         stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
 
 
 def _wait_for_steps(out: Path, steps: int, proc: subprocess.Popen[str]) -> None:
