@@ -6,7 +6,8 @@ import it) and torchvision before sslkit's first line; the suite starts dozens o
 a server that imported them once (multiprocessing's fork server, with the preload sslkit's own launcher gives its
 workers), which then takes on what a new interpreter would have: the command's argv, environment, working folder,
 ``sys.path`` (the script's folder, PYTHONPATH, site-packages), standard streams, its own session when asked, the
-signal dispositions of a fresh interpreter (SIGINT raising KeyboardInterrupt, SIGPIPE ignored, the rest default),
+signal dispositions of an interpreter started from a terminal (SIGINT raising KeyboardInterrupt, SIGPIPE ignored,
+the rest default, where a pytest-xdist worker's children would inherit its ignored SIGINT and SIGHUP),
 glibc's malloc thresholds of ``tools/run.py``'s re-execution, no fork server or resource tracker of its parent's,
 and ``atexit`` at the end. What only a new interpreter shows (what an import loads, the re-execution itself, a
 torch that does not import) is tested with :func:`subprocess.run` directly; ``SSLKIT_TESTS_NEW_INTERPRETERS=1``

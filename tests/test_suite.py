@@ -110,11 +110,22 @@ sys.exit(3)
 """
 
 
+def _from_a_terminal(argv: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    """``subprocess.Popen`` with SIGINT and SIGHUP at their defaults, as under a terminal's shell (a pytest-xdist
+    worker ignores both, and an ignored signal stays ignored in what it starts)."""
+
+    def defaults() -> None:
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+    return subprocess.Popen(argv, preexec_fn=defaults, **kwargs)  # type: ignore[call-overload]
+
+
 def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> None:
     """tests/forkrun.py forks the suite's ``python SCRIPT.py`` commands from a server with torch imported: the
-    script sees the argv, working folder, environment, sys.path, signal dispositions, stdin, streams, session and
-    exit code of a new interpreter started by subprocess, and no fork server of the parent's; only the malloc
-    thresholds of tools/run.py's re-execution are added."""
+    script sees the argv, working folder, environment, sys.path, signal dispositions, stdin, streams, session,
+    start method and exit code of a new interpreter started from a terminal, and no fork server of the parent's;
+    only the malloc thresholds of tools/run.py's re-execution are added."""
     import forkrun
 
     (tmp_path / "sub").mkdir()
@@ -123,7 +134,7 @@ def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> N
     argv = [sys.executable, "sub/probe.py", "a b", "--flag"]
     forkrun.ensure_server()
     seen = []
-    for start in (subprocess.Popen, forkrun.popen):
+    for start in (_from_a_terminal, forkrun.popen):
         proc = start(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         out, err = proc.communicate(timeout=HANG_S)
@@ -141,7 +152,7 @@ def test_a_forked_command_ends_as_an_interpreter_does_on_a_signal_or_an_uncaught
 
     (tmp_path / "wait.py").write_text("import sys, time\nprint('ready', flush=True)\ntime.sleep(600)\n")
     codes = []
-    for start in (subprocess.Popen, forkrun.popen):
+    for start in (_from_a_terminal, forkrun.popen):
         for sig in (signal.SIGINT, signal.SIGTERM):
             proc = start([sys.executable, "wait.py"], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
