@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from sslkit.optim.schedules import TeacherTemperature
+
 __all__ = ["StabilityWatch", "diagnose", "fp16_temperature_warning", "prototypes", "temperatures"]
 
 logger = logging.getLogger("sslkit")
@@ -44,23 +46,21 @@ FP16_MAX = 65504.0
 
 def prototypes(loss: Any) -> int | None:
     """``K``, the number of prototypes of a DINO-family loss (its ``out_dim``), or None for other losses."""
-    for module in (loss, getattr(loss, "cls", None)):
-        k = getattr(module, "out_dim", None)
-        if isinstance(k, int) and k > 1:
-            return k
-    return None
+    k = getattr(loss, "out_dim", None)
+    return k if isinstance(k, int) and k > 1 else None
 
 
 def temperatures(loss: Any) -> dict[str, float]:
     """The temperatures a loss divides its logits by (``loss.<name>``), for the messages and the float16 check."""
     found = {}
-    for module, prefix in ((loss, ""), (getattr(loss, "cls", None), "")):
-        for name in ("student_temp", "teacher_temp", "warmup_teacher_temp", "teacher_patch_temp",
-                     "warmup_teacher_patch_temp", "temperature"):
-            value = getattr(module, name, None)
-            if isinstance(value, float) and value > 0:
-                found.setdefault(prefix + name, value)
-    return found
+    # (in the order the messages name them when two are equal)
+    for name in ("student_temp", "teacher_patch_temp", "teacher_temp", "temperature"):
+        value = getattr(loss, name, None)
+        if isinstance(value, TeacherTemperature):  # its final and warm-up values
+            found[name], found[f"warmup_{name}"] = value.final, value.warmup
+        elif isinstance(value, float):
+            found[name] = value
+    return {name: value for name, value in found.items() if value > 0}
 
 
 def fp16_temperature_warning(loss: Any, amp_dtype: torch.dtype | None) -> str | None:
@@ -141,7 +141,8 @@ class StabilityWatch:
         (``{"step", "epoch", "phase": "warning", "warning", "message"}``) for the metric sinks."""
         loss = task.loss
         clock = task.clock
-        warmup = max(int(getattr(getattr(loss, "cls", loss), "warmup_teacher_temp_iters", 0) or 0), 0)
+        schedule = getattr(loss, "teacher_temp", None)
+        warmup = schedule.warmup_updates if isinstance(schedule, TeacherTemperature) else 0
         settled = clock.where >= self.settle and clock.update >= warmup
         out = []
         for key, message in diagnose(record, prototypes(loss), clock.where, settled).items():

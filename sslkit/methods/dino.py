@@ -11,12 +11,13 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from sslkit.clock import StepContext
-from sslkit.distributed import all_reduce_sum
 from sslkit.hooks.base import SSLHook
 from sslkit.methods.base import Method, register_method
+from sslkit.methods.center import Center
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, forward_views
 from sslkit.models.teacher import frozen_copy
+from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_head, register_hook, register_loss, register_model
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ __all__ = [
     "dino_loss",
     "dino_teacher_probs",
     "mean_entropy",
-    "teacher_temp_at",
 ]
 
 
@@ -158,15 +158,6 @@ def build_dino(trunk: nn.Module, head: nn.Module | None = None, num_global: int 
 
 
 # ----------------------------------------------------------------------------------------- loss
-def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: float, warmup_iters: int) -> float:
-    """Teacher temperature at optimizer update ``iteration`` (0-based): linear from ``warmup_teacher_temp``
-    to ``teacher_temp`` over ``warmup_iters`` updates, then constant (DINO, appendix: 0.04 ->
-    0.07 over the first 30 epochs; the reference moves once per epoch, this once per update)."""
-    if warmup_iters <= 0 or iteration >= warmup_iters:
-        return float(teacher_temp)
-    return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
-
-
 def dino_loss(
     student: Sequence[torch.Tensor],
     teacher: Sequence[torch.Tensor],
@@ -242,12 +233,10 @@ class DINOLoss(nn.Module):
     * the teacher temperature is :func:`teacher_temp_at` of ``ctx.clock.update``, the optimizer
       updates done, so with gradient accumulation every micro-batch of an update uses the value a
       run with the whole batch uses; it is published as the scheduled value ``teacher_temp``;
-    * buffer ``center`` [1, out_dim] moves once per optimizer update:
-      ``c <- m c + (1 - m) mean(teacher outputs)``, the mean over every global crop of every
-      micro-batch of the update on every rank (sums and counts gathered over the micro-batches
-      and all-reduced once, with ``all_reduce_sum``, on the last; no collective on one process),
-      ``m = center_momentum``. Called without a context (a bare call), the loss is at update 0 and
-      the centre moves at once.
+    * the centre (``center``, a :class:`~sslkit.methods.center.Center` of ``[1, out_dim]``) moves once per
+      optimizer update: ``c <- m c + (1 - m) mean(teacher outputs)``, the mean over every global crop of
+      every micro-batch of the update on every rank, ``m = center_momentum``. Called without a context (a
+      bare call), the loss is at update 0 and the centre moves at once.
 
     State advances only on train forwards: the module in training mode with gradients enabled
     (the stages' train phases). Returns ``loss`` and the logged term ``teacher_entropy`` (mean
@@ -268,36 +257,17 @@ class DINOLoss(nn.Module):
         super().__init__()
         if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
             raise ValueError("dino temperatures must be > 0")
-        if warmup_teacher_temp_iters > 0 and warmup_teacher_temp_epochs > 0:
-            raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_iters) or in "
-                             "epochs (loss.warmup_teacher_temp_epochs), not both")
+        self.teacher_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
+                                               warmup_teacher_temp_epochs)
         if not 0.0 <= center_momentum <= 1.0:
             raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
         self.out_dim = int(out_dim)
         self.student_temp = float(student_temp)
-        self.teacher_temp = float(teacher_temp)
-        self.warmup_teacher_temp = float(warmup_teacher_temp)
-        self.warmup_teacher_temp_iters = int(warmup_teacher_temp_iters)
-        self.warmup_teacher_temp_epochs = float(warmup_teacher_temp_epochs)
-        self.center_momentum = float(center_momentum)
-        self.register_buffer("center", torch.zeros(1, self.out_dim))
-        # the teacher outputs' sum and count over this update's micro-batches so far (empty between updates)
-        self.register_buffer("_pending", torch.zeros(self.out_dim + 1), persistent=False)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # checkpoints written before the training clock hold the loss's own step count: the clock has it now
-        state_dict.pop(prefix + "_extra_state", None)
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.center = Center(self.out_dim, center_momentum)
 
     def set_epoch_length(self, updates: int) -> None:
-        """Called by the builder with the run's optimizer updates per epoch: a warm-up given in epochs
-        (``warmup_teacher_temp_epochs``, the papers' unit: DINO's and DINOv2's 30) becomes updates."""
-        if self.warmup_teacher_temp_epochs > 0:
-            self.warmup_teacher_temp_iters = max(1, round(self.warmup_teacher_temp_epochs * updates))
-
-    def teacher_temp_at_update(self, update: int) -> float:
-        """The teacher temperature at optimizer update ``update``."""
-        return teacher_temp_at(update, self.warmup_teacher_temp, self.teacher_temp, self.warmup_teacher_temp_iters)
+        """Called by the builder with the run's optimizer updates per epoch (a warm-up given in epochs)."""
+        self.teacher_temp.set_epoch_length(updates)
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any],
                 ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
@@ -306,32 +276,17 @@ class DINOLoss(nn.Module):
         if teacher[0].shape[-1] != self.out_dim:
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
                              "set loss.out_dim to model.head.out_dim")
-        tau_t = self.teacher_temp_at_update(ctx.clock.update if ctx is not None else 0)
-        p_t = dino_teacher_probs(teacher, self.center, tau_t)  # once, for the loss and the logged entropy
+        tau_t = self.teacher_temp.at(ctx.clock.update if ctx is not None else 0)
+        p_t = dino_teacher_probs(teacher, self.center.value, tau_t)  # once, for the loss and the logged entropy
         loss = dino_cross_entropy(student, p_t, self.student_temp)
         entropy = mean_entropy(p_t[0])
         if self.training and torch.is_grad_enabled():
-            self.accumulate_center(teacher)
+            self.center.accumulate(teacher)
             if ctx is None or ctx.clock.last_micro_batch:
-                self.update_center()
+                self.center.update()
         if ctx is not None:
             ctx.record("teacher_temp", tau_t)
         return {"loss": loss, "teacher_entropy": entropy}
-
-    @torch.no_grad()
-    def accumulate_center(self, teacher: Sequence[torch.Tensor]) -> None:
-        """Add this micro-batch's teacher outputs (every global crop) to the update's sum and count."""
-        t = torch.cat(list(teacher)).detach().float()
-        self._pending[:-1] += t.sum(dim=0)
-        self._pending[-1] += t.shape[0]
-
-    @torch.no_grad()
-    def update_center(self) -> None:
-        """``c <- m c + (1 - m) * mean`` of the teacher outputs gathered since the last update, over all ranks."""
-        stats = all_reduce_sum(self._pending.clone())
-        batch_center = (stats[:-1] / stats[-1]).unsqueeze(0)
-        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1.0 - self.center_momentum)
-        self._pending.zero_()
 
 
 # ----------------------------------------------------------------------------------------- hook

@@ -10,24 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.clock import StepContext
-from sslkit.distributed import all_reduce_sum
 from sslkit.methods.base import Method, register_method
-from sslkit.methods.dino import (
-    DINOHead,
-    DINOLoss,
-    dino_cross_entropy,
-    dino_teacher_probs,
-    mean_entropy,
-    teacher_temp_at,
-)
+from sslkit.methods.center import Center
+from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_teacher_probs, mean_entropy
 from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
 from sslkit.models.masking import Masks, batch_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import encode_views
 from sslkit.models.teacher import frozen_copy
+from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_loss, register_model
 
-__all__ = ["IBOT", "CenteredTeacher", "IBOTLoss", "IBOTModel", "PatchCenter", "build_ibot"]
+__all__ = ["IBOT", "CenteredTeacher", "IBOTLoss", "IBOTModel", "build_ibot"]
 
 
 class IBOTModel(nn.Module):
@@ -135,79 +129,40 @@ def build_ibot(trunk: nn.Module, head: nn.Module | None = None, num_global: int 
     return IBOTModel(trunk, head, num_global, separate_patch_head, patch_out_dim)
 
 
-class PatchCenter(nn.Module):
-    """The centre of the teacher's patch logits, moved once per optimizer update.
-
-    ``c <- m c + (1 - m) sum_i w_i t_i / sum_i w_i`` over every masked patch ``i`` of every global crop of every
-    micro-batch of the update on every rank (weighted sums gathered over micro-batches, one all-reduce on the
-    last), as DINOv2's ``iBOTPatchLoss.update_center`` over the masked teacher tokens. (iBOT's reference centres
-    over all the teacher's patch tokens; it computes the patch head on all of them.) An update without a single
-    masked patch leaves the centre as it is.
-    """
-
-    center: torch.Tensor
-    _pending: torch.Tensor
-
-    def __init__(self, dim: int, momentum: float = 0.9) -> None:
-        super().__init__()
-        self.momentum = float(momentum)
-        self.register_buffer("center", torch.zeros(1, dim))
-        self.register_buffer("_pending", torch.zeros(dim + 1), persistent=False)
-
-    @torch.no_grad()
-    def accumulate(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
-        """Add the weighted teacher logits ``[..., K]`` (weights ``[...]``: ``[B, M]`` or ``[S]``) of this
-        micro-batch."""
-        for t, w in zip(logits, weights):
-            w = w.float().reshape(-1, 1)
-            self._pending[:-1] += (t.float().reshape(w.shape[0], -1) * w).sum(dim=0)
-            self._pending[-1] += w.sum()
-
-    @torch.no_grad()
-    def update(self) -> None:
-        """Move the centre to the mean gathered since the last update (all ranks); forget the sums."""
-        stats = all_reduce_sum(self._pending.clone())
-        count = stats[-1]
-        mean = (stats[:-1] / count.clamp(min=1.0)).unsqueeze(0)
-        moved = self.center * self.momentum + mean * (1.0 - self.momentum)
-        self.center.copy_(torch.where(count > 0, moved, self.center))
-        self._pending.zero_()
-
-
 class CenteredTeacher:
     """The teacher-probability rule of DINO and iBOT: the teacher's logits minus a centre that moves once per
-    update with the batches' mean, sharpened by the temperature (softmax). Holds the loss's two centres (the CLS
-    one of its :class:`~sslkit.methods.dino.DINOLoss`, the patch one) without owning them: their state is the
-    loss's."""
+    update with the batches' mean, sharpened by the temperature (softmax). Holds the loss's two centres (CLS and
+    patches, :class:`~sslkit.methods.center.Center`) without owning them: their state is the loss's."""
 
-    def __init__(self, cls: DINOLoss, patches: PatchCenter) -> None:
+    def __init__(self, cls: Center, patches: Center) -> None:
         self.cls_center, self.patch_center = cls, patches
 
     def cls_probs(self, logits: Sequence[torch.Tensor], temp: float) -> torch.Tensor:
         """``[G, B, K]``: each global crop's CLS logits centred and sharpened."""
-        return dino_teacher_probs(logits, self.cls_center.center, temp)
+        return dino_teacher_probs(logits, self.cls_center.value, temp)
 
     def patch_probs(self, logits: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
                     temp: float) -> list[torch.Tensor]:
         """The masked-patch slots' logits (``[B, M, K]`` per global crop, or ``[S, K]`` for them all) centred by the
         patch centre and sharpened."""
-        return [F.softmax((t.detach().float() - self.patch_center.center) / temp, dim=-1) for t in logits]
+        return [F.softmax((t.detach().float() - self.patch_center.value) / temp, dim=-1) for t in logits]
 
     def after_train_forward(self, output: Any, ctx: StepContext | None) -> None:
         """Add this micro-batch's teacher logits to both centres' sums; move the centres on an update's last one."""
-        self.cls_center.accumulate_center(output["targets"])
+        self.cls_center.accumulate(output["targets"])
         self.patch_center.accumulate(output["patch_targets"], output["patch_weights"])
         if ctx is None or ctx.clock.last_micro_batch:
-            self.cls_center.update_center()
+            self.cls_center.update()
             self.patch_center.update()
 
 
 @register_loss("ibot")
 class IBOTLoss(nn.Module):
     """iBOT's loss (Zhou et al. 2022, section 3.2): ``lambda_cls`` times DINO's loss on the CLS tokens
-    (:class:`~sslkit.methods.dino.DINOLoss`: its centre, temperatures and warm-up) plus ``lambda_patch`` times the
+    (:func:`~sslkit.methods.dino.dino_cross_entropy` against the teacher centred by ``cls_center`` and sharpened by
+    DINO's temperature and warm-up) plus ``lambda_patch`` times the
     masked-patch loss (:func:`~sslkit.methods.dinov2_parts.masked_patch_loss`), each global crop's student patches
-    against the teacher's patches of the same crop, centred by their own :class:`PatchCenter` and sharpened by the
+    against the teacher's patches of the same crop, centred by their own centre (``patch_center``) and sharpened by the
     patch teacher temperature (warm-up ``warmup_teacher_patch_temp`` -> ``teacher_patch_temp`` over
     ``warmup_teacher_temp_iters`` updates, or ``warmup_teacher_temp_epochs`` epochs), averaged over the global crops.
 
@@ -223,40 +178,42 @@ class IBOTLoss(nn.Module):
         super().__init__()
         if min(teacher_patch_temp, warmup_teacher_patch_temp) <= 0:
             raise ValueError("ibot patch temperatures must be > 0")
-        self.cls = DINOLoss(out_dim, student_temp, teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
-                            center_momentum, warmup_teacher_temp_epochs)
-        self.patch_out_dim = int(patch_out_dim or out_dim)
-        self.patch_center = PatchCenter(self.patch_out_dim, center_momentum)
+        if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
+            raise ValueError("dino temperatures must be > 0")
+        if not 0.0 <= center_momentum <= 1.0:
+            raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
+        self.out_dim, self.patch_out_dim = int(out_dim), int(patch_out_dim or out_dim)
         self.student_temp = float(student_temp)
-        self.teacher_patch_temp = float(teacher_patch_temp)
-        self.warmup_teacher_patch_temp = float(warmup_teacher_patch_temp)
+        #: the CLS teacher temperature; the patch one warms up over the same updates
+        self.teacher_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
+                                               warmup_teacher_temp_epochs)
+        self.teacher_patch_temp = TeacherTemperature(teacher_patch_temp, warmup_teacher_patch_temp,
+                                                     warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
+        self.cls_center = Center(self.out_dim, center_momentum)
+        self.patch_center = Center(self.patch_out_dim, center_momentum)
         self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)
         #: how the teacher's logits become targets (:class:`CenteredTeacher`; DINOv2 may pick Sinkhorn-Knopp)
-        self.teacher_rule: CenteredTeacher | Any = CenteredTeacher(self.cls, self.patch_center)
+        self.teacher_rule: CenteredTeacher | Any = CenteredTeacher(self.cls_center, self.patch_center)
 
     def set_epoch_length(self, updates: int) -> None:
         """Called by the builder with the run's updates per epoch: a warm-up in epochs becomes updates (both
-        temperatures: the patch warm-up reads the CLS loss's)."""
-        self.cls.set_epoch_length(updates)
-
-    def teacher_patch_temp_at(self, update: int) -> float:
-        """The patch teacher temperature at optimizer update ``update``."""
-        return teacher_temp_at(update, self.warmup_teacher_patch_temp, self.teacher_patch_temp,
-                               self.cls.warmup_teacher_temp_iters)
+        temperatures)."""
+        self.teacher_temp.set_epoch_length(updates)
+        self.teacher_patch_temp.set_epoch_length(updates)
 
     def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """The weighted sum of the CLS and patch losses of this batch; on train forwards the centres move once per
         update."""
         student, teacher = output["projections"], output["targets"]
         s, t, w = output["patch_projections"], output["patch_targets"], output["patch_weights"]
-        if teacher[0].shape[-1] != self.cls.out_dim:
-            raise ValueError(f"{type(self).__name__}: loss.out_dim={self.cls.out_dim} but the head gives "
+        if teacher[0].shape[-1] != self.out_dim:
+            raise ValueError(f"{type(self).__name__}: loss.out_dim={self.out_dim} but the head gives "
                              f"{teacher[0].shape[-1]}: set loss.out_dim to model.head.out_dim")
         if t[0].shape[-1] != self.patch_out_dim:
             raise ValueError(f"{type(self).__name__}: loss.patch_out_dim={self.patch_out_dim} but the patch head "
                              f"gives {t[0].shape[-1]}: set loss.patch_out_dim to the patch head's out_dim")
         update = ctx.clock.update if ctx is not None else 0
-        temp, patch_temp = self.cls.teacher_temp_at_update(update), self.teacher_patch_temp_at(update)
+        temp, patch_temp = self.teacher_temp.at(update), self.teacher_patch_temp.at(update)
         cls_probs = self.teacher_rule.cls_probs(teacher, temp)
         cls_loss = dino_cross_entropy(student, cls_probs, self.student_temp)
         probs = self.teacher_rule.patch_probs(t, w, patch_temp)

@@ -1,4 +1,5 @@
-"""Learning-rate / weight-decay schedules over training progress (fvcore ParamScheduler), and lr scaling."""
+"""Schedules of per-update values: learning rate and weight decay over training progress (fvcore ParamScheduler),
+lr scaling, and the teacher temperatures of the DINO family on the training clock."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fvcore.common.param_scheduler import (
 
 from sslkit.errors import did_you_mean
 
-__all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "build_schedule", "scaled_lr"]
+__all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "TeacherTemperature", "build_schedule", "scaled_lr", "teacher_temp_at"]
 
 SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine", "linear")
 SCALING_RULES: tuple[str, ...] = ("linear", "none", "sqrt")
@@ -99,3 +100,34 @@ def scaled_lr(
     if rule == "sqrt":
         return base_lr * math.sqrt(ratio)
     return base_lr
+
+
+def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: float, warmup_iters: int) -> float:
+    """Teacher temperature at optimizer update ``iteration`` (0-based): linear from ``warmup_teacher_temp``
+    to ``teacher_temp`` over ``warmup_iters`` updates, then constant (DINO, appendix: 0.04 ->
+    0.07 over the first 30 epochs; the reference moves once per epoch, this once per update)."""
+    if warmup_iters <= 0 or iteration >= warmup_iters:
+        return float(teacher_temp)
+    return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
+
+
+class TeacherTemperature:
+    """A teacher temperature on the training clock: :func:`teacher_temp_at` from ``warmup`` to ``final`` over
+    ``warmup_updates`` optimizer updates, or ``warmup_epochs`` epochs (the papers' unit: DINO's and DINOv2's 30),
+    which :meth:`set_epoch_length` turns into updates once the run's length is known."""
+
+    def __init__(self, final: float, warmup: float, warmup_updates: int = 0, warmup_epochs: float = 0.0) -> None:
+        if warmup_updates > 0 and warmup_epochs > 0:
+            raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_iters) or in "
+                             "epochs (loss.warmup_teacher_temp_epochs), not both")
+        self.final, self.warmup = float(final), float(warmup)
+        self.warmup_updates, self.warmup_epochs = int(warmup_updates), float(warmup_epochs)
+
+    def set_epoch_length(self, updates: int) -> None:
+        """The run's optimizer updates per epoch: a warm-up given in epochs becomes updates."""
+        if self.warmup_epochs > 0:
+            self.warmup_updates = max(1, round(self.warmup_epochs * updates))
+
+    def at(self, update: int) -> float:
+        """The temperature at optimizer update ``update``."""
+        return teacher_temp_at(update, self.warmup, self.final, self.warmup_updates)

@@ -20,9 +20,9 @@ from sslkit.methods.dino import (
     build_dino,
     build_dino_head,
     dino_loss,
-    teacher_temp_at,
 )
 from sslkit.models.teacher import frozen_copy
+from sslkit.optim.schedules import teacher_temp_at
 from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
@@ -108,20 +108,20 @@ def test_center_follows_its_ema_exactly_over_two_steps() -> None:
     s = logits(3, 3, 5, seed=14)
     loss({"projections": s, "targets": t1}, {})
     c1 = 0.9 * torch.zeros(1, 5) + 0.1 * torch.cat(t1).mean(dim=0, keepdim=True)
-    assert torch.allclose(loss.center, c1, atol=1e-7)
+    assert torch.allclose(loss.center.value, c1, atol=1e-7)
     # the second step's loss uses c1, then the centre moves to c2
     out = loss({"projections": s, "targets": t2}, {})
-    assert out["loss"].item() == pytest.approx(reference_dino(s, t2, c1, 0.1, loss.teacher_temp), rel=1e-5)
+    assert out["loss"].item() == pytest.approx(reference_dino(s, t2, c1, 0.1, loss.teacher_temp.final), rel=1e-5)
     c2 = 0.9 * c1 + 0.1 * torch.cat(t2).mean(dim=0, keepdim=True)
-    assert torch.allclose(loss.center, c2, atol=1e-7)
+    assert torch.allclose(loss.center.value, c2, atol=1e-7)
     # eval forwards (no grad) leave the state alone
     with torch.no_grad():
         loss({"projections": s, "targets": t1}, {})
-    assert torch.allclose(loss.center, c2, atol=1e-7)
+    assert torch.allclose(loss.center.value, c2, atol=1e-7)
     # and the state round-trips through the state dict
     fresh = DINOLoss(out_dim=5)
     fresh.load_state_dict(loss.state_dict())
-    assert torch.equal(fresh.center, loss.center)
+    assert torch.equal(fresh.center.value, loss.center.value)
 
 
 def test_center_moves_once_per_update_over_the_micro_batches() -> None:
@@ -140,9 +140,10 @@ def test_center_moves_once_per_update_over_the_micro_batches() -> None:
         assert out["loss"].item() == pytest.approx(
             reference_dino([x[rows] for x in s], [x[rows] for x in t], torch.zeros(1, 5), 0.1, 0.07), rel=1e-5)
         if micro == 0:
-            assert torch.equal(split.center, torch.zeros(1, 5))  # not moved in the middle of an update
+            assert torch.equal(split.center.value, torch.zeros(1, 5))  # not moved in the middle of an update
     expected = 0.1 * torch.cat(t).mean(dim=0, keepdim=True)
-    assert torch.allclose(split.center, expected, atol=1e-7) and torch.allclose(whole.center, expected, atol=1e-7)
+    assert torch.allclose(split.center.value, expected, atol=1e-7)
+    assert torch.allclose(whole.center.value, expected, atol=1e-7)
 
 
 def test_teacher_temperature_schedule() -> None:
@@ -282,9 +283,9 @@ def test_recipe_runs_and_checkpoints_teacher_and_center(tmp_path: Path) -> None:
     first = torch.load(ckpts / "checkpoint_000000001.pt", weights_only=False)
     last = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
     assert last["position"]["update"] == 3
-    center = last["loss"]["center"]
+    center = last["loss"]["center.value"]
     assert center.shape == (1, 16) and center.abs().sum() > 0  # moved from its zero initial value
-    assert not torch.equal(center, first["loss"]["center"])
+    assert not torch.equal(center, first["loss"]["center.value"])
     assert "_extra_state" not in last["loss"]  # the schedule reads the task's clock: no count of its own
     model = last["model"]
     teacher_keys = [k for k in model if k.startswith("teacher_")]

@@ -46,7 +46,7 @@ def test_loss_is_dino_on_cls_plus_the_masked_patch_loss_written_out() -> None:
     out = _output(0)
     loss = IBOTLoss(out_dim=5, teacher_temp=0.04, teacher_patch_temp=0.07, lambda_cls=0.5, lambda_patch=2.0).eval()
     center = torch.randn(1, 5)
-    loss.patch_center.center.copy_(center)
+    loss.patch_center.value.copy_(center)
     got = loss(out, {})
     patch = _patch_loss_by_loop(out["patch_projections"], out["patch_targets"], out["patch_weights"], center,
                                 0.1, 0.07)
@@ -62,23 +62,23 @@ def test_patch_centre_is_the_ema_of_the_masked_teacher_logits_once_per_update() 
     t, w = out["patch_targets"], out["patch_weights"]
     with torch.enable_grad():
         loss(out, {}, StepContext(clock, True, torch.device("cpu")))  # first micro-batch: nothing moves yet
-        assert loss.patch_center.center.abs().sum() == 0
+        assert loss.patch_center.value.abs().sum() == 0
         clock.micro_batch = 1
         loss(out, {}, StepContext(clock, True, torch.device("cpu")))
     mean = 2 * sum((ti * wi[..., None]).sum((0, 1)) for ti, wi in zip(t, w)) / (2 * sum(wi.sum() for wi in w))
-    torch.testing.assert_close(loss.patch_center.center[0], 0.1 * mean)
-    before = loss.patch_center.center.clone()
+    torch.testing.assert_close(loss.patch_center.value[0], 0.1 * mean)
+    before = loss.patch_center.value.clone()
     none = {**out, "patch_weights": [torch.zeros_like(wi) for wi in w]}
     with torch.enable_grad():
         loss(none, {})  # an update without a masked patch leaves the centre
-    assert torch.equal(loss.patch_center.center, before)
+    assert torch.equal(loss.patch_center.value, before)
 
 
 def test_patch_temperature_warms_up_on_the_clock() -> None:
     loss = IBOTLoss(out_dim=5, warmup_teacher_patch_temp=0.04, teacher_patch_temp=0.07, warmup_teacher_temp_iters=10)
-    assert loss.teacher_patch_temp_at(0) == pytest.approx(0.04)
-    assert loss.teacher_patch_temp_at(5) == pytest.approx(0.055)
-    assert loss.teacher_patch_temp_at(10) == pytest.approx(0.07)
+    assert loss.teacher_patch_temp.at(0) == pytest.approx(0.04)
+    assert loss.teacher_patch_temp.at(5) == pytest.approx(0.055)
+    assert loss.teacher_patch_temp.at(10) == pytest.approx(0.07)
 
 
 def _model(separate: bool = False):
@@ -138,7 +138,7 @@ def test_recipe_trains_and_checkpoints_both_centres(tmp_path: Path) -> None:
     run_main("config=ibot", *SMALL, *VIT, "data.transform.num_small=2", "data.small_image_size=16",
              "model.head.bottleneck_dim=8", "optim.max_steps=3", "eval.knn.enabled=false", f"output_dir={out}")
     ckpt = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
-    assert ckpt["loss"]["patch_center.center"].abs().sum() > 0 and ckpt["loss"]["cls.center"].abs().sum() > 0
+    assert ckpt["loss"]["patch_center.value"].abs().sum() > 0 and ckpt["loss"]["cls_center.value"].abs().sum() > 0
     assert "trunk.mask_token" in ckpt["model"] and "teacher_trunk.mask_token" in ckpt["model"]
     logged = (out / "metrics.jsonl").read_text()
     assert '"patch_loss"' in logged and '"teacher_patch_entropy"' in logged
