@@ -1,5 +1,5 @@
-"""Start ``python SCRIPT.py ...`` and ``sslkit ...`` for the tests as new processes forked from a server that has
-torch imported, not as new interpreters that import it again.
+"""Start ``python SCRIPT.py ...``, ``sslkit ...`` and ``torchrun ...`` for the tests as new processes forked from a
+server that has torch imported, not as new interpreters that import it again.
 
 A training command's interpreter spends about 5 s of a core importing torch, torch._dynamo (torch's optimizers
 import it) and torchvision before sslkit's first line; the suite starts dozens of them. Here each one is a fork of
@@ -33,6 +33,9 @@ from sslkit.launch.runtime import TUNED_MALLOC
 __all__ = ["ForkedProcess", "ensure_server", "popen", "run"]
 
 _CTX = multiprocessing.get_context("forkserver")
+#: Console scripts installed beside this interpreter that are forked like ``python SCRIPT.py`` (torchrun's agent
+#: starts its ranks as new interpreters itself).
+CONSOLE_SCRIPTS = ("sslkit", "torchrun")
 _BASE_PATH: list[str] = []
 
 
@@ -67,7 +70,7 @@ def _script(argv: list[str]) -> str | None:
     if argv[0] == sys.executable and len(argv) > 1 and argv[1].endswith(".py"):
         return argv[1]
     program = Path(argv[0])
-    if program.parent == Path(sys.executable).parent and program.name == "sslkit":
+    if program.parent == Path(sys.executable).parent and program.name in CONSOLE_SCRIPTS:
         return str(program)
     return None
 

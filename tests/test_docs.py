@@ -453,8 +453,8 @@ def _run_nodes(command: str, cwd: Path, p: Plan) -> Outcome:
     procs = []
     for i in range(nodes):
         out, err = (cwd / f"stdout.{i}.txt").open("wb"), (cwd / f"stderr.{i}.txt").open("wb")
-        procs.append(subprocess.Popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL,
-                                      stdout=out, stderr=err, start_new_session=True))
+        procs.append(forkrun.popen(_argv(command), cwd=cwd, env=_run_env(cwd), stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=err, start_new_session=True))
         _RUNNING.add(procs[-1].pid)
     deadline = time.monotonic() + HANG_S
     codes = []
