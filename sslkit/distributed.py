@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ParentFd",
     "agree_any",
     "all_gather_object",
     "all_reduce_max",
@@ -271,10 +272,10 @@ def shutdown() -> None:
 WORKER_PRELOAD = ("torch", "torchvision", "timm", "sslkit.builder", "sslkit.launch.cli")
 
 
-class _ParentFd:
-    """The parent's file descriptor ``fd`` as a child of :func:`start_processes` receives it: pickled while the
-    process starts, it is sent over the fork server's socket (as multiprocessing sends a pipe's) and unpickles
-    to the child's copy of it."""
+class ParentFd:
+    """The parent's file descriptor ``fd`` as a child of a fork server receives it (:func:`start_processes`): pickled
+    while the process starts, it is sent over the fork server's socket (as multiprocessing sends a pipe's) and
+    unpickles to the child's copy of it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -321,7 +322,7 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, 
     state = pickle.dumps((dict(os.environ), os.getcwd(), list(sys.path), pickle.dumps((fn, args))))
     for stream in (sys.stdout, sys.stderr):  # what is written before the processes write
         stream.flush()
-    return mp.start_processes(_as_parent, args=(state, _ParentFd(1), _ParentFd(2)), nprocs=nprocs, join=join,
+    return mp.start_processes(_as_parent, args=(state, ParentFd(1), ParentFd(2)), nprocs=nprocs, join=join,
                               start_method="forkserver")
 
 

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from sslkit.distributed import WORKER_PRELOAD
+from sslkit.distributed import WORKER_PRELOAD, ParentFd
 from sslkit.launch.runtime import TUNED_MALLOC
 
 __all__ = ["ForkedProcess", "ensure_server", "popen", "run"]
@@ -84,23 +84,6 @@ def _fd(stream: Any, default: int, devnull: int, stdout_fd: int | None = None) -
         assert stdout_fd is not None
         return stdout_fd
     return stream if isinstance(stream, int) else stream.fileno()
-
-
-class _ParentFd:
-    """A file descriptor of this process, received by the forked process as its own copy (sent over the fork
-    server's socket, as multiprocessing sends a pipe)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        from multiprocessing.reduction import DupFd
-
-        return _detach, (DupFd(self.fd),)
-
-
-def _detach(dup: Any) -> int:
-    return dup.detach()
 
 
 def _forget_parent_servers() -> None:
@@ -296,7 +279,7 @@ def popen(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str]
                _fd(out, 1, devnull.fileno()), _fd(err, 2, devnull.fileno(), _fd(out, 1, devnull.fileno())))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        process = _CTX.Process(target=_child, args=(spec, *(_ParentFd(fd) for fd in fds)), daemon=False)
+        process = _CTX.Process(target=_child, args=(spec, *(ParentFd(fd) for fd in fds)), daemon=False)
         process.start()
     if start_new_session:  # as Popen returns: once the process leads its own group (a killpg reaches it)
         _wait_for_own_group(process)
