@@ -35,7 +35,7 @@ class Center(nn.Module):
     def __init__(self, dim: int, momentum: float = 0.9) -> None:
         super().__init__()
         if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"center_momentum must be in [0, 1], got {momentum}")
+            raise ValueError(f"dino center_momentum must be in [0, 1], got {momentum}")  # (loss.center_momentum)
         self.momentum = float(momentum)
         self.register_buffer("value", torch.zeros(1, dim))
         # the weighted sum of the rows and the total weight over this update's micro-batches so far

@@ -259,8 +259,6 @@ class DINOLoss(nn.Module):
             raise ValueError("dino temperatures must be > 0")
         self.teacher_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
                                                warmup_teacher_temp_epochs)
-        if not 0.0 <= center_momentum <= 1.0:
-            raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
         self.out_dim = int(out_dim)
         self.student_temp = float(student_temp)
         self.center = Center(self.out_dim, center_momentum)

@@ -180,8 +180,6 @@ class IBOTLoss(nn.Module):
             raise ValueError("ibot patch temperatures must be > 0")
         if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
             raise ValueError("dino temperatures must be > 0")
-        if not 0.0 <= center_momentum <= 1.0:
-            raise ValueError(f"dino center_momentum must be in [0, 1], got {center_momentum}")
         self.out_dim, self.patch_out_dim = int(out_dim), int(patch_out_dim or out_dim)
         self.student_temp = float(student_temp)
         #: the CLS teacher temperature; the patch one warms up over the same updates

@@ -234,3 +234,33 @@ def test_every_recipe_compiles_with_inductor_on_cuda(tmp_path: Path, recipe: str
     assert "compiled with torch.compile (backend inductor" in proc.stdout
     train = [r for r in metrics(out) if r.get("phase") == "train" and "loss" in r]
     assert len(train) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+
+
+def test_the_dino_family_centre_moves_on_the_device_without_a_sync() -> None:
+    """sslkit.methods.center.Center on CUDA: the sums, the all-reduce-free update and the "no weight, no move" rule
+    stay on the device (no host sync: set_sync_debug_mode raises on one), and the centre is the CPU's to float
+    rounding, for unweighted (DINO's CLS) and weighted (iBOT's patches) rows."""
+    from sslkit.methods.center import Center
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)]
+    weights = [torch.tensor([1.0, 0.0, 2.0, 1.0, 0.0, 1.0]), torch.ones(6)]
+    centres = {}
+    for device in ("cpu", "cuda"):
+        cls, patches = Center(8, 0.9).to(device), Center(8, 0.9).to(device)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):  # two micro-batches, then the update
+                cls.accumulate([r.to(device) for r in rows])
+                patches.accumulate([r.to(device) for r in rows], [w.to(device) for w in weights])
+            cls.update()
+            patches.update()
+            patches.accumulate([rows[0].to(device)], [torch.zeros(6, device=device)])
+            patches.update()  # no weight: stays
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert cls.value.device.type == patches.value.device.type == device
+        centres[device] = (cls.value.cpu(), patches.value.cpu())
+    for got, want in zip(centres["cuda"], centres["cpu"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

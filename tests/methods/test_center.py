@@ -49,5 +49,5 @@ def test_only_the_centre_is_saved_and_the_momentum_is_checked() -> None:
     center = Center(3)
     center.accumulate([torch.ones(2, 3)])
     assert list(center.state_dict()) == ["value"]  # the pending sums are empty whenever a checkpoint is written
-    with pytest.raises(ValueError, match=r"center_momentum must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"dino center_momentum must be in \[0, 1\], got 1.5"):
         Center(3, momentum=1.5)
