@@ -317,10 +317,9 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                         p.grad.mul_((clip / (norm + 1e-6)).clamp(max=1.0))
                 else:
                     torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)  # CUDA's default; on the CPU too
-            where = step / max_steps
-            set_lr(opt, task.lr_schedule(where))
+            set_lr(opt, task.lr_schedule.at(task.clock))  # the loop keeps task.clock.update at this step
             if task.wd_schedule is not None:
-                set_weight_decay(opt, task.wd_schedule(where))
+                set_weight_decay(opt, task.wd_schedule.at(task.clock))
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()

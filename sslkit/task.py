@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from sslkit.data.seeding import mix_seed
 from sslkit.distributed import all_gather_object
 from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
+from sslkit.optim.schedules import ClockSchedule
 from sslkit.parallel import (
     full_model_state,
     full_optimizer_state,
@@ -141,12 +142,12 @@ class Training:
     model: nn.Module
     #: The loss module; its buffers (queues, centres) are checkpointed.
     loss: nn.Module
-    #: The optimizer; the update stage sets each group's lr from ``lr_schedule(clock.where)``.
+    #: The optimizer; the update stage sets each group's lr from ``lr_schedule.at(clock)``.
     optimizer: torch.optim.Optimizer
-    #: Learning rate as a function of ``where`` in [0, 1).
-    lr_schedule: Callable[[float], float]
-    #: Weight decay as a function of ``where`` (None keeps the optimizer's).
-    wd_schedule: Callable[[float], float] | None = None
+    #: Learning rate on the training clock.
+    lr_schedule: ClockSchedule
+    #: Weight decay on the training clock (None keeps the optimizer's).
+    wd_schedule: ClockSchedule | None = None
     #: GradScaler for float16 AMP, else None.
     scaler: torch.amp.GradScaler | None = None
     #: autocast dtype (bfloat16 / float16), or None when AMP is off: the precision policy.

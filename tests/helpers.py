@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import sslkit.launch.doctor as _doctor
 from sslkit.hooks.base import SSLHook
+from sslkit.optim.schedules import OnProgress
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
 
@@ -47,7 +48,7 @@ def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int 
     model = TinyModel()
     return SSLTask(
         Training(model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                 lr_schedule=lambda where: 0.1),
+                 lr_schedule=OnProgress(lambda where: 0.1)),
         DataPlan(loaders={"train": loader, "test": loader}, phases=phases), hooks, max_updates=100,
     )
 
@@ -208,7 +209,7 @@ def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accu
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     return SSLTask(
-        Training(model=model, loss=_PerSampleLoss(), optimizer=optimizer, lr_schedule=lambda where: 0.1,
+        Training(model=model, loss=_PerSampleLoss(), optimizer=optimizer, lr_schedule=OnProgress(lambda where: 0.1),
                  global_batch_size=global_batch, accumulate_steps=accumulate, manual_gradient_reduction=manual),
         DataPlan(loaders={"train": loader}, phases=[Phase(train=True, epoch=0)]), [],
         run=RunInfo(rank=rank, world_size=world), max_updates=steps,

@@ -20,7 +20,7 @@ from sslkit.config.schema import ConfigError
 from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
 from sslkit.models.masking import MaskPlan
-from sslkit.optim import build_optimizer, build_schedule, scaled_lr
+from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize
 
 __all__ = ["ModelParts", "build_model", "build_training_model", "check_freeze", "compile_parts", "freeze_parameters",
@@ -227,7 +227,7 @@ def _optimizer(cfg: DictConfig, model: torch.nn.Module, data: TrainData) -> tupl
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     warmup = min(o.warmup_epochs * data.steps_per_epoch / data.max_updates, 0.999)
-    lr_schedule = build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup)
-    wd_schedule = (build_schedule("cosine", o.weight_decay, o.final_weight_decay) if o.final_weight_decay is not None
-                   else build_schedule("constant", o.weight_decay))
+    lr_schedule = OnProgress(build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup))
+    wd_schedule = OnProgress(build_schedule("cosine", o.weight_decay, o.final_weight_decay)
+                             if o.final_weight_decay is not None else build_schedule("constant", o.weight_decay))
     return optimizer, lr_schedule, wd_schedule

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from sslkit.clock import StepContext
+from sslkit.clock import StepContext, TrainClock
 from sslkit.hooks.base import SSLHook
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.center import Center
@@ -34,6 +34,7 @@ __all__ = [
     "dino_cross_entropy",
     "dino_loss",
     "dino_teacher_probs",
+    "dino_temperatures",
     "mean_entropy",
 ]
 
@@ -182,6 +183,15 @@ def dino_loss(
     return dino_cross_entropy(student, dino_teacher_probs(teacher, center, teacher_temp), student_temp)
 
 
+def dino_temperatures(student_temp: float, teacher_temp: float, warmup_teacher_temp: float,
+                      warmup_updates: int = 0, warmup_epochs: float = 0.0) -> tuple[float, TeacherTemperature]:
+    """The student temperature and the teacher's :class:`TeacherTemperature` of a DINO-family loss (DINO's, and
+    the CLS term of iBOT's and DINOv2's), all of them checked > 0."""
+    if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
+        raise ValueError("dino temperatures must be > 0")
+    return float(student_temp), TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_updates, warmup_epochs)
+
+
 def dino_teacher_probs(teacher: Sequence[torch.Tensor], center: torch.Tensor, teacher_temp: float) -> torch.Tensor:
     """The teacher's probabilities ``[T, B, K]``, centred and sharpened: ``softmax((g_t(x_i) - c) / tau_t)`` for each
     of the ``T`` crops' logits ``[B, K]``; detached, float32."""
@@ -255,12 +265,9 @@ class DINOLoss(nn.Module):
         warmup_teacher_temp_epochs: float = 0.0,
     ) -> None:
         super().__init__()
-        if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
-            raise ValueError("dino temperatures must be > 0")
-        self.teacher_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
-                                               warmup_teacher_temp_epochs)
+        self.student_temp, self.teacher_temp = dino_temperatures(student_temp, teacher_temp, warmup_teacher_temp,
+                                                                 warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
         self.out_dim = int(out_dim)
-        self.student_temp = float(student_temp)
         self.center = Center(self.out_dim, center_momentum)
 
     def set_epoch_length(self, updates: int) -> None:
@@ -274,7 +281,7 @@ class DINOLoss(nn.Module):
         if teacher[0].shape[-1] != self.out_dim:
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "
                              "set loss.out_dim to model.head.out_dim")
-        tau_t = self.teacher_temp.at(ctx.clock.update if ctx is not None else 0)
+        tau_t = self.teacher_temp.at(ctx.clock if ctx is not None else TrainClock())
         p_t = dino_teacher_probs(teacher, self.center.value, tau_t)  # once, for the loss and the logged entropy
         loss = dino_cross_entropy(student, p_t, self.student_temp)
         entropy = mean_entropy(p_t[0])

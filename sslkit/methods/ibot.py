@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sslkit.clock import StepContext
+from sslkit.clock import StepContext, TrainClock
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.center import Center
-from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_teacher_probs, mean_entropy
+from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_teacher_probs, dino_temperatures, mean_entropy
 from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
 from sslkit.models.masking import Masks, batch_slots
 from sslkit.models.output import ModelOutput
@@ -178,13 +178,10 @@ class IBOTLoss(nn.Module):
         super().__init__()
         if min(teacher_patch_temp, warmup_teacher_patch_temp) <= 0:
             raise ValueError("ibot patch temperatures must be > 0")
-        if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
-            raise ValueError("dino temperatures must be > 0")
         self.out_dim, self.patch_out_dim = int(out_dim), int(patch_out_dim or out_dim)
-        self.student_temp = float(student_temp)
         #: the CLS teacher temperature; the patch one warms up over the same updates
-        self.teacher_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters,
-                                               warmup_teacher_temp_epochs)
+        self.student_temp, self.teacher_temp = dino_temperatures(student_temp, teacher_temp, warmup_teacher_temp,
+                                                                 warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
         self.teacher_patch_temp = TeacherTemperature(teacher_patch_temp, warmup_teacher_patch_temp,
                                                      warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
         self.cls_center = Center(self.out_dim, center_momentum)
@@ -210,8 +207,8 @@ class IBOTLoss(nn.Module):
         if t[0].shape[-1] != self.patch_out_dim:
             raise ValueError(f"{type(self).__name__}: loss.patch_out_dim={self.patch_out_dim} but the patch head "
                              f"gives {t[0].shape[-1]}: set loss.patch_out_dim to the patch head's out_dim")
-        update = ctx.clock.update if ctx is not None else 0
-        temp, patch_temp = self.teacher_temp.at(update), self.teacher_patch_temp.at(update)
+        clock = ctx.clock if ctx is not None else TrainClock()
+        temp, patch_temp = self.teacher_temp.at(clock), self.teacher_patch_temp.at(clock)
         cls_probs = self.teacher_rule.cls_probs(teacher, temp)
         cls_loss = dino_cross_entropy(student, cls_probs, self.student_temp)
         probs = self.teacher_rule.patch_probs(t, w, patch_temp)

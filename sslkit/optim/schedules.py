@@ -1,9 +1,11 @@
-"""Schedules of per-update values: learning rate and weight decay over training progress (fvcore ParamScheduler),
-lr scaling, and the teacher temperatures of the DINO family on the training clock."""
+"""Every per-update value of a run (learning rate, weight decay, teacher momentum, teacher temperatures) as a
+:class:`ClockSchedule` read off the training clock, and the lr scaling rules."""
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from fvcore.common.param_scheduler import (
     CompositeParamScheduler,
@@ -13,12 +15,37 @@ from fvcore.common.param_scheduler import (
     ParamScheduler,
 )
 
+from sslkit.clock import TrainClock
 from sslkit.errors import did_you_mean
 
-__all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "TeacherTemperature", "build_schedule", "scaled_lr", "teacher_temp_at"]
+__all__ = ["MOMENTUM_SCHEDULES", "SCALING_RULES", "SCHEDULE_NAMES", "ClockSchedule", "OnProgress", "TeacherMomentum",
+           "TeacherTemperature", "build_schedule", "momentum_at", "scaled_lr", "teacher_temp_at"]
 
 SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine", "linear")
 SCALING_RULES: tuple[str, ...] = ("linear", "none", "sqrt")
+
+
+class ClockSchedule(ABC):
+    """A value that changes with every optimizer update, read off the run's :class:`~sslkit.clock.TrainClock` with
+    :meth:`at`: the one way every schedule is asked (the update stage for the lr and weight decay, the momentum
+    hook for the teacher momentum, the DINO-family losses for their teacher temperatures), so each is written once
+    here, in the clock's unit its paper uses: progress ``clock.where`` or updates ``clock.update``."""
+
+    @abstractmethod
+    def at(self, clock: TrainClock) -> float:
+        """The value at the clock's current update."""
+
+
+class OnProgress(ClockSchedule):
+    """A schedule of the run's progress ``clock.where`` in [0, 1) (an fvcore ``ParamScheduler``, or any function of
+    progress): the learning rate, the weight decay and the teacher momentum."""
+
+    def __init__(self, schedule: Callable[[float], float]) -> None:
+        self.schedule = schedule
+
+    def at(self, clock: TrainClock) -> float:
+        """``schedule(clock.where)``."""
+        return self.schedule(clock.where)
 
 
 def _unknown(kind: str, name: str, valid: tuple[str, ...]) -> ValueError:
@@ -111,10 +138,10 @@ def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: fl
     return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
 
 
-class TeacherTemperature:
-    """A teacher temperature on the training clock: :func:`teacher_temp_at` from ``warmup`` to ``final`` over
-    ``warmup_updates`` optimizer updates, or ``warmup_epochs`` epochs (the papers' unit: DINO's and DINOv2's 30),
-    which :meth:`set_epoch_length` turns into updates once the run's length is known."""
+class TeacherTemperature(ClockSchedule):
+    """A teacher temperature on the training clock's updates: :func:`teacher_temp_at` from ``warmup`` to ``final``
+    over ``warmup_updates`` optimizer updates, or ``warmup_epochs`` epochs (the papers' unit: DINO's and DINOv2's
+    30), which :meth:`set_epoch_length` turns into updates once the run's length is known."""
 
     def __init__(self, final: float, warmup: float, warmup_updates: int = 0, warmup_epochs: float = 0.0) -> None:
         if warmup_updates > 0 and warmup_epochs > 0:
@@ -128,6 +155,36 @@ class TeacherTemperature:
         if self.warmup_epochs > 0:
             self.warmup_updates = max(1, round(self.warmup_epochs * updates))
 
-    def at(self, update: int) -> float:
-        """The temperature at optimizer update ``update``."""
-        return teacher_temp_at(update, self.warmup, self.final, self.warmup_updates)
+    def at(self, clock: TrainClock) -> float:
+        """The temperature at the clock's optimizer update ``clock.update``."""
+        return teacher_temp_at(clock.update, self.warmup, self.final, self.warmup_updates)
+
+
+#: The teacher momentum schedules (``hooks: [{name: momentum_teacher, schedule: ...}]``).
+MOMENTUM_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+
+
+def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "cosine") -> float:
+    """The teacher momentum at progress ``where`` in [0, 1), written as the papers write it (the arithmetic of
+    fvcore's curves differs in the last bits, and the teachers carry such bits on).
+
+    ``cosine``: ``final - (final - base) * (cos(pi * where) + 1) / 2`` (BYOL, DINO): ``base`` at
+    the start, ``final`` at the end. ``linear``: ``base + (final - base) * where`` (I-JEPA).
+    ``constant``: ``base`` throughout (MoCo v2).
+    """
+    if schedule == "constant":
+        return base
+    if schedule == "linear":
+        return base + (final - base) * where
+    if schedule == "cosine":
+        return final - (final - base) * (math.cos(math.pi * where) + 1) / 2
+    raise ValueError(f"unknown momentum schedule '{schedule}': use cosine, linear or constant")
+
+
+class TeacherMomentum(OnProgress):
+    """The EMA teacher's momentum on the run's progress: :func:`momentum_at` from ``base`` to ``final``."""
+
+    def __init__(self, base: float, final: float = 1.0, schedule: str = "cosine") -> None:
+        momentum_at(0.0, base, final, schedule)  # an unknown name is refused here, when the hook is built
+        self.base, self.final, self.name = float(base), float(final), schedule
+        super().__init__(lambda where: momentum_at(where, base, final, schedule))

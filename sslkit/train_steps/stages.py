@@ -298,7 +298,7 @@ def clip_gradients(task: SSLTask) -> torch.Tensor:
 
 def update(task: SSLTask) -> None:
     """Stage *update* (train phases; nothing in eval phases): ask the update guard, then either drop the update
-    or set every schedule at ``clock.where`` (lr, weight decay; recorded for the log), step the optimizer (through
+    or set the lr and weight decay at the clock (recorded for the log), step the optimizer (through
     the GradScaler), fire ``on_update``; the clock moves on either way."""
     if not task.train:
         return
@@ -314,11 +314,11 @@ def update(task: SSLTask) -> None:
     if task.training.clip_grad > 0:
         clip_gradients(task)
     with task.perf_stats.timer("optimizer_step"):
-        lr = task.lr_schedule(clock.where)
+        lr = task.lr_schedule.at(clock)
         set_lr(task.optimizer, lr)
         task.scheduled["lr"] = lr
         if task.wd_schedule is not None:
-            wd = task.wd_schedule(clock.where)
+            wd = task.wd_schedule.at(clock)
             set_weight_decay(task.optimizer, wd)
             task.scheduled["weight_decay"] = wd
         if task.scaler is not None:

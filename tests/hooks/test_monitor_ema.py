@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sslkit.data.transforms import build_multicrop
-from sslkit.hooks.ema import momentum_at
 from sslkit.hooks.monitor import embedding_std
 from sslkit.models.teacher import frozen_copy, update_momentum
+from sslkit.optim.schedules import momentum_at
 
 
 def test_embedding_std_collapsed_is_zero_and_spread_is_near_inverse_sqrt_d() -> None:

@@ -22,7 +22,7 @@ from sslkit.methods.dino import (
     dino_loss,
 )
 from sslkit.models.teacher import frozen_copy
-from sslkit.optim.schedules import teacher_temp_at
+from sslkit.optim.schedules import OnProgress, teacher_temp_at
 from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
@@ -259,7 +259,7 @@ def test_last_layer_gradient_dropped_in_the_first_epoch_only() -> None:
     task = SSLTask(
         Training(model=model, loss=DINOLoss(out_dim=6),
                  optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
-                 lr_schedule=lambda where: 0.5),
+                 lr_schedule=OnProgress(lambda where: 0.5)),
         DataPlan(loaders={"train": DataLoader(data, batch_size=4)},
                  phases=[Phase(train=True, epoch=0), Phase(train=True, epoch=1)]),
         [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_updates=4,

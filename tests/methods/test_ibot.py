@@ -76,9 +76,9 @@ def test_patch_centre_is_the_ema_of_the_masked_teacher_logits_once_per_update() 
 
 def test_patch_temperature_warms_up_on_the_clock() -> None:
     loss = IBOTLoss(out_dim=5, warmup_teacher_patch_temp=0.04, teacher_patch_temp=0.07, warmup_teacher_temp_iters=10)
-    assert loss.teacher_patch_temp.at(0) == pytest.approx(0.04)
-    assert loss.teacher_patch_temp.at(5) == pytest.approx(0.055)
-    assert loss.teacher_patch_temp.at(10) == pytest.approx(0.07)
+    assert loss.teacher_patch_temp.at(TrainClock(update=0)) == pytest.approx(0.04)
+    assert loss.teacher_patch_temp.at(TrainClock(update=5)) == pytest.approx(0.055)
+    assert loss.teacher_patch_temp.at(TrainClock(update=10)) == pytest.approx(0.07)
 
 
 def _model(separate: bool = False):
@@ -142,3 +142,17 @@ def test_recipe_trains_and_checkpoints_both_centres(tmp_path: Path) -> None:
     assert "trunk.mask_token" in ckpt["model"] and "teacher_trunk.mask_token" in ckpt["model"]
     logged = (out / "metrics.jsonl").read_text()
     assert '"patch_loss"' in logged and '"teacher_patch_entropy"' in logged
+
+
+def test_the_dino_family_refuses_a_temperature_that_is_not_positive() -> None:
+    """The CLS temperatures are checked in one place (dino_temperatures) for DINO, iBOT and DINOv2, the patch
+    temperatures by iBOT, each with its message."""
+    from sslkit.methods.dino import DINOLoss
+
+    for bad in ({"student_temp": 0.0}, {"teacher_temp": -0.1}, {"warmup_teacher_temp": 0.0}):
+        for loss in (DINOLoss, IBOTLoss):
+            with pytest.raises(ValueError, match=r"^dino temperatures must be > 0$"):
+                loss(out_dim=5, **bad)
+    for bad in ({"teacher_patch_temp": 0.0}, {"warmup_teacher_patch_temp": -1.0}):
+        with pytest.raises(ValueError, match=r"^ibot patch temperatures must be > 0$"):
+            IBOTLoss(out_dim=5, **bad)

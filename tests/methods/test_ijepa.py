@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from helpers import RECIPES, SMALL, run_main
 
-from sslkit.hooks.ema import momentum_at
 from sslkit.methods.ijepa import IJEPALoss, IJEPAPredictor, build_ijepa, ijepa_loss
 from sslkit.models.masking import MultiBlockMasking, SampleKeys
 from sslkit.models.vit import build_vit
+from sslkit.optim.schedules import momentum_at
 
 
 def _smooth_l1(x: float, beta: float) -> float:

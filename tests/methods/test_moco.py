@@ -12,7 +12,7 @@ from helpers import SMALL, TinyTrunk, run_main
 from torch import nn
 
 from sslkit.clock import TrainClock
-from sslkit.hooks.ema import MomentumTeacherHook, momentum_at
+from sslkit.hooks.ema import MomentumTeacherHook
 from sslkit.methods.moco import (
     MoCoLoss,
     MoCoModel,
@@ -25,6 +25,7 @@ from sslkit.methods.moco import (
 )
 from sslkit.models.heads import MLPHead
 from sslkit.optim import build_optimizer
+from sslkit.optim.schedules import momentum_at
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from sslkit.hooks.base import Slot, SSLHook
 from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.methods.swav import SwAVLoss, SwAVPrototypesHook, build_swav, swapped_prediction_loss
 from sslkit.models.heads import MLPHead
+from sslkit.optim.schedules import OnProgress
 from sslkit.task import DataPlan, Phase, SSLTask, Training
 from sslkit.train_steps.standard import standard_train_step
 from sslkit.trainer import train
@@ -313,7 +314,7 @@ def test_prototype_hook_normalises_and_freezes_in_the_standard_step() -> None:
     task = SSLTask(
         Training(model=model, loss=SwAVLoss(embedding_dim=6, epsilon=0.5),
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-4),
-                 lr_schedule=lambda where: 0.5),
+                 lr_schedule=OnProgress(lambda where: 0.5)),
         DataPlan(loaders={"train": DataLoader(data, batch_size=8)}, phases=[Phase(train=True, epoch=0)]),
         [rec, SwAVPrototypesHook(freeze_prototypes_iters=2)], max_updates=5,
     )

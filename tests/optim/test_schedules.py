@@ -117,3 +117,56 @@ def test_scaled_lr_errors() -> None:
         scaled_lr(0.1, 256, rule="sqr")
     with pytest.raises(ValueError, match="positive"):
         scaled_lr(0.1, 0)
+
+
+def test_every_per_update_value_is_a_clock_schedule_read_at_the_clock(tmp_path) -> None:
+    """One mechanism: the dino recipe's lr, weight decay, teacher momentum and teacher temperature are each a
+    ClockSchedule asked ``at(clock)``: the momentum and lr on progress ``update / max_updates`` (the last update
+    clamped below 1), the temperature on the update count itself (DINO's linear warm-up, written out here)."""
+    from helpers import RECIPES, SMALL
+
+    from sslkit.builder import build_task
+    from sslkit.clock import TrainClock
+    from sslkit.config.compose import compose_config
+    from sslkit.hooks.ema import MomentumTeacherHook
+    from sslkit.optim.schedules import ClockSchedule, OnProgress, TeacherMomentum, TeacherTemperature
+
+    temps = ["loss.warmup_teacher_temp=0.04", "loss.teacher_temp=0.07", "loss.warmup_teacher_temp_iters=10"]
+    cfg = compose_config(["config=dino", *SMALL, *RECIPES["dino"], "optim.max_steps=40", "optim.final_lr=0.0",
+                          *temps, "eval.knn.enabled=false", f"output_dir={tmp_path}"])
+    task = build_task(cfg)
+    try:
+        (hook,) = [h for h in task.hooks if isinstance(h, MomentumTeacherHook)]
+        assert isinstance(task.lr_schedule, OnProgress) and isinstance(task.wd_schedule, OnProgress)
+        assert isinstance(hook.momentum, TeacherMomentum) and isinstance(task.loss.teacher_temp, TeacherTemperature)
+        assert all(isinstance(s, ClockSchedule) for s in (task.lr_schedule, task.wd_schedule, hook.momentum,
+                                                          task.loss.teacher_temp))
+        base, final = hook.momentum.base, hook.momentum.final
+        for update in (0, 5, 10, 25, 40):
+            clock = TrainClock(update=update, max_updates=40)
+            where = min(update / 40, 1 - 1e-9)
+            assert hook.momentum.at(clock) == final - (final - base) * (math.cos(math.pi * where) + 1) / 2
+            assert task.lr_schedule.at(clock) == task.lr_schedule.schedule(where)
+            expected = 0.04 + 0.03 * update / 10 if update < 10 else 0.07
+            assert task.loss.teacher_temp.at(clock) == pytest.approx(expected, rel=1e-12)
+        assert task.lr_schedule.at(TrainClock(update=40, max_updates=40)) == pytest.approx(0.0, abs=1e-9)
+    finally:
+        task.close()
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_teacher_momentum_is_the_papers_formula(schedule: str) -> None:
+    from sslkit.clock import TrainClock
+    from sslkit.optim.schedules import TeacherMomentum
+
+    m = TeacherMomentum(0.99, 1.0, schedule)
+    expected = {"cosine": 1.0 - 0.01 * (math.cos(math.pi * 0.25) + 1) / 2, "linear": 0.99 + 0.01 * 0.25,
+                "constant": 0.99}[schedule]
+    assert m.at(TrainClock(update=10, max_updates=40)) == expected
+
+
+def test_an_unknown_momentum_schedule_is_refused_when_the_hook_is_built() -> None:
+    from sslkit.hooks.ema import MomentumTeacherHook
+
+    with pytest.raises(ValueError, match=r"^unknown momentum schedule 'exp': use cosine, linear or constant$"):
+        MomentumTeacherHook(0.99, 1.0, "exp")
