@@ -206,7 +206,7 @@ def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, 
     layout = []
     from torch.distributed.tensor import DTensor
 
-    for student, teacher in task.base_model.momentum_pairs() if hasattr(task.base_model, "momentum_pairs") else ():
+    for student, teacher in task.base_model.momentum_pairs():
         for s, t in zip(student.parameters(), teacher.parameters(), strict=True):
             layout.append((isinstance(t, DTensor), isinstance(s, DTensor),
                            tuple(t.placements) == tuple(s.placements) if isinstance(t, DTensor) else None,

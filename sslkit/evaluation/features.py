@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sslkit.distributed import gather_no_grad, is_distributed
-from sslkit.models.tokens import FEATURE_KINDS
+from sslkit.models.tokens import FEATURE_KINDS, TokenTrunk
 
 __all__ = ["FeatureEncoder", "extract_features", "pixel_features"]
 
@@ -35,7 +35,7 @@ class FeatureEncoder(nn.Module):
         super().__init__()
         if kind not in FEATURE_KINDS:
             raise ValueError(f"unknown feature kind {kind!r}: use one of {', '.join(FEATURE_KINDS)}")
-        self.is_vit = bool(getattr(trunk, "patch_tokens", False)) and callable(getattr(trunk, "features", None))
+        self.is_vit = isinstance(trunk, TokenTrunk)
         if kind != "pool" and not self.is_vit:
             raise ValueError(f"{kind} features are read from a ViT's tokens, and {type(trunk).__name__} has none: "
                              "only pool (the trunk's own features)")

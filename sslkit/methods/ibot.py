@@ -16,15 +16,16 @@ from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_teacher_probs
 from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
 from sslkit.models.masking import Masks, batch_slots
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import encode_views
+from sslkit.models.ssl_model import SSLModel, encode_views
 from sslkit.models.teacher import frozen_copy
+from sslkit.models.tokens import TokenTrunk
 from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["IBOT", "CenteredTeacher", "IBOTLoss", "IBOTModel", "build_ibot"]
 
 
-class IBOTModel(nn.Module):
+class IBOTModel(SSLModel):
     """iBOT's (and DINOv2's) student and EMA teacher over a ViT with a mask token.
 
     ``forward(views, masks)``: the student sees the ``num_global`` global crops with their masked patches
@@ -42,38 +43,40 @@ class IBOTModel(nn.Module):
     trunk every evaluation reads.
     """
 
+    trunk: TokenTrunk
+    head: DINOHead
+
     def __init__(self, trunk: nn.Module, head: nn.Module, num_global: int = 2, separate_patch_head: bool = False,
                  patch_out_dim: int | None = None) -> None:
-        super().__init__()
-        if not getattr(trunk, "patch_tokens", False):
+        if not isinstance(trunk, TokenTrunk):
             raise ValueError("ibot and dinov2 need a ViT trunk (model.trunk=vit_tiny, vit_small, ...)")
         if not isinstance(head, DINOHead):
             raise ValueError("ibot and dinov2 need a DINO head: model.head.name=dino")
         if num_global < 1:
             raise ValueError(f"model.kwargs.num_global must be >= 1, got {num_global}")
-        trunk.enable_mask_token()  # type: ignore[operator]
-        self.trunk, self.head = trunk, head
+        trunk.enable_mask_token()
+        super().__init__(trunk, head)
         self.num_global = int(num_global)
-        self.patch_head: nn.Module | None = None
+        self.patch_head: DINOHead | None = None
         if separate_patch_head:
             self.patch_head = DINOHead(**{**head.hparams, "out_dim": int(patch_out_dim or head.out_dim)})
         elif patch_out_dim is not None and int(patch_out_dim) != head.out_dim:
             raise ValueError(f"model.kwargs.patch_out_dim={patch_out_dim} differs from model.head.out_dim="
                              f"{head.out_dim}: a shared head has one output size (set separate_patch_head=true)")
-        self.teacher_trunk = frozen_copy(trunk)
+        self.teacher_trunk: TokenTrunk = frozen_copy(trunk)
         self.teacher_head = frozen_copy(head)
         self.teacher_patch_head = frozen_copy(self.patch_head) if self.patch_head is not None else None
 
     @property
     def patch_out_dim(self) -> int:
         """The patch head's number of outputs."""
-        return int((self.patch_head or self.head).out_dim)  # type: ignore[union-attr]
+        return int((self.patch_head or self.head).out_dim)
 
     def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
         """(student, teacher) pairs for the EMA hook."""
         pairs = [(self.trunk, self.teacher_trunk), (self.head, self.teacher_head)]
-        if self.patch_head is not None:
-            pairs.append((self.patch_head, self.teacher_patch_head))  # type: ignore[arg-type]
+        if self.patch_head is not None and self.teacher_patch_head is not None:  # made together
+            pairs.append((self.patch_head, self.teacher_patch_head))
         return pairs
 
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
@@ -88,14 +91,14 @@ class IBOTModel(nn.Module):
         given = list(masks) if masks is not None else []
         given += [None] * (len(views) - len(given))
         globals_ = torch.cat(views[:g]) if g > 1 else views[0]
-        n = self.trunk.grid(globals_.shape[-2], globals_.shape[-1])  # type: ignore[operator]
-        n = n[0] * n[1]
+        h, w = self.trunk.grid(globals_.shape[-2], globals_.shape[-1])
+        n = h * w
         mask = torch.cat([m.mask if m is not None else
                           torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
                           for v, m in zip(views[:g], given[:g])])
         slots = _slots(given[:g], mask.shape[0])
-        student = self.trunk.forward_tokens(globals_, mask=mask)  # type: ignore[operator]
-        features = list(self.trunk.pool_tokens(student).chunk(g))  # type: ignore[operator]
+        student = self.trunk.forward_tokens(globals_, mask=mask)
+        features = list(self.trunk.pool_tokens(student).chunk(g))
         if len(views) > g:
             features += encode_views(self.trunk, views[g:])[0]
         projections = self.head(torch.cat(features)).split([f.shape[0] for f in features])
@@ -104,8 +107,8 @@ class IBOTModel(nn.Module):
         index, weight = masked_slots(mask.reshape(1, -1), slots)  # [1, S]
         s_logits = patch_head(gather_slots(student.patches.flatten(0, 1)[None], index)[0])  # [S, K]
         with torch.no_grad():
-            teacher = self.teacher_trunk.forward_tokens(globals_)  # type: ignore[operator]
-            targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)  # type: ignore[operator]
+            teacher = self.teacher_trunk.forward_tokens(globals_)
+            targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)
             t_patches = gather_slots(teacher.patches.flatten(0, 1)[None], index)[0]
             t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches)
         return ModelOutput(features=features, projections=list(projections), targets=list(targets),

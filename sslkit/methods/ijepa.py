@@ -16,9 +16,9 @@ from sslkit.methods.base import Method, register_method
 from sslkit.methods.dinov2_parts import gather_slots, masked_slots
 from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import encode_views
+from sslkit.models.ssl_model import SSLModel, encode_views
 from sslkit.models.teacher import frozen_copy
-from sslkit.models.tokens import key_padding_bias, pos_embed_on_grid, sincos_pos_embed
+from sslkit.models.tokens import TokenTrunk, key_padding_bias, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["IJEPA", "IJEPALoss", "IJEPAModel", "IJEPAPredictor", "build_ijepa", "ijepa_loss"]
@@ -93,7 +93,7 @@ class IJEPAPredictor(nn.Module):
         return self.proj(self.norm(tokens[:, k:])).reshape(b, t, m, -1)
 
 
-class IJEPAModel(nn.Module):
+class IJEPAModel(SSLModel):
     """I-JEPA's wiring: ``trunk`` (the context encoder, a ViT) sees each masked view's context patches
     (``Masks.keep``, padding left out of attention); its EMA copy, the target encoder, sees the whole view under
     ``no_grad``, and its patch tokens, layer-normalised without affine parameters (the reference's
@@ -109,10 +109,10 @@ class IJEPAModel(nn.Module):
     ``model.trunk_kwargs.pool=avg``: the mean of the patch tokens, as the paper).
     """
 
-    def __init__(self, trunk: nn.Module, predictor: IJEPAPredictor) -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.head = nn.Identity()
+    trunk: TokenTrunk
+
+    def __init__(self, trunk: TokenTrunk, predictor: IJEPAPredictor) -> None:
+        super().__init__(trunk)
         self.predictor = predictor
         self.teacher_trunk = frozen_copy(trunk)
 
@@ -138,7 +138,7 @@ class IJEPAModel(nn.Module):
                 raise ValueError("ijepa predicts target blocks from a context: its masks must come from "
                                  "masking.name=multi_block")
             valid = m.keep_valid if m.keep_valid is not None else torch.ones_like(m.keep, dtype=torch.bool)
-            ctx = self.trunk.forward_tokens(x, keep=m.keep, keep_valid=m.keep_valid)  # type: ignore[operator]
+            ctx = self.trunk.forward_tokens(x, keep=m.keep, keep_valid=m.keep_valid)
             w = valid.to(ctx.patches.dtype)[..., None]
             features.append((ctx.patches * w).sum(1) / w.sum(1).clamp(min=1.0))
             tokens.append(ctx)
@@ -148,7 +148,7 @@ class IJEPAModel(nn.Module):
             index, weight = index.reshape(b, t, slots), weight.reshape(b, t, slots)
             preds.append(self.predictor(ctx.patches, m.keep, valid, index, weight > 0, ctx.grid))
             with torch.no_grad():
-                h = self.teacher_trunk.forward_tokens(x).patches  # type: ignore[operator]
+                h = self.teacher_trunk.forward_tokens(x).patches
                 h = F.layer_norm(h.float(), (h.shape[-1],))
                 targets.append(gather_slots(h, index.reshape(b, t * slots)).reshape(b, t, slots, -1))
             weights.append(weight)
@@ -163,12 +163,12 @@ def build_ijepa(trunk: nn.Module, head: nn.Module | None = None, predictor_dim: 
     """I-JEPA: the ViT ``trunk`` as context encoder, its EMA copy as target encoder, and an :class:`IJEPAPredictor`
     (``model.kwargs``: predictor_dim, predictor_depth, predictor_heads, predictor_mlp_ratio; paper 384, 12 for
     ViT-H/14, the encoder's heads (null: take them), 4). I-JEPA has no projector: ``model.head.name=none``."""
-    if not getattr(trunk, "patch_tokens", False):
+    if not isinstance(trunk, TokenTrunk):
         raise ValueError("ijepa needs a ViT trunk (model.trunk=vit_tiny, vit_small, ...)")
     if head is not None and not isinstance(head, nn.Identity):
         raise ValueError("ijepa has no projector head: set model.head={name: none}")
-    heads = predictor_heads or int(trunk.blocks[0].attn.num_heads)  # type: ignore[index,union-attr]
-    predictor = IJEPAPredictor(int(trunk.out_dim), tuple(trunk.patch_embed.grid_size),  # type: ignore[union-attr]
+    heads = predictor_heads or trunk.num_heads
+    predictor = IJEPAPredictor(int(trunk.out_dim), trunk.base_grid,
                                predictor_dim, predictor_depth, heads, predictor_mlp_ratio)
     return IJEPAModel(trunk, predictor)
 

@@ -13,7 +13,8 @@ from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
-from sslkit.models.tokens import Tokens, pos_embed_on_grid, sincos_pos_embed
+from sslkit.models.ssl_model import SSLModel
+from sslkit.models.tokens import Tokens, TokenTrunk, pos_embed_on_grid, sincos_pos_embed
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["MAE", "MAEDecoder", "MAELoss", "MAEModel", "build_mae", "mae_loss", "patchify"]
@@ -98,7 +99,7 @@ class MAEDecoder(nn.Module):
         return self.pred(x[:, prefix.shape[1]:])
 
 
-class MAEModel(nn.Module):
+class MAEModel(SSLModel):
     """MAE wiring: ``trunk`` (a ViT, sslkit's timm wrapper) encodes the patches ``masks[v].keep`` of each masked
     view; the :class:`MAEDecoder` predicts the pixels of every patch. Views without masks are only encoded.
 
@@ -108,10 +109,10 @@ class MAEModel(nn.Module):
     encoder's tokens. ``model.trunk`` is the encoder every evaluation and the export use.
     """
 
-    def __init__(self, trunk: nn.Module, decoder: MAEDecoder) -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.head = nn.Identity()
+    trunk: TokenTrunk
+
+    def __init__(self, trunk: TokenTrunk, decoder: MAEDecoder) -> None:
+        super().__init__(trunk)
         self.decoder = decoder
 
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
@@ -142,13 +143,12 @@ def build_mae(trunk: nn.Module, head: nn.Module | None = None, decoder_dim: int 
               decoder_heads: int = 16, decoder_mlp_ratio: float = 4.0) -> MAEModel:
     """MAE: the ViT ``trunk`` as encoder and a :class:`MAEDecoder` (``model.kwargs``: decoder_dim, decoder_depth,
     decoder_heads, decoder_mlp_ratio; paper 512, 8, 16, 4). MAE has no projector: ``model.head.name=none``."""
-    if not getattr(trunk, "patch_tokens", False):
+    if not isinstance(trunk, TokenTrunk):
         raise ValueError("mae needs a ViT trunk (model.trunk=vit_tiny, vit_small, ...)")
     if head is not None and not isinstance(head, nn.Identity):
         raise ValueError("mae has no projector head: set model.head={name: none}")
-    channels = int(trunk.patch_embed.proj.in_channels)  # type: ignore[union-attr]
-    decoder = MAEDecoder(int(trunk.out_dim), tuple(trunk.patch_embed.grid_size), int(trunk.patch_size),  # type: ignore
-                         channels, decoder_dim, decoder_depth, decoder_heads, decoder_mlp_ratio)
+    decoder = MAEDecoder(int(trunk.out_dim), trunk.base_grid, trunk.patch_size, trunk.in_channels, decoder_dim,
+                         decoder_depth, decoder_heads, decoder_mlp_ratio)
     return MAEModel(trunk, decoder)
 
 

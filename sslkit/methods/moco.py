@@ -49,7 +49,7 @@ from sslkit.methods.base import Method, register_method
 from sslkit.methods.infonce import cross_entropy_at
 from sslkit.models.heads import MLPHead
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import check_two_views, forward_views
+from sslkit.models.ssl_model import SSLModel, check_two_views, forward_views
 from sslkit.models.teacher import PredictorTeacherModel, frozen_copy, projection_dim
 from sslkit.registry import register_loss, register_model
 
@@ -106,7 +106,7 @@ def shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 
 # ---------------------------------------------------------------------------------- MoCo v2
-class MoCoModel(nn.Module):
+class MoCoModel(SSLModel):
     """MoCo v2: query encoder ``head(trunk(.))``, key encoder a frozen copy of it run with shuffle-BN.
 
     ``forward([v0, v1])`` returns::
@@ -123,11 +123,9 @@ class MoCoModel(nn.Module):
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None = None, symmetric: bool = False,
                  shuffle_groups: int = 2) -> None:
-        super().__init__()
         if shuffle_groups < 1:
             raise ValueError(f"shuffle_groups must be >= 1, got {shuffle_groups}")
-        self.trunk = trunk
-        self.head = head if head is not None else nn.Identity()
+        super().__init__(trunk, head)
         self.teacher_trunk = frozen_copy(self.trunk)
         self.teacher_head = frozen_copy(self.head)
         self.symmetric = symmetric

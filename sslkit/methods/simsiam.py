@@ -13,14 +13,14 @@ from sslkit.clock import StepContext
 from sslkit.methods.base import Method, register_method
 from sslkit.models.heads import MLPHead
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import check_two_views, forward_views
+from sslkit.models.ssl_model import SSLModel, check_two_views, forward_views
 from sslkit.models.teacher import projection_dim
 from sslkit.registry import register_loss, register_model
 
 __all__ = ["SIMSIAM", "SimSiamLoss", "SimSiamModel", "build_simsiam", "negative_cosine"]
 
 
-class SimSiamModel(nn.Module):
+class SimSiamModel(SSLModel):
     """Encoder ``f = head(trunk(.))`` and predictor ``h``, shared by both views (no momentum encoder).
 
     ``forward([v0, v1])`` returns ``features`` and ``projections`` ``[z0, z1]`` per view,
@@ -30,9 +30,7 @@ class SimSiamModel(nn.Module):
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None, predictor: nn.Module) -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.head = head if head is not None else nn.Identity()
+        super().__init__(trunk, head)
         self.predictor = predictor
 
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:

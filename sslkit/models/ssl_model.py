@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sslkit.models.output import ModelOutput
+from sslkit.models.tokens import TokenTrunk
 from sslkit.registry import register_model
 
 __all__ = ["SSLModel", "build_ssl_model", "check_two_views", "encode_views", "forward_views"]
@@ -42,13 +43,14 @@ def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torc
 
 
 def encode_views(trunk: nn.Module, views: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any] | None]:
-    """The trunk's features of each view and, for a ViT (a trunk with ``forward_tokens``), its tokens too.
+    """The trunk's features of each view and, for a ViT (a :class:`~sslkit.models.tokens.TokenTrunk`), its
+    tokens too.
 
     Views of equal shape go through one forward, as :func:`forward_views`. A ViT's features are its pooled
     tokens (:meth:`~sslkit.models.vit_trunk.ViTTrunk.pool_tokens`), the very tensors of the tokens returned
     (:class:`~sslkit.models.tokens.Tokens`, one per view), so the model output carries both for one forward.
     """
-    if not hasattr(trunk, "forward_tokens"):
+    if not isinstance(trunk, TokenTrunk):
         return forward_views(trunk, views), None
     features: list[torch.Tensor] = []
     tokens: list[Any] = []
@@ -74,17 +76,23 @@ def check_two_views(views: Sequence[torch.Tensor] | torch.Tensor, method: str) -
 
 
 class SSLModel(nn.Module):
-    """Trunk + head. ``forward(views)`` returns ``{"features": [...], "projections": [...]}``,
-    one tensor per view, in the order of the views.
+    """Trunk + head, and what every SSL model of sslkit meets: ``trunk`` (the network every evaluation reads and
+    the export writes), ``head``, ``forward(views)`` (masked methods: ``forward(views, masks)``) giving a
+    :class:`ModelOutput` (``features`` and ``projections``, one tensor per view, in the order of the views), and
+    :meth:`momentum_pairs`. This one is the plain two-view model.
 
-    Methods with a momentum teacher or a predictor subclass this (sslkit/methods/) and add
-    their own submodules, so a checkpoint of the model holds them.
+    Every method's wiring subclasses it (sslkit/methods/) and adds its own submodules (teachers, predictors,
+    decoders), so a checkpoint of the model holds them.
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None = None) -> None:
         super().__init__()
         self.trunk = trunk
         self.head = head if head is not None else nn.Identity()
+
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The (student, teacher) pairs the ``momentum_teacher`` hook moves: none without a momentum teacher."""
+        return []
 
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Trunk features and head projections for each view."""

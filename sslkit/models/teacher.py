@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import check_two_views, forward_views
+from sslkit.models.ssl_model import SSLModel, check_two_views, forward_views
 
 __all__ = ["NOISE_LAYERS", "PredictorTeacherModel", "frozen_copy", "projection_dim", "silence", "update_momentum"]
 
@@ -18,10 +19,12 @@ __all__ = ["NOISE_LAYERS", "PredictorTeacherModel", "frozen_copy", "projection_d
 #: torchvision's ``StochasticDepth``. torch's own dropouts (``nn.Dropout`` and its kin, whose ``p`` timm's attention
 #: also reads for its fused kernel) are matched by type.
 NOISE_LAYERS = {"DropPath": "drop_prob", "PatchDropout": "prob", "DropBlock2d": "drop_prob", "StochasticDepth": "p"}
+#: Any module type: :func:`frozen_copy` gives back the type it was given.
+M = TypeVar("M", bound=nn.Module)
 _TORCH_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-def frozen_copy(module: nn.Module) -> nn.Module:
+def frozen_copy(module: M) -> M:
     """A deep copy of ``module`` with ``requires_grad=False`` everywhere (so no optimizer sees it) and no stochastic
     layer (:func:`silence`: no dropout, no drop path, whatever the student has).
 
@@ -83,7 +86,7 @@ def projection_dim(trunk: nn.Module, head: nn.Module | None) -> int:
     return int(trunk.out_dim)
 
 
-class PredictorTeacherModel(nn.Module):
+class PredictorTeacherModel(SSLModel):
     """Student ``predictor(head(trunk(x)))``, teacher ``frozen_copy(head)(frozen_copy(trunk)(x))``.
 
     The architecture of BYOL (online network + predictor, target network) and MoCo v3 (query
@@ -105,9 +108,7 @@ class PredictorTeacherModel(nn.Module):
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None, predictor: nn.Module,
                  ) -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.head = head if head is not None else nn.Identity()
+        super().__init__(trunk, head)
         self.predictor = predictor
         self.teacher_trunk = frozen_copy(self.trunk)
         self.teacher_head = frozen_copy(self.head)

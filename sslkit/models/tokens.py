@@ -1,5 +1,6 @@
-"""ViT token arithmetic without timm: the Tokens a ViT returns, position embeddings (sine-cosine, resampled to
-another grid), key-padding biases, and the feature kinds an evaluation reads."""
+"""ViT token arithmetic without timm: the Tokens a ViT returns, the TokenTrunk interface every ViT trunk meets,
+position embeddings (sine-cosine, resampled to another grid), key-padding biases, and the feature kinds an
+evaluation reads."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["FEATURE_KINDS", "Tokens", "key_padding_bias", "pos_embed_on_grid", "resample_matrix", "sincos_pos_embed"]
+__all__ = ["FEATURE_KINDS", "TokenTrunk", "Tokens", "key_padding_bias", "pos_embed_on_grid", "resample_matrix",
+           "sincos_pos_embed"]
 
 #: The features an evaluation may read from a ViT (``eval.vit_features``): the trunk's own pooling, the CLS
 #: token, the mean of the patch tokens, both concatenated, or DINO's CLS tokens of the last n blocks.
@@ -32,6 +35,67 @@ class Tokens:
     patches: torch.Tensor
     grid: tuple[int, int]
     keep: torch.Tensor | None = None
+
+
+class TokenTrunk(nn.Module):
+    """What a trunk that gives tokens meets, so that the masked and dense methods (MAE, iBOT, DINOv2, I-JEPA),
+    the model's :func:`~sslkit.models.ssl_model.encode_views` and the evaluation tools read any ViT alike:
+    :class:`~sslkit.models.vit_trunk.ViTTrunk` (timm's ViT) subclasses it, and so does a user's ViT-like trunk.
+    ``forward(x)`` gives the pooled features ``[B, out_dim]``, as every trunk's; the methods below give the rest.
+    """
+
+    #: The trunk gives patch tokens (the evaluation tools and the visualisations look for this).
+    patch_tokens = True
+    #: The width of the features and of every token.
+    out_dim: int
+
+    @property
+    def patch_size(self) -> int:
+        """The side of a square patch, in pixels."""
+        raise NotImplementedError(f"{type(self).__name__} must give patch_size")
+
+    @property
+    def num_registers(self) -> int:
+        """The register (storage) tokens between the CLS token and the patches."""
+        raise NotImplementedError(f"{type(self).__name__} must give num_registers")
+
+    @property
+    def in_channels(self) -> int:
+        """The input image's channels."""
+        raise NotImplementedError(f"{type(self).__name__} must give in_channels")
+
+    @property
+    def base_grid(self) -> tuple[int, int]:
+        """The patch grid of the image size the trunk was built for (its position embeddings' own grid)."""
+        raise NotImplementedError(f"{type(self).__name__} must give base_grid")
+
+    @property
+    def num_heads(self) -> int:
+        """The attention heads of each block."""
+        raise NotImplementedError(f"{type(self).__name__} must give num_heads")
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid of an input of ``height`` x ``width`` pixels."""
+        return height // self.patch_size, width // self.patch_size
+
+    def enable_mask_token(self) -> None:
+        """Add the learned token that :meth:`forward_tokens` puts in place of the patches ``mask`` marks."""
+        raise NotImplementedError(f"{type(self).__name__} has no mask token: it cannot train a masked method")
+
+    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       keep_valid: torch.Tensor | None = None) -> Tokens:
+        """The CLS, register and patch tokens of ``x`` after the final norm: all patches, only the ``keep``
+        ones (``[B, K]`` raster indices, ``keep_valid`` marking padding), or with the ``mask``-ed ones (``[B, N]``
+        bool) replaced by the mask token."""
+        raise NotImplementedError(f"{type(self).__name__} must give forward_tokens")
+
+    def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
+        """The trunk's features ``[B, out_dim]`` from its tokens (what ``forward`` returns)."""
+        raise NotImplementedError(f"{type(self).__name__} must give pool_tokens")
+
+    def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
+        """The features an evaluation protocol reads (``eval.vit_features``, one of :data:`FEATURE_KINDS`)."""
+        raise NotImplementedError(f"{type(self).__name__} must give features")
 
 
 def sincos_pos_embed(dim: int, grid: tuple[int, int]) -> torch.Tensor:

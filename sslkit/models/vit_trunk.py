@@ -11,12 +11,19 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from sslkit.models.tokens import FEATURE_KINDS, Tokens, key_padding_bias, pos_embed_on_grid, sincos_pos_embed
+from sslkit.models.tokens import (
+    FEATURE_KINDS,
+    Tokens,
+    TokenTrunk,
+    key_padding_bias,
+    pos_embed_on_grid,
+    sincos_pos_embed,
+)
 
 __all__ = ["ViTTrunk"]
 
 
-class ViTTrunk(VisionTransformer):
+class ViTTrunk(VisionTransformer, TokenTrunk):
     """timm's :class:`~timm.models.vision_transformer.VisionTransformer` as an sslkit trunk.
 
     It *is* timm's model (a subclass that adds methods, not a fork): its parameters carry timm's names
@@ -40,9 +47,6 @@ class ViTTrunk(VisionTransformer):
     SimMIM; :meth:`enable_mask_token` adds it). :meth:`features` gives the features evaluation protocols
     read, :meth:`layer_id` the layer of a parameter for layer-wise learning-rate decay.
     """
-
-    #: The trunk gives patch tokens (methods that need them check for this).
-    patch_tokens = True
 
     def __init__(
         self,
@@ -98,9 +102,21 @@ class ViTTrunk(VisionTransformer):
         """Register tokens (``reg_tokens``)."""
         return int(self.num_reg_tokens)
 
-    def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The patch grid of an input of ``height`` x ``width`` pixels."""
-        return height // self.patch_size, width // self.patch_size
+    @property
+    def in_channels(self) -> int:
+        """The input image's channels."""
+        return int(self.patch_embed.proj.in_channels)
+
+    @property
+    def base_grid(self) -> tuple[int, int]:
+        """The patch grid of ``img_size`` (the position embeddings' own grid)."""
+        h, w = self.patch_embed.grid_size
+        return int(h), int(w)
+
+    @property
+    def num_heads(self) -> int:
+        """The attention heads of each block."""
+        return int(self.blocks[0].attn.num_heads)
 
     def timm_spec(self) -> tuple[str, dict[str, Any]]:
         """``(architecture, kwargs)`` such that ``timm.create_model(arch, **kwargs)`` is this network."""
@@ -111,7 +127,7 @@ class ViTTrunk(VisionTransformer):
     def pos_embed_for(self, grid: tuple[int, int]) -> torch.Tensor:
         """Position embeddings ``[1, h * w, D]`` of the patches of a ``grid``: the trunk's own for its input
         size, resampled for other sizes (:func:`resample_matrix`)."""
-        return pos_embed_on_grid(self.pos_embed, tuple(self.patch_embed.grid_size), grid)  # type: ignore[arg-type]
+        return pos_embed_on_grid(self.pos_embed, self.base_grid, grid)
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """timm's hook: ``[B, h, w, D]`` patch embeddings -> prefix tokens + patches with positions."""

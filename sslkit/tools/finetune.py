@@ -21,6 +21,7 @@ from sslkit.checkpoint import atomic_write
 from sslkit.errors import plural
 from sslkit.evaluation.features import extract_features
 from sslkit.evaluation.linear import accuracy
+from sslkit.models.tokens import TokenTrunk
 from sslkit.optim import build_optimizer, set_lr
 from sslkit.tools.common import (
     amp_dtype,
@@ -237,7 +238,7 @@ def _finetune(args: list[str]) -> int:
     cfg = pre.config
     part = features_part(opts, ("trunk", "teacher"))
     trunk = part_module(pre, part)
-    vit = bool(getattr(trunk, "patch_tokens", False))
+    vit = isinstance(trunk, TokenTrunk)
     section = cfg.eval.finetune
     s = settings_of(section, vit)
     if not vit and s.layer_decay != 1.0:

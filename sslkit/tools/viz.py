@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
+from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.pretrained import Pretrained, ToolError
 
 __all__ = ["KINDS", "VIZ_KEYS", "cls_attention", "embed_2d", "foreground", "kept_by_mass", "nearest", "patch_features",
@@ -78,7 +79,7 @@ def cls_attention(trunk: nn.Module, x: Tensor) -> tuple[Tensor, int]:
     its values by. Raises :class:`ToolError` for a trunk that is not a ViT."""
     blocks = getattr(trunk, "blocks", None)
     attn = getattr(blocks[-1], "attn", None) if blocks is not None and len(blocks) else None
-    if attn is None or not hasattr(attn, "qkv") or not getattr(trunk, "patch_tokens", False):
+    if attn is None or not hasattr(attn, "qkv") or not isinstance(trunk, TokenTrunk):
         raise ToolError(f"attention needs a ViT trunk (the CLS token's attention over the patches); "
                         f"{type(trunk).__name__} has none")
     seen: dict[str, Tensor] = {}
@@ -121,8 +122,8 @@ def patch_features(trunk: nn.Module, x: Tensor) -> Tensor:
     ResNet's last feature map (before its pooling) or the small CNN's (before its grid pooling). Raises
     :class:`ToolError` for another trunk."""
     with torch.no_grad():
-        if getattr(trunk, "patch_tokens", False) and hasattr(trunk, "forward_tokens"):
-            tokens = trunk.forward_tokens(x)  # type: ignore[operator]
+        if isinstance(trunk, TokenTrunk):
+            tokens = trunk.forward_tokens(x)
             h, w = tokens.grid
             return tokens.patches.reshape(x.shape[0], h, w, -1)
         pool = getattr(trunk, "avgpool", None)
@@ -543,7 +544,7 @@ def _pca(job: Job) -> dict[str, Any]:
         records.append({"image": shown.names[i], "index": shown.indices[i], "label": shown.labels[i],
                         "foreground_patches": int(fg_maps[i].sum())})
     files = _write_pages(job.folder, "pca", rows, cell, 2)
-    vit = getattr(job.trunk, "patch_tokens", False)
+    vit = isinstance(job.trunk, TokenTrunk)
     what = "patch tokens" if vit else "last feature map"
     return {"kind": "pca", "files": files, "cell": cell, "caption_lines": 2, "patch_features": what, "grid": [h, w],
             "dim": d, "explained_variance_ratio": [round(float(r), 6) for r in ratio],
@@ -725,7 +726,7 @@ def _indexes(root: str, title: str) -> None:
 
 
 def _kinds(opts: dict[str, str], trunk: nn.Module) -> list[str]:
-    vit = bool(getattr(trunk, "patch_tokens", False))
+    vit = isinstance(trunk, TokenTrunk)
     works = [k for k in KINDS if vit or k != "attention"]
     if "kind" not in opts or opts["kind"] in ("", "all"):
         return works

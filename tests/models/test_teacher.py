@@ -95,3 +95,23 @@ def test_every_teacher_is_deterministic_in_training_whatever_drop_path_the_stude
         assert not torch.equal(student(x), student(x)), "the student's drop path is not on: the test tests nothing"
         assert torch.equal(teacher(x), teacher(x)), f"{recipe}: two teacher forwards of the same images differ"
     assert teacher.training  # still in train mode: nothing but the noise was switched off
+
+
+def test_every_methods_model_is_an_ssl_model_with_its_teachers_named() -> None:
+    """Every recipe's model is an SSLModel (trunk, head, forward, momentum_pairs), and momentum_pairs names
+    exactly the frozen copies the momentum_teacher hook moves: none for the models without a teacher."""
+    from helpers import RECIPES, SMALL
+
+    from sslkit.builder.model import build_model
+    from sslkit.config.compose import compose_config
+    from sslkit.models.ssl_model import SSLModel
+
+    for recipe in RECIPES:
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe]])
+        model = build_model(cfg, in_channels=1)
+        assert isinstance(model, SSLModel), recipe
+        teachers = {id(t) for _, t in model.momentum_pairs()}
+        frozen = {id(m) for m in model.children() if not any(p.requires_grad for p in m.parameters())
+                  and any(True for _ in m.parameters())}
+        assert teachers == frozen, recipe
+        assert bool(teachers) == ("momentum_teacher" in cfg.method.hooks), recipe

@@ -239,3 +239,46 @@ def test_interpolated_crops_are_multiples_of_the_patch_in_every_view() -> None:
     """The 12 px local crops of a CNN recipe fit patch 4 (data.patch_size of fashion_mnist): no error."""
     cfg = compose_config(["config=dino", "machine.device=cpu", "model.trunk=vit_tiny"])
     assert cfg.data.patch_size == 4 and cfg.data.transform.small_size == 12
+
+
+def test_the_vit_trunk_meets_the_token_trunk_interface() -> None:
+    """ViTTrunk is a TokenTrunk: what MAE's and I-JEPA's builders read (input channels, the grid of its own size,
+    heads) comes from timm's modules, and the grid of another input size is its patch count per side."""
+    from sslkit.models.tokens import TokenTrunk
+
+    trunk = _vit(in_channels=3, img_size=35, num_heads=4)
+    assert isinstance(trunk, TokenTrunk)
+    assert (trunk.in_channels, trunk.base_grid, trunk.num_heads, trunk.patch_size) == (3, (5, 5), 4, 7)
+    assert trunk.grid(28, 42) == (4, 6)
+
+
+def test_a_users_token_trunk_gets_its_tokens_used_and_is_told_what_it_lacks() -> None:
+    """A user's ViT-like trunk subclasses TokenTrunk and gives forward_tokens and pool_tokens: the model's
+    encode_views hands its tokens on with its pooled features (views of equal size in one forward); a method that
+    needs what it does not give (iBOT's mask token) says so, naming the class; a trunk that is no TokenTrunk
+    gives features only."""
+    from sslkit.methods.dino import DINOHead
+    from sslkit.methods.ibot import IBOTModel
+    from sslkit.models.ssl_model import encode_views
+    from sslkit.models.tokens import Tokens, TokenTrunk
+
+    class Patches(TokenTrunk):
+        out_dim = 4
+
+        def forward_tokens(self, x, keep=None, mask=None, keep_valid=None) -> Tokens:
+            p = x.flatten(2).transpose(1, 2)[..., :4]  # [B, HW, 4]
+            return Tokens(cls=p.mean(1), registers=p[:, :0], patches=p, grid=(x.shape[-2], x.shape[-1]))
+
+        def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
+            return tokens.cls * 2
+
+    views = [torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3), torch.randn(2, 4, 2, 2)]
+    features, tokens = encode_views(Patches(), views)
+    assert tokens is not None and [t.grid for t in tokens] == [(3, 3), (3, 3), (2, 2)]
+    for v, f, t in zip(views, features, tokens):
+        torch.testing.assert_close(f, 2 * v.flatten(2).transpose(1, 2).mean(1))
+        assert torch.equal(t.patches, v.flatten(2).transpose(1, 2))
+    with pytest.raises(NotImplementedError, match="Patches has no mask token"):
+        IBOTModel(Patches(), DINOHead(in_dim=4, out_dim=8, hidden_dim=8, bottleneck_dim=4))
+    features, tokens = encode_views(torch.nn.Flatten(), views[:1])
+    assert tokens is None and features[0].shape == (2, 36)
