@@ -19,7 +19,7 @@ from sslkit.clock import TrainClock
 from sslkit.errors import did_you_mean
 
 __all__ = ["MOMENTUM_SCHEDULES", "SCALING_RULES", "SCHEDULE_NAMES", "ClockSchedule", "OnProgress", "TeacherMomentum",
-           "TeacherTemperature", "build_schedule", "momentum_at", "scaled_lr", "teacher_temp_at"]
+           "TeacherTemperature", "WarmupCosine", "build_schedule", "momentum_at", "scaled_lr", "teacher_temp_at"]
 
 SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine", "linear")
 SCALING_RULES: tuple[str, ...] = ("linear", "none", "sqrt")
@@ -188,3 +188,30 @@ class TeacherMomentum(OnProgress):
         momentum_at(0.0, base, final, schedule)  # an unknown name is refused here, when the hook is built
         self.base, self.final, self.name = float(base), float(final), schedule
         super().__init__(lambda where: momentum_at(where, base, final, schedule))
+
+
+class WarmupCosine(ClockSchedule):
+    """A value on the training clock's updates, as DINOv3's ``linear_warmup_cosine_decay`` (its Gram loss weight):
+    from ``start`` towards ``peak`` over ``warmup_updates`` (linear, ``peak`` itself not reached), a half cosine
+    from ``peak`` to ``end`` over ``cosine_updates`` (both ends included), then ``end``; before ``offset`` (the
+    update the schedule starts at) ``start``."""
+
+    def __init__(self, start: float, peak: float, end: float, warmup_updates: int, cosine_updates: int,
+                 offset: int = 0) -> None:
+        if warmup_updates < 0 or cosine_updates < 0:
+            raise ValueError(f"warm-up and cosine lengths must be >= 0, got {warmup_updates} and {cosine_updates}")
+        self.start, self.peak, self.end = float(start), float(peak), float(end)
+        self.warmup_updates, self.cosine_updates, self.offset = int(warmup_updates), int(cosine_updates), int(offset)
+
+    def at(self, clock: TrainClock) -> float:
+        """The value at ``clock.update``."""
+        i = clock.update - self.offset
+        if i < 0:
+            return self.start
+        if i < self.warmup_updates:
+            return self.start + (self.peak - self.start) * i / self.warmup_updates
+        j = i - self.warmup_updates
+        if j < self.cosine_updates:
+            angle = math.pi * j / (self.cosine_updates - 1) if self.cosine_updates > 1 else 0.0
+            return (self.peak - self.end) * (math.cos(angle) + 1) / 2 + self.end
+        return self.end
