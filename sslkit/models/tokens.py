@@ -48,6 +48,8 @@ class TokenTrunk(nn.Module):
     patch_tokens = True
     #: The width of the features and of every token.
     out_dim: int
+    #: The transformer blocks, in order (FSDP shards each, activation checkpointing wraps each).
+    blocks: nn.Sequential
 
     @property
     def patch_size(self) -> int:
@@ -93,9 +95,54 @@ class TokenTrunk(nn.Module):
         """The trunk's features ``[B, out_dim]`` from its tokens (what ``forward`` returns)."""
         raise NotImplementedError(f"{type(self).__name__} must give pool_tokens")
 
+    def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
+        """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
+        raise NotImplementedError(f"{type(self).__name__} must give last_cls_tokens for cls_last_n features")
+
     def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
-        """The features an evaluation protocol reads (``eval.vit_features``, one of :data:`FEATURE_KINDS`)."""
-        raise NotImplementedError(f"{type(self).__name__} must give features")
+        """The features an evaluation protocol reads (``eval.vit_features``):
+
+        * ``pool``: the trunk's own output (its ``pool``); ``cls``: the CLS token; ``avg``: the mean of the
+          patch tokens; ``cls+avg``: both, concatenated ``[B, 2D]``;
+        * ``cls_last_n``: the CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest
+          first ``[B, n D]`` (DINO's linear evaluation of ViT-S: ``n_last_blocks=4``).
+        """
+        if kind == "cls_last_n":
+            if not 1 <= last_n <= len(self.blocks):
+                raise ValueError(f"last_n must be in [1, {len(self.blocks)}] (the blocks of this ViT), got {last_n}")
+            return self.last_cls_tokens(x, last_n)
+        t = self.forward_tokens(x)
+        if kind == "pool":
+            return self.pool_tokens(t)
+        if kind == "cls":
+            return t.cls
+        if kind == "avg":
+            return t.patches.mean(dim=1)
+        if kind == "cls+avg":
+            return torch.cat([t.cls, t.patches.mean(dim=1)], dim=1)
+        raise ValueError(f"unknown ViT feature kind {kind!r}: use one of {', '.join(FEATURE_KINDS)}")
+
+    # ------------------------------------------------------------------------------------ optimisation
+    def no_weight_decay_names(self) -> set[str]:
+        """Parameters (by name in this module) that get no weight decay whatever their shape: the position
+        embeddings and the CLS, register and mask tokens (1-d parameters, biases, norms and LayerScale gammas,
+        are excluded by their shape)."""
+        return {"pos_embed", "cls_token", "reg_token", "mask_token"}
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of layer-wise learning-rate decay: the embedding (0), one per block, and the top."""
+        return len(self.blocks) + 1
+
+    def layer_id(self, name: str) -> int:
+        """The layer of parameter ``name`` (relative to this module) for layer-wise lr decay, the BEiT / MAE /
+        DINOv2 rule: the embedding (patch embedding, position embeddings, CLS, register and mask tokens) is
+        layer 0, block ``i`` layer ``i + 1``, the rest (the final norm) layer :attr:`num_layers`."""
+        if name.split(".")[0] in ("cls_token", "reg_token", "pos_embed", "mask_token", "patch_embed"):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return self.num_layers
 
 
 def sincos_pos_embed(dim: int, grid: tuple[int, int]) -> torch.Tensor:

@@ -12,7 +12,6 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from sslkit.models.tokens import (
-    FEATURE_KINDS,
     Tokens,
     TokenTrunk,
     key_padding_bias,
@@ -204,53 +203,12 @@ class ViTTrunk(VisionTransformer, TokenTrunk):
         """The trunk's features ``[B, D]`` from its tokens: the CLS token, or the mean of the patch tokens."""
         return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
 
-    def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
-        """The features an evaluation protocol reads (``eval.vit_features``):
-
-        * ``pool``: the trunk's own output (its ``pool``); ``cls``: the CLS token; ``avg``: the mean of the
-          patch tokens; ``cls+avg``: both, concatenated ``[B, 2D]``;
-        * ``cls_last_n``: the CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest
-          first ``[B, n D]`` (DINO's linear evaluation of ViT-S: ``n_last_blocks=4``).
-        """
-        if kind == "cls_last_n":
-            if not 1 <= last_n <= len(self.blocks):
-                raise ValueError(f"last_n must be in [1, {len(self.blocks)}] (the blocks of this ViT), got {last_n}")
-            tokens = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
-            outs = []
-            for i, block in enumerate(self.blocks):
-                tokens = block(tokens)
-                if i >= len(self.blocks) - last_n:
-                    outs.append(self.norm(tokens)[:, 0])
-            return torch.cat(outs, dim=1)
-        t = self.forward_tokens(x)
-        if kind == "pool":
-            return self.pool_tokens(t)
-        if kind == "cls":
-            return t.cls
-        if kind == "avg":
-            return t.patches.mean(dim=1)
-        if kind == "cls+avg":
-            return torch.cat([t.cls, t.patches.mean(dim=1)], dim=1)
-        raise ValueError(f"unknown ViT feature kind {kind!r}: use one of {', '.join(FEATURE_KINDS)}")
-
-    # ------------------------------------------------------------------------------------ optimisation
-    def no_weight_decay_names(self) -> set[str]:
-        """Parameters (by name in this module) that get no weight decay whatever their shape: the position
-        embeddings and the CLS, register and mask tokens (1-d parameters, biases, norms and LayerScale gammas,
-        are excluded by their shape)."""
-        return {"pos_embed", "cls_token", "reg_token", "mask_token"}
-
-    @property
-    def num_layers(self) -> int:
-        """Layers of layer-wise learning-rate decay: the embedding (0), one per block, and the top."""
-        return len(self.blocks) + 1
-
-    def layer_id(self, name: str) -> int:
-        """The layer of parameter ``name`` (relative to this module) for layer-wise lr decay, the BEiT / MAE /
-        DINOv2 rule: the embedding (patch embedding, position embeddings, CLS, register and mask tokens) is
-        layer 0, block ``i`` layer ``i + 1``, the rest (the final norm) layer :attr:`num_layers`."""
-        if name.split(".")[0] in ("cls_token", "reg_token", "pos_embed", "mask_token", "patch_embed"):
-            return 0
-        if name.startswith("blocks."):
-            return int(name.split(".")[1]) + 1
-        return self.num_layers
+    def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
+        """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
+        tokens = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        outs = []
+        for i, block in enumerate(self.blocks):
+            tokens = block(tokens)
+            if i >= len(self.blocks) - last_n:
+                outs.append(self.norm(tokens)[:, 0])
+        return torch.cat(outs, dim=1)

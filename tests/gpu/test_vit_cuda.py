@@ -253,3 +253,26 @@ def test_the_teacher_is_deterministic_on_cuda_in_bf16_with_fused_attention() -> 
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert not torch.equal(model.trunk(x), model.trunk(x))
         assert torch.equal(model.teacher_trunk(x), model.teacher_trunk(x))
+
+
+def test_the_dinov3_trunk_trains_in_bf16_with_its_rotary_embeddings_on_the_device() -> None:
+    """timm's DINOv3 ViT-S/16 under bf16 autocast on CUDA: the rotary embeddings (built on the CPU by timm, as its
+    augmentation's generator) reach the device, the dropped-patch path (keep) gathers them there, the forward and
+    backward are finite and agree with the float32 forward to bf16 rounding."""
+    from sslkit.models.rope_vit import build_rope_vit
+
+    torch.manual_seed(0)
+    trunk = build_rope_vit("vit_small_patch16_dinov3", 3, 224, rope_jitter_coords=1.2).cuda().train()
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    keep = torch.stack([torch.randperm(196, device="cuda")[:49] for _ in range(4)])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tokens = trunk.forward_tokens(x, keep=keep)
+    tokens.patches.float().pow(2).mean().backward()
+    assert tokens.patches.device.type == "cuda" and torch.isfinite(tokens.patches).all()
+    assert torch.isfinite(trunk.blocks[0].attn.qkv.weight.grad).all()
+    trunk.eval()
+    with torch.no_grad():
+        full = trunk(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            half = trunk(x)
+    assert torch.allclose(half.float(), full, atol=5e-2, rtol=5e-2)
