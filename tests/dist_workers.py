@@ -119,6 +119,12 @@ def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
             "grads": [p.grad.clone() for p in student]}
 
 
+#: Variants of a recipe's small test form, named ``recipe-variant``: on timm's DINOv3 trunk (RoPE, registers,
+#: LayerScale 1e-5), KoLeo off (its nearest neighbours among the near-identical CLS features of a LayerScale model
+#: at the start are decided by rounding, docs/vit.md).
+VARIANTS = {"rope": ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2", "loss.koleo_weight=0"]}
+
+
 def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int, steps: int,
                   out: str, *extra: str) -> dict[str, dict[str, torch.Tensor]]:
     """Train each recipe (its small test form, tests/helpers.py, and ``extra`` overrides) for ``steps`` updates on
@@ -133,11 +139,13 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
     from sslkit.trainer import train
 
     states = {}
-    for recipe in recipes:
-        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], f"data.batch_size={per_rank_batch}",
+    for name in recipes:
+        recipe, _, variant = name.partition("-")
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], *VARIANTS.get(variant, []),
+                              f"data.batch_size={per_rank_batch}",
                               f"optim.max_steps={steps}", "distributed.sync_bn=true", "eval.knn.enabled=false",
                               "log.tensorboard=false", "log.report=false", "checkpoint.every_n_epochs=0",
-                              "optim.warmup_epochs=0", *extra, f"output_dir={out}/{recipe}-{world}"])
+                              "optim.warmup_epochs=0", *extra, f"output_dir={out}/{name}-{world}"])
         os.makedirs(cfg.output_dir, exist_ok=True)
         task = build_task(cfg)
         try:
@@ -150,7 +158,7 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
         whole = task.state_dict(gather_rng=False)["model"] if is_sharded(task.model) else task.base_model.state_dict()
         state = {f"model.{k}": v.detach().clone() for k, v in whole.items()}
         state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
-        states[recipe] = state
+        states[name] = state
     return states
 
 

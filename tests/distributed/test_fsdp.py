@@ -28,6 +28,10 @@ CASES = {
     "mae": [],
     "dinov2": ["optim.accumulate_steps=2"],  # 2 micro-batches per update: FSDP's gradient sync held off on the first
     "mae-bf16": ["amp.enabled=true", "amp.dtype=bfloat16"],
+    # timm's DINOv3 trunk (rotary position embeddings, registers, LayerScale 1e-5), KoLeo off: with LayerScale at
+    # 1e-5 every image's CLS feature is nearly the same at the start, and KoLeo's nearest neighbour among such
+    # near-ties is decided by rounding (docs/vit.md)
+    "dinov2-rope": ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2", "loss.koleo_weight=0"],
 }
 
 
@@ -37,7 +41,8 @@ def test_fsdp_trains_like_ddp(tmp_path: Path) -> None:
     reduce-scatter averages the same two numbers DDP's all-reduce does, so mae (no clipping) ends bit-identical;
     dino_vit and dinov2 clip the gradients, and the norm of sharded gradients is summed shard by shard, so the
     clip factor differs in the last bits and AdamW carries that on. Measured after 10 updates: max weight
-    difference 0 (mae), 5.1e-7 (dinov2, 2 micro-batches per update), 8.8e-6 (dino_vit); tolerance 5e-5, as for 1
+    difference 0 (mae), 5.1e-7 (dinov2, 2 micro-batches per update), 1.2e-7 (dinov2 on the DINOv3 trunk), 8.8e-6
+    (dino_vit); tolerance 5e-5, as for 1
     against 2 processes under AdamW. Under bf16 FSDP gathers the parameters in bf16 where DDP's autocast casts them
     per operation (layer norms read them in float32), so the losses agree to bf16 rounding only (weights within
     1.3e-4 after 10 updates, tolerance 5e-3); the sharded parameters stay float32."""
@@ -45,21 +50,6 @@ def test_fsdp_trains_like_ddp(tmp_path: Path) -> None:
     fsdp_runs = run_ranks(strategy_runs, 2, str(tmp_path / "fsdp"), CASES, "fsdp", STEPS, str(tmp_path / "f"))
     for case, extra in CASES.items():
         _compare(case, extra, [r[case] for r in ddp_runs], [r[case] for r in fsdp_runs])
-
-
-def test_fsdp_shards_the_dinov3_trunk_as_a_vit(tmp_path: Path) -> None:
-    """dinov2 on timm's DINOv3 trunk (rotary position embeddings, 4 registers, LayerScale) under fsdp: its blocks
-    and its teacher's sharded alike, and 3 updates as under ddp (losses to float32 rounding, weights within
-    5e-5). Over 10 updates the two drift apart more than the other recipes do (losses 2.4e-4 apart, relative),
-    as every LayerScale model does here between 1 and 2 processes too (docs/vit.md): the test stops at 3."""
-    cases = {"dinov2-rope": ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2"]}
-    ddp = run_ranks(strategy_runs, 2, str(tmp_path / "ddp"), cases, "ddp", 3, str(tmp_path / "d"))
-    fsdp = run_ranks(strategy_runs, 2, str(tmp_path / "fsdp"), cases, "fsdp", 3, str(tmp_path / "f"))
-    d, f = [r["dinov2-rope"] for r in ddp], [r["dinov2-rope"] for r in fsdp]
-    assert f[0]["sharded"] == f[0]["params"] > 0 and f[0]["layout"] and all(all(x) for x in f[0]["layout"])
-    for rank in range(2):
-        torch.testing.assert_close(f[rank]["losses"], d[rank]["losses"], rtol=1e-5, atol=1e-6)
-    assert max((f[0]["model"][k].double() - d[0]["model"][k].double()).abs().max().item() for k in d[0]["model"]) < 5e-5
 
 
 def _compare(case: str, extra: list[str], ddp: list[dict[str, Any]], fsdp: list[dict[str, Any]]) -> None:

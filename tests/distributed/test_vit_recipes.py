@@ -23,12 +23,14 @@ SGD = ["optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0", "optim.
 
 def test_two_ranks_train_each_vit_recipe_like_one_process(tmp_path: Path) -> None:
     """Two updates of every new recipe (masks drawn per sample on each rank, SIGReg's all-reduced statistics,
-    DINO's centre, MoCo v3's gathered keys, teachers, synced BatchNorm in the projectors). A ViT has no
-    BatchNorm (the projectors' is synced), so the states agree to float rounding: measured max difference 1.5e-8
-    (mae) to 1.6e-6 (simclr_vit, whose projector has BatchNorm), tolerance 5e-6."""
-    single = recipe_states(0, 1, NEW, 16, 2, str(tmp_path / "one"), *SGD)
-    ranks = run_ranks(recipe_states, 2, str(tmp_path / "two"), NEW, 8, 2, str(tmp_path / "two"), *SGD)
-    for recipe in NEW:
+    DINO's centre, MoCo v3's gathered keys, teachers, synced BatchNorm in the projectors), and dinov2 on timm's
+    DINOv3 trunk. A ViT has no BatchNorm (the projectors' is synced), so the states agree to float rounding:
+    measured max difference 1.5e-8 (mae) to 1.6e-6 (simclr_vit, whose projector has BatchNorm), 7.5e-9 (dinov2 on
+    the DINOv3 trunk), tolerance 5e-6."""
+    recipes = [*NEW, "dinov2-rope"]
+    single = recipe_states(0, 1, recipes, 16, 2, str(tmp_path / "one"), *SGD)
+    ranks = run_ranks(recipe_states, 2, str(tmp_path / "two"), recipes, 8, 2, str(tmp_path / "two"), *SGD)
+    for recipe in recipes:
         ref = single[recipe]
         assert ranks[0][recipe].keys() == ref.keys()
         for key, value in ref.items():
