@@ -20,6 +20,7 @@ from sslkit.config.schema import ConfigError
 from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
 from sslkit.models.masking import MaskPlan
+from sslkit.models.weights import load_backbone
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize
 
@@ -147,7 +148,8 @@ class ModelParts:
 def build_training_model(cfg: DictConfig, data: TrainData, device: torch.device, world: int) -> ModelParts:
     """The model pipeline, in this order (each step needs the one before it):
 
-    1. build the model with fresh weights and freeze ``model.freeze``'s parameters (no optimizer, weight decay or
+    1. build the model with fresh weights (``model.pretrained``: a released backbone into the trunk and its
+       teachers) and freeze ``model.freeze``'s parameters (no optimizer, weight decay or
        reduction sees them);
     2. move it to the device; ``machine.channels_last`` (not under FSDP2, which shards contiguous parameters);
     3. ``machine.compile``: the trunks and heads, in place (under FSDP2: per block, in step 5);
@@ -161,6 +163,8 @@ def build_training_model(cfg: DictConfig, data: TrainData, device: torch.device,
     9. AMP: the autocast dtype and, for float16, a GradScaler.
     """
     model: torch.nn.Module = build_model(cfg, getattr(data.source, "channels", 3))
+    if cfg.model.pretrained:
+        load_backbone(model, str(cfg.model.pretrained))
     trunk, head = model.trunk, getattr(model, "head", None)
     frozen_now, frozen_later = freeze_parameters(model, freeze_entries(cfg.model.freeze))
     model = model.to(device)

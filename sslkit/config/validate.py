@@ -626,6 +626,7 @@ def validate(cfg: DictConfig) -> None:
     if trunk is not None:
         _check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)
         _check_trunk(cfg, trunk, errors)
+        _check_pretrained(cfg, trunk, errors)
         _check_strategy(cfg, trunk, errors)
     _check_masking(cfg, trunk, errors)
     for split in ("train", "test"):
@@ -673,6 +674,23 @@ def _crop_sizes(cfg: DictConfig) -> list[tuple[str, int]]:
             if isinstance(value, int) and not isinstance(value, bool):
                 sizes.append((_origin(section, key, f"{where}.{key}"), value))
     return list(dict.fromkeys(sizes))
+
+
+def _check_pretrained(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
+    """``model.pretrained``: a file that exists, of a kind the loader reads, for a ViT trunk (whether its network
+    is the trunk's is checked when it is read, before the first step)."""
+    path = cfg.model.pretrained
+    if path is None:
+        return
+    file = Path(str(path)).expanduser()
+    if not getattr(trunk, "patch_tokens", False):
+        errors.append(f"'model.pretrained' loads ViT backbones (sslkit's ViTs, timm's DINOv3 ViTs), and "
+                      f"model.trunk={cfg.model.trunk} is none: use a ViT trunk or drop model.pretrained")
+    elif not file.is_file():
+        what = "is a folder, not a file" if file.exists() else "does not exist"
+        errors.append(f"'model.pretrained' = {path}: {what}; give the .pth or .safetensors file of the backbone")
+    elif file.suffix not in (".pth", ".pt", ".safetensors", ".bin"):
+        errors.append(f"'model.pretrained' = {path}: not a .pth, .pt, .bin or .safetensors file of weights")
 
 
 def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:

@@ -1,0 +1,153 @@
+"""Released backbone weights into a trunk (``model.pretrained=PATH``): read a ``.pth`` or ``.safetensors`` file in
+timm's or Meta's layout, convert it with timm's own converter, and say what differs when it does not fit."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sslkit.errors import UserError
+from sslkit.models.tokens import TokenTrunk
+
+__all__ = ["WeightsError", "load_backbone", "read_weights"]
+
+logger = logging.getLogger("sslkit")
+
+#: Containers a training checkpoint keeps its backbone in (Meta's DINOv2/DINOv3 train checkpoints: the EMA teacher
+#: under ``teacher``, ``backbone.``-prefixed) and prefixes of wrapped modules.
+_CONTAINERS = ("teacher", "model", "state_dict", "student")
+_PREFIXES = ("module.", "backbone.", "_orig_mod.")
+
+
+class WeightsError(UserError, ValueError):
+    """A weights file that cannot be read or does not fit the trunk: the message says what and what to do."""
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, on the CPU: ``.safetensors``, or a ``torch.save``'d dict read with
+    ``weights_only=True`` (a state dict, or a training checkpoint holding one under ``teacher``, ``model``,
+    ``state_dict`` or ``student``), with the ``module.``, ``backbone.`` and ``_orig_mod.`` prefixes taken off."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise WeightsError(f"model.pretrained={path}: no such file; give the path of a .pth or .safetensors file of "
+                           "backbone weights (timm's or Meta's DINOv2/DINOv3 release)")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(file))
+        else:
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated download, another format
+        raise WeightsError(f"model.pretrained={path}: the file cannot be read as weights ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200]}); download it again, or give a .safetensors or "
+                           ".pth state dict") from None
+    for key in _CONTAINERS:
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"model.pretrained={path}: holds no state dict of tensors (found {type(state).__name__}); "
+                           "give a file of backbone weights")
+    out = {}
+    for key, value in state.items():
+        for prefix in _PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        out[key] = value
+    return out
+
+
+def _shape_differences(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> list[str]:
+    """What a file's tensors say about its network that differs from ``trunk``: width, depth, patch, registers."""
+    found = []
+    cls = state.get("cls_token")
+    if cls is not None and cls.shape[-1] != trunk.out_dim:
+        found.append(f"width {cls.shape[-1]} (the trunk's {trunk.out_dim})")
+    depth = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("blocks.") and k.split(".")[1].isdigit()),
+                    default=-1)
+    if depth and depth != len(trunk.blocks):
+        found.append(f"{depth} blocks (the trunk's {len(trunk.blocks)})")
+    patch = state.get("patch_embed.proj.weight")
+    if patch is not None and tuple(patch.shape[-2:]) != (trunk.patch_size, trunk.patch_size):
+        found.append(f"patch {patch.shape[-1]} px (the trunk's {trunk.patch_size}: model.trunk_kwargs.patch_size / "
+                     "data.patch_size)")
+    if patch is not None and patch.shape[1] != trunk.in_channels:
+        found.append(f"{patch.shape[1]} input channels (the data's {trunk.in_channels})")
+    registers = next((state[k] for k in ("storage_tokens", "register_tokens", "reg_token") if k in state), None)
+    count = 0 if registers is None else int(registers.shape[1])
+    if count != trunk.num_registers and ("cls_token" in state):
+        found.append(f"{count} register tokens (the trunk's {trunk.num_registers})")
+    return found
+
+
+def _fold_class_position(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Meta's DINOv2 without registers gives the CLS token a position embedding (``pos_embed`` has ``1 + h w`` rows);
+    sslkit's ViT gives none (``no_embed_class``), so the CLS token takes its position in: the same sum before the
+    first block. (timm's converter does this for DINOv2 with registers.)"""
+    pos = state.get("pos_embed")
+    if pos is None or "register_tokens" in state or "cls_token" not in state:
+        return state
+    rows = pos.shape[1]
+    if int((rows - 1) ** 0.5) ** 2 != rows - 1 or int(rows ** 0.5) ** 2 == rows:
+        return state
+    return {**state, "cls_token": state["cls_token"] + pos[:, :1], "pos_embed": pos[:, 1:]}
+
+
+def _convert(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> dict[str, torch.Tensor]:
+    """timm's converter for the trunk's class (Meta's DINOv3 layout into timm's ``Eva``, DINOv2's into its
+    ``VisionTransformer``, position tables resampled to the trunk's grid); a file in timm's layout passes through
+    it unchanged."""
+    from sslkit.models.rope_vit_trunk import RopeViTTrunk
+
+    if isinstance(trunk, RopeViTTrunk):
+        from timm.models.eva import checkpoint_filter_fn
+    else:
+        from timm.models.vision_transformer import checkpoint_filter_fn
+
+        state = _fold_class_position(state)
+    return checkpoint_filter_fn(dict(state), trunk)
+
+
+def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
+    """Load a released backbone into ``model.trunk`` and every momentum teacher of it (the teachers start equal to
+    their students). The file's network must be the trunk's (width, depth, patch size, register tokens); the mask
+    token is loaded when the file has one (Meta's DINOv2/DINOv3 releases) and the trunk uses one, else it starts
+    fresh, as do the heads. Returns the trunk's parameters that kept their fresh values. Raises
+    :class:`WeightsError` naming what differs."""
+    trunk = getattr(model, "trunk", None)
+    if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
+        raise WeightsError(f"model.pretrained loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the "
+                           f"trunk is {type(trunk).__name__}")
+    state = read_weights(path)
+    differences = _shape_differences(state, trunk)
+    if differences:
+        raise WeightsError(f"model.pretrained={path} is another network than model.trunk={trunk.timm_spec()[0]}: "
+                           f"{'; '.join(differences)}. Pick the trunk and model.trunk_kwargs of the released model")
+    mask = state.get("mask_token")
+    converted = _convert(state, trunk)
+    if mask is not None and getattr(trunk, "mask_token", None) is not None:
+        converted["mask_token"] = mask.reshape(trunk.mask_token.shape)
+    try:
+        missing, unexpected = trunk.load_state_dict(converted, strict=False)
+    except RuntimeError as exc:
+        raise WeightsError(f"model.pretrained={path} does not fit model.trunk={trunk.timm_spec()[0]}: "
+                           f"{str(exc).splitlines()[-1].strip()[:300]}") from None
+    fresh = [k for k in missing if k != "mask_token"]
+    if unexpected or len(fresh) == len(trunk.state_dict()):
+        raise WeightsError(f"model.pretrained={path}: its keys do not fit model.trunk={trunk.timm_spec()[0]} "
+                           f"(not in the trunk: {', '.join(sorted(unexpected)[:6]) or 'none'}; not in the file: "
+                           f"{', '.join(sorted(missing)[:6]) or 'none'})")
+    if fresh:
+        raise WeightsError(f"model.pretrained={path} lacks {len(fresh)} of the trunk's tensors "
+                           f"({', '.join(sorted(fresh)[:6])}): it is not a whole backbone of this architecture")
+    for student, teacher in getattr(model, "momentum_pairs", list)():
+        if student is trunk:
+            teacher.load_state_dict(trunk.state_dict())
+    logger.info("model.pretrained: %s loaded into the trunk and its teachers%s", path,
+                f" (fresh: {', '.join(missing)})" if missing else "")
+    return list(missing)
