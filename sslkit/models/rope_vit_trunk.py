@@ -8,14 +8,13 @@ from typing import Any
 import timm
 import torch
 from timm.models.eva import Eva
-from torch import nn
 
-from sslkit.models.tokens import Tokens, TokenTrunk, key_padding_bias
+from sslkit.models.tokens import TimmTokenTrunk, key_padding_bias
 
 __all__ = ["RopeViTTrunk"]
 
 
-class RopeViTTrunk(Eva, TokenTrunk):
+class RopeViTTrunk(TimmTokenTrunk, Eva):
     """One of timm's DINOv3 architectures (``vit_small_patch16_dinov3``, ...) as an sslkit trunk.
 
     It *is* timm's model: :meth:`build` makes it with ``timm.create_model`` and gives it these methods, so its
@@ -27,10 +26,6 @@ class RopeViTTrunk(Eva, TokenTrunk):
     masked patches replaced by the mask token (iBOT, DINOv2, DINOv3) or only the ``keep`` ones encoded (MAE,
     I-JEPA), their rotary embeddings gathered with them.
     """
-
-    pool_kind: str
-    mask_token: nn.Parameter | None
-    _timm: tuple[str, dict[str, Any]]
 
     @classmethod
     def build(cls, arch: str, *, in_chans: int, img_size: int, pool: str = "cls", **kwargs: Any) -> RopeViTTrunk:
@@ -56,78 +51,20 @@ class RopeViTTrunk(Eva, TokenTrunk):
 
     # ------------------------------------------------------------------------------------------ shape
     @property
-    def patch_size(self) -> int:
-        """The side of a (square) patch in pixels."""
-        return int(self.patch_embed.patch_size[0])
-
-    @property
     def num_registers(self) -> int:
         """Register (storage) tokens."""
         return int(self.num_prefix_tokens) - 1
 
-    @property
-    def in_channels(self) -> int:
-        """The input image's channels."""
-        return int(self.patch_embed.proj.in_channels)
-
-    @property
-    def base_grid(self) -> tuple[int, int]:
-        """The patch grid of ``img_size``."""
-        h, w = self.patch_embed.grid_size
-        return int(h), int(w)
-
-    @property
-    def num_heads(self) -> int:
-        """The attention heads of each block."""
-        return int(self.blocks[0].attn.num_heads)
-
-    def timm_spec(self) -> tuple[str, dict[str, Any]]:
-        """``(architecture, kwargs)`` such that ``timm.create_model(arch, **kwargs)`` is this network."""
-        arch, kwargs = self._timm
-        return arch, dict(kwargs)
-
-    def enable_mask_token(self) -> None:
-        """Add the learned mask token :meth:`forward_tokens` puts in place of masked patches, zero-initialised as
-        DINOv3's (timm drops it from DINOv3's released weights: it is a training-time parameter)."""
-        if self.mask_token is None:
-            self.mask_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim, device=self.cls_token.device,
-                                                       dtype=self.cls_token.dtype))
-
     # ---------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                keep_valid: torch.Tensor | None = None, tokens: bool = False) -> torch.Tensor:  # type: ignore[override]
-        """timm's forward, the pooled features ``[B, D]``; with ``tokens=True`` or a mask, every output token
-        ``[B, 1 + R + n, D]`` (one entry point, so ``machine.compile`` compiles the masked forward too)."""
-        if not tokens and keep is None and mask is None and keep_valid is None:
-            return super().forward(x)
-        return self._tokens(x, keep, mask, keep_valid)
-
-    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       keep_valid: torch.Tensor | None = None) -> Tokens:
-        """The CLS, register and patch tokens of ``x`` after the final norm, as
-        :meth:`sslkit.models.vit_trunk.ViTTrunk.forward_tokens`: ``mask`` ``[B, N]`` replaces patches by the mask
-        token, ``keep`` ``[B, K]`` encodes only those patches (with their own rotary embeddings), ``keep_valid``
-        leaves padding entries of ``keep`` out of attention."""
-        out = self(x, keep=keep, mask=mask, keep_valid=keep_valid, tokens=True)
-        r = 1 + self.num_registers
-        return Tokens(cls=out[:, 0], registers=out[:, 1:r], patches=out[:, r:], grid=self.grid(x.shape[-2],
-                      x.shape[-1]), keep=keep)
-
-    def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
+    def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
                 keep_valid: torch.Tensor | None) -> torch.Tensor:
-        tokens = self.patch_embed(x)  # [B, h, w, D] (dynamic_img_size)
-        b, h, w, d = tokens.shape
-        tokens = tokens.reshape(b, h * w, d)
-        if mask is not None:
-            if self.mask_token is None:
-                raise RuntimeError("this ViT has no mask token: the model builder of a method that replaces masked "
-                                   "patches must call trunk.enable_mask_token()")
-            tokens = torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+        tokens, h, w = self.patch_embeddings(x, mask)
+        b, d = tokens.shape[0], tokens.shape[-1]
         rope = self.rope.get_embed(shape=(h, w))  # [N, 2 * head_dim / 2 ...], augmented in training
         if keep is not None:
             tokens = tokens.gather(1, keep[..., None].expand(-1, -1, d))
             rope = rope[keep][:, None]  # [B, 1, K, .]: each image's kept patches' embeddings
-        tokens = self.norm_pre(self.pos_drop(self._with_prefix(tokens)))
+        tokens = self.norm_pre(self.pos_drop(self.with_prefix(tokens)))
         bias = None
         if keep_valid is not None:
             prefix = keep_valid.new_ones(b, tokens.shape[1] - keep_valid.shape[1])
@@ -136,22 +73,12 @@ class RopeViTTrunk(Eva, TokenTrunk):
             tokens = block(tokens, rope=rope, attn_mask=bias)
         return self.norm(tokens)
 
-    def _with_prefix(self, x: torch.Tensor) -> torch.Tensor:
-        prefix = [self.cls_token.expand(x.shape[0], -1, -1)]
-        if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
-        return torch.cat([*prefix, x], dim=1)
-
-    def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
-        """The trunk's features ``[B, D]`` from its tokens: the CLS token, or the mean of the patch tokens."""
-        return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
-
     def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
         """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
         tokens = self.patch_embed(x)
         b, h, w, d = tokens.shape
         rope = self.rope.get_embed(shape=(h, w))
-        tokens = self.norm_pre(self.pos_drop(self._with_prefix(tokens.reshape(b, h * w, d))))
+        tokens = self.norm_pre(self.pos_drop(self.with_prefix(tokens.reshape(b, h * w, d))))
         outs = []
         for i, block in enumerate(self.blocks):
             tokens = block(tokens, rope=rope)

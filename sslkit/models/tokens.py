@@ -5,13 +5,14 @@ evaluation reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FEATURE_KINDS", "TokenTrunk", "Tokens", "key_padding_bias", "pos_embed_on_grid", "resample_matrix",
-           "sincos_pos_embed"]
+__all__ = ["FEATURE_KINDS", "TimmTokenTrunk", "TokenTrunk", "Tokens", "key_padding_bias", "pos_embed_on_grid",
+           "resample_matrix", "sincos_pos_embed"]
 
 #: The features an evaluation may read from a ViT (``eval.vit_features``): the trunk's own pooling, the CLS
 #: token, the mean of the patch tokens, both concatenated, or DINO's CLS tokens of the last n blocks.
@@ -143,6 +144,110 @@ class TokenTrunk(nn.Module):
         if name.startswith("blocks."):
             return int(name.split(".")[1]) + 1
         return self.num_layers
+
+
+class TimmTokenTrunk(TokenTrunk):
+    """The :class:`TokenTrunk` parts shared by sslkit's trunks that are timm models (``ViTTrunk``: timm's
+    ``VisionTransformer``; ``RopeViTTrunk``: timm's DINOv3 ``Eva``), read from the modules timm names alike:
+    ``patch_embed``, ``blocks``, ``cls_token``, ``reg_token``; and the architecture timm rebuilds them from."""
+
+    #: ``cls`` or ``avg``: what :meth:`pool_tokens` returns.
+    pool_kind: str
+    mask_token: nn.Parameter | None
+    #: ``(architecture, kwargs)`` of ``timm.create_model`` (set by the trunk's constructor)
+    _timm: tuple[str, dict[str, Any]]
+
+    @property
+    def patch_size(self) -> int:
+        """The side of a (square) patch in pixels."""
+        return int(self.patch_embed.patch_size[0])
+
+    @property
+    def in_channels(self) -> int:
+        """The input image's channels."""
+        return int(self.patch_embed.proj.in_channels)
+
+    @property
+    def base_grid(self) -> tuple[int, int]:
+        """The patch grid of the trunk's ``img_size`` (a learned position table's own grid)."""
+        h, w = self.patch_embed.grid_size
+        return int(h), int(w)
+
+    @property
+    def num_heads(self) -> int:
+        """The attention heads of each block."""
+        return int(self.blocks[0].attn.num_heads)
+
+    def timm_spec(self) -> tuple[str, dict[str, Any]]:
+        """``(architecture, kwargs)`` such that ``timm.create_model(arch, **kwargs)`` is this network."""
+        arch, kwargs = self._timm
+        return arch, dict(kwargs)
+
+    def enable_mask_token(self) -> None:
+        """Add the learned mask token that :meth:`forward_tokens` puts in place of masked patches (iBOT, DINOv2,
+        DINOv3, SimMIM). A method's model builder calls it, before the optimizer is made. Zero-initialised, as
+        DINOv2's, DINOv3's and iBOT's."""
+        if self.mask_token is None:
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, self.out_dim, device=self.cls_token.device,
+                                                       dtype=self.cls_token.dtype))
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                keep_valid: torch.Tensor | None = None, tokens: bool = False) -> torch.Tensor:
+        """timm's forward, the pooled features ``[B, D]``; with ``tokens=True`` or a mask, every output token
+        ``[B, 1 + R + n, D]`` instead (:meth:`forward_tokens` splits them). One entry point, so
+        ``machine.compile`` (``Module.compile``) compiles the masked forward too. (This class comes before the timm
+        class in a trunk's bases, so that ``super().forward`` is timm's.)"""
+        if not tokens and keep is None and mask is None and keep_valid is None:
+            return super().forward(x)
+        return self.encode(x, keep, mask, keep_valid)
+
+    def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
+               keep_valid: torch.Tensor | None) -> torch.Tensor:
+        """Every output token ``[B, 1 + R + n, D]`` after the final norm (:meth:`forward_tokens` says what
+        ``keep``, ``mask`` and ``keep_valid`` do): the trunk's own position scheme."""
+        raise NotImplementedError(f"{type(self).__name__} must give encode")
+
+    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       keep_valid: torch.Tensor | None = None) -> Tokens:
+        """The tokens of images ``x`` ``[B, C, H, W]``, optionally masked.
+
+        ``mask`` ``[B, N]`` (bool, True = masked, raster order over the ``N`` patches): the embeddings of the
+        masked patches are replaced by the mask token before positions are given, so every patch keeps its
+        position. ``keep`` ``[B, K]`` (long): only these patches enter the encoder, each with its own position
+        (``K`` is fixed, so the shapes are); ``keep_valid`` ``[B, K]`` (bool) marks the entries of ``keep`` that are
+        padding (False): they are left out of attention (an additive mask of ``-inf`` on their keys), so the other
+        tokens are those of the real patches alone. Without any of them this is timm's ``forward_features`` split
+        into CLS, registers and patches. (The trunk's ``forward(..., tokens=True)`` computes them, one entry point
+        for ``machine.compile``.)
+        """
+        out = self(x, keep=keep, mask=mask, keep_valid=keep_valid, tokens=True)
+        r = 1 + self.num_registers
+        grid = self.grid(x.shape[-2], x.shape[-1])
+        return Tokens(cls=out[:, 0], registers=out[:, 1:r], patches=out[:, r:], grid=grid, keep=keep)
+
+    def patch_embeddings(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+        """The patch embeddings ``[B, h w, D]`` of ``x`` (timm's ``patch_embed``, channels last), the ``mask``-ed
+        ones replaced by the mask token, and the grid ``h``, ``w``."""
+        tokens = self.patch_embed(x)  # [B, h, w, D] (dynamic_img_size)
+        b, h, w, d = tokens.shape
+        tokens = tokens.reshape(b, h * w, d)
+        if mask is not None:
+            if self.mask_token is None:
+                raise RuntimeError("this ViT has no mask token: the model builder of a method that replaces masked "
+                                   "patches must call trunk.enable_mask_token()")
+            tokens = torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+        return tokens, h, w
+
+    def with_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """The CLS token and the register tokens put before the patch tokens ``x`` ``[B, n, D]``."""
+        prefix = [self.cls_token.expand(x.shape[0], -1, -1)]
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
+        return torch.cat([*prefix, x], dim=1)
+
+    def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
+        """The trunk's features ``[B, D]`` from its tokens: the CLS token, or the mean of the patch tokens."""
+        return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
 
 
 def sincos_pos_embed(dim: int, grid: tuple[int, int]) -> torch.Tensor:

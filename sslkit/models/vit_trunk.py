@@ -9,11 +9,9 @@ from typing import Any
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
-from torch import nn
 
 from sslkit.models.tokens import (
-    Tokens,
-    TokenTrunk,
+    TimmTokenTrunk,
     key_padding_bias,
     pos_embed_on_grid,
     sincos_pos_embed,
@@ -22,7 +20,7 @@ from sslkit.models.tokens import (
 __all__ = ["ViTTrunk"]
 
 
-class ViTTrunk(VisionTransformer, TokenTrunk):
+class ViTTrunk(TimmTokenTrunk, VisionTransformer):
     """timm's :class:`~timm.models.vision_transformer.VisionTransformer` as an sslkit trunk.
 
     It *is* timm's model (a subclass that adds methods, not a fork): its parameters carry timm's names
@@ -92,35 +90,9 @@ class ViTTrunk(VisionTransformer, TokenTrunk):
 
     # ------------------------------------------------------------------------------------------ shape
     @property
-    def patch_size(self) -> int:
-        """The side of a (square) patch in pixels."""
-        return int(self.patch_embed.patch_size[0])
-
-    @property
     def num_registers(self) -> int:
         """Register tokens (``reg_tokens``)."""
         return int(self.num_reg_tokens)
-
-    @property
-    def in_channels(self) -> int:
-        """The input image's channels."""
-        return int(self.patch_embed.proj.in_channels)
-
-    @property
-    def base_grid(self) -> tuple[int, int]:
-        """The patch grid of ``img_size`` (the position embeddings' own grid)."""
-        h, w = self.patch_embed.grid_size
-        return int(h), int(w)
-
-    @property
-    def num_heads(self) -> int:
-        """The attention heads of each block."""
-        return int(self.blocks[0].attn.num_heads)
-
-    def timm_spec(self) -> tuple[str, dict[str, Any]]:
-        """``(architecture, kwargs)`` such that ``timm.create_model(arch, **kwargs)`` is this network."""
-        arch, kwargs = self._timm
-        return arch, dict(kwargs)
 
     # ------------------------------------------------------------------------------------- embeddings
     def pos_embed_for(self, grid: tuple[int, int]) -> torch.Tensor:
@@ -132,63 +104,17 @@ class ViTTrunk(VisionTransformer, TokenTrunk):
         """timm's hook: ``[B, h, w, D]`` patch embeddings -> prefix tokens + patches with positions."""
         b, h, w, d = x.shape
         x = x.reshape(b, h * w, d) + self.pos_embed_for((h, w))
-        return self.pos_drop(self._with_prefix(x))
-
-    def _with_prefix(self, x: torch.Tensor) -> torch.Tensor:
-        prefix = [self.cls_token.expand(x.shape[0], -1, -1)]
-        if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
-        return torch.cat([*prefix, x], dim=1)
-
-    def enable_mask_token(self) -> None:
-        """Add the learned mask token that :meth:`forward_tokens` puts in place of masked patches (iBOT, DINOv2,
-        SimMIM). A method's model builder calls it, before the optimizer is made. Zero-initialised, as
-        DINOv2's and iBOT's."""
-        if self.mask_token is None:
-            self.mask_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim, device=self.cls_token.device,
-                                                       dtype=self.cls_token.dtype))
+        return self.pos_drop(self.with_prefix(x))
 
     # ---------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                keep_valid: torch.Tensor | None = None, tokens: bool = False) -> torch.Tensor:
-        """timm's forward, the pooled features ``[B, D]``; with ``tokens=True`` or a mask, every output token
-        ``[B, 1 + R + n, D]`` instead (:meth:`forward_tokens` splits them). One entry point, so
-        ``machine.compile`` (``Module.compile``) compiles the masked forward too."""
-        if not tokens and keep is None and mask is None and keep_valid is None:
-            return super().forward(x)
-        return self._tokens(x, keep, mask, keep_valid)
-
-    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       keep_valid: torch.Tensor | None = None) -> Tokens:
-        """The tokens of images ``x`` ``[B, C, H, W]``, optionally masked.
-
-        ``mask`` ``[B, N]`` (bool, True = masked, raster order over the ``N`` patches): the embeddings of the
-        masked patches are replaced by the mask token before the position embeddings are added, so every
-        patch keeps its position. ``keep`` ``[B, K]`` (long): only these patches enter the encoder, gathered
-        after the position embeddings (``K`` is fixed, so the shapes are); ``keep_valid`` ``[B, K]`` (bool) marks
-        the entries of ``keep`` that are padding (False): they are left out of attention (an additive mask of
-        ``-inf`` on their keys), so the other tokens are those of the real patches alone. Without any of them
-        this is timm's ``forward_features`` split into CLS, registers and patches.
-        """
-        out = self(x, keep=keep, mask=mask, keep_valid=keep_valid, tokens=True)
-        r = 1 + self.num_registers
-        grid = self.grid(x.shape[-2], x.shape[-1])
-        return Tokens(cls=out[:, 0], registers=out[:, 1:r], patches=out[:, r:], grid=grid, keep=keep)
-
-    def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
+    def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
                 keep_valid: torch.Tensor | None) -> torch.Tensor:
-        tokens = self.patch_embed(x)  # [B, h, w, D] (dynamic_img_size)
-        b, h, w, d = tokens.shape
-        tokens = tokens.reshape(b, h * w, d)
-        if mask is not None:
-            if self.mask_token is None:
-                raise RuntimeError("this ViT has no mask token: the model builder of a method that replaces masked "
-                                   "patches must call trunk.enable_mask_token()")
-            tokens = torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+        tokens, h, w = self.patch_embeddings(x, mask)
+        b, d = tokens.shape[0], tokens.shape[-1]
         tokens = tokens + self.pos_embed_for((h, w))
         if keep is not None:
             tokens = tokens.gather(1, keep[..., None].expand(-1, -1, d))
-        tokens = self.norm_pre(self.patch_drop(self.pos_drop(self._with_prefix(tokens))))
+        tokens = self.norm_pre(self.patch_drop(self.pos_drop(self.with_prefix(tokens))))
         if keep_valid is None:
             tokens = self.blocks(tokens)
         else:
@@ -198,10 +124,6 @@ class ViTTrunk(VisionTransformer, TokenTrunk):
             for block in self.blocks:
                 tokens = block(tokens, attn_mask=bias)
         return self.norm(tokens)
-
-    def pool_tokens(self, tokens: Tokens) -> torch.Tensor:
-        """The trunk's features ``[B, D]`` from its tokens: the CLS token, or the mean of the patch tokens."""
-        return tokens.cls if self.pool_kind == "cls" else tokens.patches.mean(dim=1)
 
     def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
         """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
