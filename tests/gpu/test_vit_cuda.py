@@ -276,3 +276,23 @@ def test_the_dinov3_trunk_trains_in_bf16_with_its_rotary_embeddings_on_the_devic
         with torch.autocast("cuda", dtype=torch.bfloat16):
             half = trunk(x)
     assert torch.allclose(half.float(), full, atol=5e-2, rtol=5e-2)
+
+
+def test_the_gram_loss_runs_on_the_device_in_bf16_without_a_sync() -> None:
+    """DINOv3's Gram loss on CUDA (features from a bf16 forward, computed in float32): the CPU's value, at the
+    batch level with a token selection too (weights, no boolean indexing), and no host-device sync."""
+    from sslkit.methods.gram import gram_loss, gram_token_weights
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(4, 49, 64, generator=g), torch.randn(4, 49, 64, generator=g)
+    masks = torch.rand(4, 49, generator=g) < 0.4
+    cpu = [gram_loss(s, t), gram_loss(s, t, image_level=False, weights=gram_token_weights(masks, "masked"))]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sc, tc, mc = s.cuda().bfloat16(), t.cuda().bfloat16(), masks.cuda()
+        gpu = [gram_loss(sc, tc), gram_loss(sc, tc, image_level=False, weights=gram_token_weights(mc, "masked"))]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(cpu, gpu):
+        assert b.dtype == torch.float32 and b.device.type == "cuda"
+        assert torch.allclose(b.cpu(), a, rtol=2e-2, atol=1e-4)

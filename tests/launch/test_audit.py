@@ -96,6 +96,28 @@ def test_the_batch_augmented_on_the_device_is_clean_too(recipe: str) -> None:
     assert findings == [], "\n".join(map(str, findings))
 
 
+#: timm's DINOv3 trunk (rotary position embeddings) in place of the recipe's ViT
+ROPE = ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2"]
+
+
+@pytest.mark.parametrize("recipe", ["dinov2", "mae"])
+def test_the_dinov3_trunk_steps_are_clean_too(recipe: str, tmp_path: Path) -> None:
+    """The RoPE trunk under a masked recipe (dinov2: the mask token; mae: the kept patches and their rotary
+    embeddings gathered): no CPU tensor, sync or nondeterministic call in the step, and no tensor kept outside
+    the module state (timm builds the rotary coordinates on the CPU each forward and moves them with the
+    periods' device: not a sync, and nothing held)."""
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+
+    findings = audit_recipe([f"config={recipe}", *SMALL, *RECIPES[recipe], *ROPE])
+    assert findings == [], "\n".join(map(str, findings))
+    task = build_task(compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], *ROPE, "eval.knn.enabled=false",
+                                      f"output_dir={tmp_path}"]))
+    loose = [f"{name}.{attr}" for name, module in task.base_model.named_modules()
+             for attr, value in vars(module).items() if isinstance(value, torch.Tensor)]
+    assert loose == []
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_module_state_is_registered_so_it_moves_with_the_model(recipe: str, tmp_path: Path) -> None:
     """A tensor kept as a plain attribute of a module stays on the CPU when the model goes to the GPU (and is not
