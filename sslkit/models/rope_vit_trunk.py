@@ -57,10 +57,12 @@ class RopeViTTrunk(TimmTokenTrunk, Eva):
 
     # ---------------------------------------------------------------------------------------- forward
     def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
-                keep_valid: torch.Tensor | None) -> torch.Tensor:
+               keep_valid: torch.Tensor | None) -> torch.Tensor:
+        """Every output token after the final norm: each patch's rotary embedding (timm's, of its coordinates on
+        this input's grid; augmented in training) goes with it into every block's attention."""
         tokens, h, w = self.patch_embeddings(x, mask)
         b, d = tokens.shape[0], tokens.shape[-1]
-        rope = self.rope.get_embed(shape=(h, w))  # [N, 2 * head_dim / 2 ...], augmented in training
+        rope = self.rope.get_embed(shape=(h, w))  # [N, E]: one row per patch, raster order
         if keep is not None:
             tokens = tokens.gather(1, keep[..., None].expand(-1, -1, d))
             rope = rope[keep][:, None]  # [B, 1, K, .]: each image's kept patches' embeddings

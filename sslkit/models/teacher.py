@@ -16,9 +16,12 @@ __all__ = ["NOISE_LAYERS", "PredictorTeacherModel", "frozen_copy", "projection_d
 
 #: Stochastic layers of other libraries a teacher switches off, by class name (so that neither library is imported
 #: here) -> the attribute that holds their probability: timm's ``DropPath``, ``PatchDropout`` and ``DropBlock2d``,
-#: torchvision's ``StochasticDepth``. torch's own dropouts (``nn.Dropout`` and its kin, whose ``p`` timm's attention
-#: also reads for its fused kernel) are matched by type.
-NOISE_LAYERS = {"DropPath": "drop_prob", "PatchDropout": "prob", "DropBlock2d": "drop_prob", "StochasticDepth": "p"}
+#: torchvision's ``StochasticDepth``; and timm's DINOv3 rotary embedding, whose coordinate augmentation (jitter,
+#: shift, rescale) is on while ``aug_active`` (DINOv3's teachers run in eval mode: no augmentation). torch's own
+#: dropouts (``nn.Dropout`` and its kin, whose ``p`` timm's attention also reads for its fused kernel) are matched
+#: by type.
+NOISE_LAYERS = {"DropPath": "drop_prob", "PatchDropout": "prob", "DropBlock2d": "drop_prob", "StochasticDepth": "p",
+                "RotaryEmbeddingDinoV3": "aug_active"}
 #: Any module type: :func:`frozen_copy` gives back the type it was given.
 M = TypeVar("M", bound=nn.Module)
 _TORCH_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -108,7 +108,9 @@ class ViTTrunk(TimmTokenTrunk, VisionTransformer):
 
     # ---------------------------------------------------------------------------------------- forward
     def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
-                keep_valid: torch.Tensor | None) -> torch.Tensor:
+               keep_valid: torch.Tensor | None) -> torch.Tensor:
+        """Every output token after the final norm: the position table (resampled to this input's grid) added to
+        the patch embeddings before the kept ones are gathered."""
         tokens, h, w = self.patch_embeddings(x, mask)
         b, d = tokens.shape[0], tokens.shape[-1]
         tokens = tokens + self.pos_embed_for((h, w))

@@ -125,3 +125,19 @@ def test_the_masked_recipes_train_on_it_and_the_export_is_timms(tmp_path: Path, 
     x = torch.randn(3, trunk.in_channels, side, side, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(twin(x), trunk(x))
+
+
+def test_the_teacher_of_a_rope_trunk_sees_unaugmented_coordinates() -> None:
+    """DINOv3 runs its teachers in eval mode, so their rotary coordinates are never jittered: a momentum teacher of
+    a trunk with the RoPE augmentation (frozen_copy, in train mode as the model) gives the same tokens twice and
+    those of the unaugmented trunk, while the student's move from draw to draw."""
+    from sslkit.models.teacher import frozen_copy
+
+    student = _trunk(rope_jitter_coords=1.2, rope_rescale_coords=2.0).train()
+    teacher = frozen_copy(student).train()
+    x = _images()
+    with torch.no_grad():
+        assert not torch.allclose(student(x), student(x))
+        first = teacher(x)
+        assert torch.equal(first, teacher(x))
+        assert torch.equal(first, student.eval()(x))
