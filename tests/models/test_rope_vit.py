@@ -141,3 +141,37 @@ def test_the_teacher_of_a_rope_trunk_sees_unaugmented_coordinates() -> None:
         first = teacher(x)
         assert torch.equal(first, teacher(x))
         assert torch.equal(first, student.eval()(x))
+
+
+def test_the_compiled_trunk_gives_the_eager_tokens_and_gradients() -> None:
+    """machine.compile compiles a trunk in place (``Module.compile``), and its masked and dropped-patch forwards go
+    through the one compiled ``forward``: with dynamo's graph capture and AOT autograd (aot_eager), the tokens and
+    the gradients are the eager ones to float rounding, for the mask token and for kept patches with their
+    rotary embeddings."""
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _trunk().train()
+    eager.enable_mask_token()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="aot_eager")
+    x = _images(4)
+    mask = torch.rand(4, 16, generator=torch.Generator().manual_seed(2)) < 0.4
+    keep = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(s))[:6] for s in range(4)])
+    for kwargs in ({"mask": mask}, {"keep": keep}):
+        outs = []
+        for trunk in (eager, compiled):
+            trunk.zero_grad()
+            out = trunk(x, tokens=True, **kwargs)
+            out.square().mean().backward()
+            outs.append((out.detach(), trunk.blocks[0].attn.qkv.weight.grad.clone(),
+                         trunk.mask_token.grad.clone() if "mask" in kwargs else None))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-7)
+        if "mask" in kwargs:
+            torch.testing.assert_close(outs[1][2], outs[0][2], rtol=1e-4, atol=1e-7)
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # captured, not run eagerly
