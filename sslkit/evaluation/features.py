@@ -21,10 +21,10 @@ _GATHER_ROWS = 8192
 class FeatureEncoder(nn.Module):
     """A trunk seen through the features an evaluation reads (``eval.vit_features``, ``eval.vit_last_n``).
 
-    ``pool`` is the trunk's own output, for any trunk (a CNN's features, a ViT's pooling). A ViT
-    (a trunk with ``patch_tokens``) also gives ``cls`` (the CLS token), ``avg`` (the mean patch token), ``cls+avg``
-    (both, concatenated) and ``cls_last_n`` (the CLS tokens of the last ``last_n`` blocks, each through the final
-    norm, concatenated: DINO's linear evaluation), through its ``features(x, kind, last_n)``. kNN, the linear
+    ``pool`` is the trunk's own output, for any trunk (a CNN's features, a ViT's pooling). A ViT (a
+    :class:`~sslkit.models.tokens.TokenTrunk`) also gives ``cls`` (the CLS token), ``avg`` (the mean patch token),
+    ``cls+avg`` (both, concatenated) and ``cls_last_n`` (the CLS tokens of the last ``last_n`` blocks, each through
+    the final norm, concatenated: DINO's linear evaluation), through its ``features(x, kind, last_n)``. kNN, the linear
     probe, extraction and fine-tuning all read their features through this one module; it holds the trunk as a
     submodule (``trunk``), so its train / eval mode and its parameters are the trunk's.
     """

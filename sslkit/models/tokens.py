@@ -45,7 +45,8 @@ class TokenTrunk(nn.Module):
     ``forward(x)`` gives the pooled features ``[B, out_dim]``, as every trunk's; the methods below give the rest.
     """
 
-    #: The trunk gives patch tokens (the evaluation tools and the visualisations look for this).
+    #: The trunk gives patch tokens: config validation reads this flag from a registered trunk builder (sslkit's
+    #: ViT builders set it), so a TokenTrunk class registered as a trunk itself passes for the masked methods.
     patch_tokens = True
     #: The width of the features and of every token.
     out_dim: int

@@ -18,7 +18,7 @@ from fvcore.common.param_scheduler import (
 from sslkit.clock import TrainClock
 from sslkit.errors import did_you_mean
 
-__all__ = ["MOMENTUM_SCHEDULES", "SCALING_RULES", "SCHEDULE_NAMES", "ClockSchedule", "OnProgress", "TeacherMomentum",
+__all__ = ["SCALING_RULES", "SCHEDULE_NAMES", "ClockSchedule", "OnProgress", "TeacherMomentum",
            "TeacherTemperature", "WarmupCosine", "build_schedule", "momentum_at", "scaled_lr", "teacher_temp_at"]
 
 SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine", "linear")
@@ -160,10 +160,6 @@ class TeacherTemperature(ClockSchedule):
         return teacher_temp_at(clock.update, self.warmup, self.final, self.warmup_updates)
 
 
-#: The teacher momentum schedules (``hooks: [{name: momentum_teacher, schedule: ...}]``).
-MOMENTUM_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
-
-
 def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "cosine") -> float:
     """The teacher momentum at progress ``where`` in [0, 1), written as the papers write it (the arithmetic of
     fvcore's curves differs in the last bits, and the teachers carry such bits on).
@@ -181,13 +177,17 @@ def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "
     raise ValueError(f"unknown momentum schedule '{schedule}': use cosine, linear or constant")
 
 
-class TeacherMomentum(OnProgress):
-    """The EMA teacher's momentum on the run's progress: :func:`momentum_at` from ``base`` to ``final``."""
+class TeacherMomentum(ClockSchedule):
+    """The EMA teacher's momentum on the run's progress ``clock.where``: :func:`momentum_at` from ``base`` to
+    ``final``."""
 
     def __init__(self, base: float, final: float = 1.0, schedule: str = "cosine") -> None:
         momentum_at(0.0, base, final, schedule)  # an unknown name is refused here, when the hook is built
         self.base, self.final, self.name = float(base), float(final), schedule
-        super().__init__(lambda where: momentum_at(where, base, final, schedule))
+
+    def at(self, clock: TrainClock) -> float:
+        """The momentum at ``clock.where``."""
+        return momentum_at(clock.where, self.base, self.final, self.name)
 
 
 class WarmupCosine(ClockSchedule):
