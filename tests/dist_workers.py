@@ -119,10 +119,10 @@ def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
             "grads": [p.grad.clone() for p in student]}
 
 
-#: Variants of a recipe's small test form, named ``recipe-variant``: on timm's DINOv3 trunk (RoPE, registers,
-#: LayerScale 1e-5), KoLeo off (its nearest neighbours among the near-identical CLS features of a LayerScale model
-#: at the start are decided by rounding, docs/vit.md).
-VARIANTS = {"rope": ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2", "loss.koleo_weight=0"]}
+#: Variants of a recipe's small test form, named ``recipe-variant``: KoLeo off (dinov3, on timm's DINOv3 trunk with
+#: LayerScale 1e-5: KoLeo's nearest neighbours among the near-identical CLS features of such a model at the start are
+#: decided by rounding, docs/vit.md).
+VARIANTS = {"nokoleo": ["loss.koleo_weight=0"]}
 
 
 def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int, steps: int,
@@ -214,7 +214,9 @@ def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, 
     layout = []
     from torch.distributed.tensor import DTensor
 
-    for student, teacher in task.base_model.momentum_pairs():
+    model = task.base_model
+    pairs = [*model.momentum_pairs(), *[(model.trunk, copy) for copy in model.trunk_copies()]]  # + a Gram teacher
+    for student, teacher in pairs:
         for s, t in zip(student.parameters(), teacher.parameters(), strict=True):
             layout.append((isinstance(t, DTensor), isinstance(s, DTensor),
                            tuple(t.placements) == tuple(s.placements) if isinstance(t, DTensor) else None,

@@ -30,6 +30,7 @@ RECIPE_ARGS = {
     # teachers, centres (iBOT's two, DINOv2's Sinkhorn-Knopp has none), block and multi-block masks, drop path
     "ibot": [*RECIPES["ibot"], "model.trunk_kwargs.drop_path_rate=0.1"],
     "dinov2": [*RECIPES["dinov2"], "model.trunk_kwargs.drop_path_rate=0.1"],
+    "dinov3": [*RECIPES["dinov3"], "model.trunk_kwargs.drop_path_rate=0.1"],
     "ijepa": [*RECIPES["ijepa"], "model.trunk_kwargs.drop_path_rate=0.1"],
 }
 

@@ -113,7 +113,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 #: The paper-scale recipes of a method, named where a recipe sized for small images meets large ones.
 PAPER_SCALE = {"dinov2": "dinov2_vits16, dinov2_vitb16", "ibot": "ibot_vits16, ibot_vitb16",
-               "ijepa": "ijepa_vits16, ijepa_vitb16"}
+               "ijepa": "ijepa_vits16, ijepa_vitb16", "dinov3": "dinov3_vits16, dinov3_vitb16, dinov3_vitl16"}
 
 
 def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | None:

@@ -419,21 +419,21 @@ def _world_size(cfg: DictConfig) -> int:
     return cfg.distributed.nproc_per_node * cfg.distributed.num_nodes
 
 
-def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
-    """With a known number of training samples (``data.limit`` or a synthetic source), at least one
-    optimizer step per epoch must fit."""
+def _check_steps(cfg: DictConfig, errors: list[str]) -> int | None:
+    """With a known number of training samples (``data.limit`` or a source that knows its size), at least one
+    optimizer step per epoch must fit. Returns the run's updates when they are known here, else None."""
     from sslkit.data.sources import source_shape
 
     try:
         kwargs = OmegaConf.to_container(cfg.data.train.kwargs, resolve=True)
-        n = source_shape(str(cfg.data.train.source), kwargs).num_samples  # type: ignore[arg-type]
+        n = source_shape(str(cfg.data.train.source), kwargs, "train").num_samples  # type: ignore[arg-type]
     except (TypeError, ValueError):
         n = None
     limit = cfg.data.limit
     if limit > 0:
         n = limit if n is None else min(n, limit)
     if not n:
-        return
+        return cfg.optim.max_steps or None
     acc, world = cfg.optim.accumulate_steps, _world_size(cfg)
     b = per_process_batch(cfg, world)
     drop = cfg.data.drop_last
@@ -445,11 +445,13 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"'{key}' = {cfg.data[key.split('.')[1]]}: a step takes {b} x {world} process(es) x "
                       f"optim.accumulate_steps={acc} = {b * world * acc} samples, more than the {n} training samples "
                       f"({where}={n}): no optimizer step would run. Lower {key} or raise {where}.")
+        return None
+    return cfg.optim.max_steps or cfg.optim.epochs * (batches // acc)
 
 
-def _check_method_rules(cfg: DictConfig, errors: list[str]) -> None:
+def _check_method_rules(cfg: DictConfig, errors: list[str], updates: int | None) -> None:
     """The method's own rules (:attr:`sslkit.methods.base.Method.rules`, such as DINOv2's Sinkhorn-Knopp batch), on
-    the run's shape as plain values."""
+    the run's shape as plain values (``updates``: the run's, when known)."""
     from sslkit.methods.base import RunShape
 
     method = R.METHODS.get(cfg.method.name) if cfg.method.name in R.METHODS else None
@@ -457,7 +459,8 @@ def _check_method_rules(cfg: DictConfig, errors: list[str]) -> None:
         return
     world = _world_size(cfg)
     kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, DictConfig) else OmegaConf.create({})
-    shape = RunShape(per_process_batch(cfg, world), world, _plain(cfg.loss), _plain(kwargs))
+    hooks = {name: _plain(h) for name, h in cfg.method.hooks.items() if isinstance(h, DictConfig)}
+    shape = RunShape(per_process_batch(cfg, world), world, _plain(cfg.loss), _plain(kwargs), hooks, updates)
     for rule in method.rules:
         errors.extend(rule(shape))
 
@@ -584,8 +587,9 @@ def validate(cfg: DictConfig) -> None:
                       "workers): set data.augment_on=device or auto, or data.decode_on=auto")
     global_batch = _global_batch_errors(cfg)
     errors.extend(global_batch)
+    updates = None
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
-        _check_steps(cfg, errors)
+        updates = _check_steps(cfg, errors)
     _check_folder_paths(cfg, errors)
 
     import sslkit.data
@@ -595,7 +599,7 @@ def validate(cfg: DictConfig) -> None:
     import sslkit.train_steps.standard  # noqa: F401
 
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
-        _check_method_rules(cfg, errors)
+        _check_method_rules(cfg, errors, updates)
 
     _registered(errors, R.TRAIN_STEPS, cfg.train_step, "train_step")
     for where, reg, section, skip in (
@@ -635,10 +639,40 @@ def validate(cfg: DictConfig) -> None:
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
     _check_hooks(cfg, errors)
+    _check_gram(cfg, errors)
+    _check_required(cfg, errors)
     if not errors:
         _check_freeze(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+def _check_required(cfg: DictConfig, errors: list[str]) -> None:
+    """Every key of ``required`` (what a recipe cannot have a default for) is given."""
+    for key in cfg.required:
+        if OmegaConf.select(cfg, str(key), default=None) is None:
+            errors.append(f"'{key}' must be given: the recipe (config=...) lists it in 'required', it has no default "
+                          f"(its recipe file says what it takes); add {key}=... to the command")
+
+
+def _check_gram(cfg: DictConfig, errors: list[str]) -> None:
+    """``gram.*`` changed for a run whose loss has no Gram term (only a dinov3 recipe reads those keys)."""
+    changed = [k for k, v in cfg.gram.items() if v != schema().gram.get(k)]
+    if not changed or "gram_weight" in _loss_arguments(cfg):
+        return
+    errors.append(f"'gram.{changed[0]}' is set, but method.name={cfg.method.name} has no Gram anchoring: the gram.* "
+                  "keys are read by method.name=dinov3 (config=dinov3, dinov3_adapt, dinov3_vits16, ...); drop them "
+                  "or train a dinov3 recipe")
+
+
+def _loss_arguments(cfg: DictConfig) -> list[str]:
+    """The keyword arguments of the run's registered loss (none when it is not registered)."""
+    name = cfg.loss.get("name") if isinstance(cfg.loss, DictConfig) else None
+    if name is None or name not in R.LOSSES:
+        return []
+    builder = R.LOSSES.get(name)
+    target = builder.__init__ if inspect.isclass(builder) else builder
+    return list(inspect.signature(target).parameters)
 
 
 def _check_loss_call(name: str, builder: Any, errors: list[str]) -> None:

@@ -622,18 +622,21 @@ class SourceShape(NamedTuple):
 
 
 _FIXED_SHAPES = {"fashion_mnist": (1, 28), "cifar10": (3, 32), "cifar100": (3, 32)}
+#: The images of the fixed datasets' splits (Fashion-MNIST: 60,000 / 10,000; CIFAR: 50,000 / 10,000).
+_FIXED_SIZES = {"train": {"fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000},
+                "test": {"fashion_mnist": 10000, "cifar10": 10000, "cifar100": 10000}}
 
 
-def source_shape(name: str, kwargs: Mapping[str, Any] | None = None) -> SourceShape:
+def source_shape(name: str, kwargs: Mapping[str, Any] | None = None, split: str | None = None) -> SourceShape:
     """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as
-    they are known without reading data (for config checks): Fashion-MNIST is 1x28x28, CIFAR 3x32x32,
-    ``synthetic`` follows its arguments, ``folder`` and ``filelist`` their ``channels`` (sizes vary); other
-    sources: unknown.
+    they are known without reading data (for config checks): Fashion-MNIST is 1x28x28 (60,000 training images),
+    CIFAR 3x32x32 (50,000), ``synthetic`` follows its arguments, ``folder`` and ``filelist`` their ``channels``
+    (sizes vary); other sources: unknown. A fixed dataset's length is given for a named ``split`` only.
     """
     kwargs = dict(kwargs or {})
     if name in _FIXED_SHAPES:
         channels, size = _FIXED_SHAPES[name]
-        return SourceShape(channels, size, None)
+        return SourceShape(channels, size, _FIXED_SIZES.get(split or "", {}).get(name))
     if name in ("synthetic", "folder", "filelist"):
         params = inspect.signature(build_synthetic if name == "synthetic" else build_folder).parameters
         value = {k: kwargs.get(k, p.default) for k, p in params.items()}

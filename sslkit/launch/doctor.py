@@ -66,6 +66,10 @@ SMALL_RECIPES: dict[str, list[str]] = {
     # Sinkhorn-Knopp (the recipe centres, as ibot)
     "dinov2": [*_VIT, "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
                "loss.centering=sinkhorn_knopp"],
+    # timm's DINOv3 trunk (4 register tokens), the Gram teacher a snapshot before update 1, refreshed every update
+    "dinov3": ["model.trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2, embed_dim: 32}",
+               "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
+               "gram.start_update=1", "gram.every=1", "gram.ramp_updates=0"],
     "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
               "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
 }
@@ -78,6 +82,8 @@ PAPER = ["data=synthetic", "data.train.kwargs.image_size=224", "data.test.kwargs
 PAPER_RECIPES: dict[str, list[str]] = {
     "dinov2_vits16": ["data.batch_size=128"], "dinov2_vitb16": ["data.batch_size=128"],
     "ibot_vits16": [], "ibot_vitb16": [], "ijepa_vits16": [], "ijepa_vitb16": [],
+    # DINOv3's ViT-S/16 with its Gram teacher from the first update (the recipe starts it at 5/6 of an ImageNet run)
+    "dinov3_vits16": ["data.batch_size=128", "gram.start_update=0"],
 }
 
 #: Libraries sslkit uses (required), and optional ones with what they are for.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sslkit import registry as R
@@ -23,6 +23,11 @@ class RunShape:
     #: the ``loss`` section and ``model.kwargs``, as plain keyword arguments
     loss: dict[str, Any]
     model_kwargs: dict[str, Any]
+    #: the method's hooks' settings (``method.hooks``, by hook name; None entries left out)
+    hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the optimizer updates the run makes, when the number of training samples is known before the data is
+    #: opened (``data.limit``, Fashion-MNIST, a synthetic source); None otherwise
+    updates: int | None = None
 
 
 @dataclass(frozen=True)

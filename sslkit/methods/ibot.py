@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +18,24 @@ from sslkit.models.masking import Masks, batch_slots
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, encode_views
 from sslkit.models.teacher import frozen_copy
-from sslkit.models.tokens import TokenTrunk
+from sslkit.models.tokens import Tokens, TokenTrunk
 from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_loss, register_model
 
-__all__ = ["IBOT", "CenteredTeacher", "IBOTLoss", "IBOTModel", "build_ibot"]
+__all__ = ["IBOT", "CenteredTeacher", "GlobalCrops", "IBOTLoss", "IBOTModel", "build_ibot"]
+
+
+class GlobalCrops(NamedTuple):
+    """What :class:`IBOTModel` computed on the ``G`` global crops of a batch, all crops in one batch of ``G x B``."""
+
+    #: the global crops ``[G B, C, H, W]``, crop after crop
+    images: torch.Tensor
+    #: ``[G B, N]`` True where the student saw the mask token
+    mask: torch.Tensor
+    #: the student's tokens of the masked crops (with gradient)
+    student: Tokens
+    #: the EMA teacher's tokens of the whole crops (no gradient)
+    teacher: Tokens
 
 
 class IBOTModel(SSLModel):
@@ -82,6 +95,12 @@ class IBOTModel(SSLModel):
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
                 masks: Sequence[Masks | None] | None = None) -> ModelOutput:
         """Student on every crop (global crops masked), teacher on the global crops."""
+        return self.forward_globals(views, masks)[0]
+
+    def forward_globals(self, views: Sequence[torch.Tensor] | torch.Tensor,
+                        masks: Sequence[Masks | None] | None = None) -> tuple[ModelOutput, GlobalCrops]:
+        """:meth:`forward`'s output and what it computed on the global crops (:class:`GlobalCrops`), for a method
+        that reads more of them (DINOv3's Gram anchoring reads every patch token of the student and teacher)."""
         if isinstance(views, torch.Tensor):
             views = [views]
         views = list(views)
@@ -111,9 +130,10 @@ class IBOTModel(SSLModel):
             targets = self.teacher_head(self.teacher_trunk.pool_tokens(teacher)).chunk(g)
             t_patches = gather_slots(teacher.patches.flatten(0, 1)[None], index)[0]
             t_logits = (self.teacher_patch_head or self.teacher_head)(t_patches)
-        return ModelOutput(features=features, projections=list(projections), targets=list(targets),
-                           masks=given[:g], patch_projections=[s_logits], patch_targets=[t_logits],
-                           patch_weights=[weight[0]], patch_images=[index[0] // n])
+        output = ModelOutput(features=features, projections=list(projections), targets=list(targets),
+                             masks=given[:g], patch_projections=[s_logits], patch_targets=[t_logits],
+                             patch_weights=[weight[0]], patch_images=[index[0] // n])
+        return output, GlobalCrops(globals_, mask, student, teacher)
 
 
 def _slots(masks: Sequence[Masks | None], images: int) -> int:

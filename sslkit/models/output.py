@@ -30,7 +30,11 @@ class ModelOutput:
       logits at fixed slots, and the slots' weights (1 on a masked patch, 0 on padding): iBOT's and DINOv2's
       masked-patch loss. Per masked view ``[B, M, K]`` and ``[B, M]`` (``M`` slots per image), or, with
       ``patch_images``, ``[S, K]`` and ``[S]`` for a whole batch of images in one buffer, ``patch_images`` ``[S]``
-      giving each slot's image (:class:`~sslkit.methods.ibot.IBOTModel`).
+      giving each slot's image (:class:`~sslkit.methods.ibot.IBOTModel`);
+    * ``gram_patches``, ``gram_targets``, ``gram_masks``: DINOv3's Gram anchoring: the student's patch tokens of
+      the (masked) global crops ``[G B, N, D]``, the Gram teacher's of the same crops brought to the student's grid
+      (no gradient), and ``[G B, N]`` True where the student saw the mask token
+      (:class:`~sslkit.methods.dinov3.DINOv3Model`, from the update the Gram loss starts at).
 
     Fields a method does not produce are None. A loss or hook may index it by field name
     (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
@@ -50,6 +54,9 @@ class ModelOutput:
     patch_targets: list[torch.Tensor] | None = None
     patch_weights: list[torch.Tensor] | None = None
     patch_images: list[torch.Tensor] | None = None
+    gram_patches: torch.Tensor | None = None
+    gram_targets: torch.Tensor | None = None
+    gram_masks: torch.Tensor | None = None
 
     def given(self) -> list[str]:
         """The fields this output holds (not None)."""

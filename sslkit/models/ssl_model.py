@@ -94,6 +94,11 @@ class SSLModel(nn.Module):
         """The (student, teacher) pairs the ``momentum_teacher`` hook moves: none without a momentum teacher."""
         return []
 
+    def trunk_copies(self) -> list[nn.Module]:
+        """The frozen networks that are copies of :attr:`trunk` (its momentum teachers; DINOv3's Gram teacher
+        too): what starts equal to the trunk when released weights are loaded into it."""
+        return [teacher for student, teacher in self.momentum_pairs() if student is self.trunk]
+
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor) -> ModelOutput:
         """Trunk features and head projections for each view."""
         if isinstance(views, torch.Tensor):

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from sslkit.errors import UserError
+from sslkit.models.ssl_model import SSLModel
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["WeightsError", "load_backbone", "read_weights"]
+__all__ = ["WeightsError", "load_backbone", "load_trunk", "read_weights"]
 
 logger = logging.getLogger("sslkit")
 
@@ -27,13 +28,15 @@ class WeightsError(UserError, ValueError):
     """A weights file that cannot be read or does not fit the trunk: the message says what and what to do."""
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, torch.Tensor]:
     """The tensors of a weights file, on the CPU: ``.safetensors``, or a ``torch.save``'d dict read with
     ``weights_only=True`` (a state dict, or a training checkpoint holding one under ``teacher``, ``model``,
-    ``state_dict`` or ``student``), with the ``module.``, ``backbone.`` and ``_orig_mod.`` prefixes taken off."""
+    ``state_dict`` or ``student``), with the ``module.``, ``backbone.`` and ``_orig_mod.`` prefixes taken off. An
+    sslkit model state gives its EMA teacher's trunk (``teacher_trunk.``), or its trunk when it has no teacher.
+    ``key`` is the config key the path came from, for the messages."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise WeightsError(f"model.pretrained={path}: no such file; give the path of a .pth or .safetensors file of "
+        raise WeightsError(f"{key}={path}: no such file; give the path of a .pth or .safetensors file of "
                            "backbone weights (timm's or Meta's DINOv2/DINOv3 release)")
     try:
         if file.suffix == ".safetensors":
@@ -43,7 +46,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated download, another format
-        raise WeightsError(f"model.pretrained={path}: the file cannot be read as weights ({type(exc).__name__}: "
+        raise WeightsError(f"{key}={path}: the file cannot be read as weights ({type(exc).__name__}: "
                            f"{str(exc).splitlines()[0][:200]}); download it again, or give a .safetensors or "
                            ".pth state dict") from None
     for key in _CONTAINERS:
@@ -51,15 +54,24 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             state = state[key]
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise WeightsError(f"model.pretrained={path}: holds no state dict of tensors (found {type(state).__name__}); "
+        raise WeightsError(f"{key}={path}: holds no state dict of tensors (found {type(state).__name__}); "
                            "give a file of backbone weights")
     out = {}
-    for key, value in state.items():
+    for name, value in state.items():
         for prefix in _PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
-        out[key] = value
-    return out
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        out[name] = value
+    return _sslkit_trunk(out)
+
+
+def _sslkit_trunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An sslkit model state's EMA teacher trunk (``teacher_trunk.*``) or trunk (``trunk.*``), else ``state``."""
+    for prefix in ("teacher_trunk.", "trunk."):
+        inner = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if inner:
+            return inner
+    return state
 
 
 def _shape_differences(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> list[str]:
@@ -114,40 +126,56 @@ def _convert(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> dict[str, tor
 
 
 def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
-    """Load a released backbone into ``model.trunk`` and every momentum teacher of it (the teachers start equal to
-    their students). The file's network must be the trunk's (width, depth, patch size, register tokens); the mask
-    token is loaded when the file has one (Meta's DINOv2/DINOv3 releases) and the trunk uses one, else it starts
-    fresh, as do the heads. Returns the trunk's parameters that kept their fresh values. Raises
-    :class:`WeightsError` naming what differs."""
+    """Load a released backbone into ``model.trunk`` (:func:`load_trunk`) and every frozen copy of it (its
+    momentum teachers and DINOv3's Gram teacher, :meth:`~sslkit.models.ssl_model.SSLModel.trunk_copies`: they start
+    equal to the trunk); the heads start fresh. Returns the trunk's parameters that kept their fresh values."""
     trunk = getattr(model, "trunk", None)
-    if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
+    if not isinstance(trunk, TokenTrunk):
         raise WeightsError(f"model.pretrained loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the "
                            f"trunk is {type(trunk).__name__}")
-    state = read_weights(path)
+    missing = load_trunk(trunk, path)
+    copies = model.trunk_copies() if isinstance(model, SSLModel) else []
+    for copy in copies:
+        copy.load_state_dict(trunk.state_dict())
+    logger.info("model.pretrained: %s loaded into the trunk and its %d frozen cop%s%s", path, len(copies),
+                "y" if len(copies) == 1 else "ies", f" (fresh: {', '.join(missing)})" if missing else "")
+    return missing
+
+
+def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained") -> list[str]:
+    """Load a backbone file (:func:`read_weights`: timm's layout, Meta's DINOv2/DINOv3 one, an sslkit model state)
+    into the ViT ``trunk``. The file's network must be the trunk's (width, depth, patch size, register tokens); the
+    mask token is loaded when the file has one (Meta's releases) and the trunk uses one, else it starts fresh.
+    Returns the trunk's parameters that kept their fresh values. Raises :class:`WeightsError` naming what differs
+    (``key``: the config key of the path)."""
+    if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
+        raise WeightsError(f"{key} loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the trunk is "
+                           f"{type(trunk).__name__}")
+    arch = trunk.timm_spec()[0]
+    state = read_weights(path, key)
     differences = _shape_differences(state, trunk)
     if differences:
-        raise WeightsError(f"model.pretrained={path} is another network than model.trunk={trunk.timm_spec()[0]}: "
-                           f"{'; '.join(differences)}. Pick the trunk and model.trunk_kwargs of the released model")
+        raise WeightsError(f"{key}={path} is another network than model.trunk={arch}: {'; '.join(differences)}. "
+                           "Pick the trunk and model.trunk_kwargs of the released model")
     mask = state.get("mask_token")
-    converted = _convert(state, trunk)
+    own = trunk.state_dict()
+    # the trunk's own layout (an sslkit checkpoint, timm's class itself) loads as it is; others through timm's filter
+    as_is = set(state) <= set(own) and set(own) - set(state) <= {"mask_token"} and all(
+        v.shape == own[k].shape for k, v in state.items())
+    converted = dict(state) if as_is else _convert(state, trunk)
     if mask is not None and getattr(trunk, "mask_token", None) is not None:
         converted["mask_token"] = mask.reshape(trunk.mask_token.shape)
     try:
         missing, unexpected = trunk.load_state_dict(converted, strict=False)
     except RuntimeError as exc:
-        raise WeightsError(f"model.pretrained={path} does not fit model.trunk={trunk.timm_spec()[0]}: "
+        raise WeightsError(f"{key}={path} does not fit model.trunk={arch}: "
                            f"{str(exc).splitlines()[-1].strip()[:300]}") from None
     fresh = [k for k in missing if k != "mask_token"]
     if unexpected or len(fresh) == len(trunk.state_dict()):
-        raise WeightsError(f"model.pretrained={path}: its keys do not fit model.trunk={trunk.timm_spec()[0]} "
-                           f"(not in the trunk: {', '.join(sorted(unexpected)[:6]) or 'none'}; not in the file: "
+        raise WeightsError(f"{key}={path}: its keys do not fit model.trunk={arch} (not in the trunk: "
+                           f"{', '.join(sorted(unexpected)[:6]) or 'none'}; not in the file: "
                            f"{', '.join(sorted(missing)[:6]) or 'none'})")
     if fresh:
-        raise WeightsError(f"model.pretrained={path} lacks {len(fresh)} of the trunk's tensors "
-                           f"({', '.join(sorted(fresh)[:6])}): it is not a whole backbone of this architecture")
-    for student, teacher in getattr(model, "momentum_pairs", list)():
-        if student is trunk:
-            teacher.load_state_dict(trunk.state_dict())
-    logger.info("model.pretrained: %s loaded into the trunk and its teachers%s", path,
-                f" (fresh: {', '.join(missing)})" if missing else "")
+        raise WeightsError(f"{key}={path} lacks {len(fresh)} of the trunk's tensors ({', '.join(sorted(fresh)[:6])}): "
+                           "it is not a whole backbone of this architecture")
     return list(missing)

@@ -44,7 +44,8 @@ def test_a_default_folder_carries_the_overrides_that_change_what_trains() -> Non
     assert folder("output_dir=/tmp/x", "optim.lr=0.1") == "/tmp/x"
 
 
-@pytest.mark.parametrize("recipe", ["dino_vit", "ibot", "dinov2", "ijepa", "mae", "lejepa", "mocov3_vit", "simclr_vit"])
+@pytest.mark.parametrize("recipe", ["dino_vit", "ibot", "dinov2", "dinov3", "ijepa", "mae", "lejepa", "mocov3_vit",
+                                    "simclr_vit"])
 def test_a_fashion_mnist_vit_recipe_on_large_images_stops_and_names_what_to_run(recipe: str, tmp_path) -> None:
     """config=dino_vit data=folder trained 224 px crops in 7 px patches (1024 tokens, 17 s a step) and 14 px local
     crops, the recipe's sizes winning over the preset's: it stops instead, naming the paper-scale recipes and the
@@ -57,7 +58,8 @@ def test_a_fashion_mnist_vit_recipe_on_large_images_stops_and_names_what_to_run(
     text = str(info.value)
     assert "'sized_for' = 28" in text and "data.image_size is 224" in text
     assert "model.trunk_kwargs.patch_size=16" in text
-    assert "config=" + {"dinov2": "dinov2_vits16", "ibot": "ibot_vits16", "ijepa": "ijepa_vits16"}.get(
+    assert "config=" + {"dinov2": "dinov2_vits16", "ibot": "ibot_vits16", "ijepa": "ijepa_vits16",
+                        "dinov3": "dinov3_vits16"}.get(
         recipe, "dinov2_vits16") in text
     patch = compose_config([f"config={recipe}"]).model.trunk_kwargs.patch_size
     assert f"{(224 // patch) ** 2} tokens" in text

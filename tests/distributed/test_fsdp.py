@@ -28,10 +28,11 @@ CASES = {
     "mae": [],
     "dinov2": ["optim.accumulate_steps=2"],  # 2 micro-batches per update: FSDP's gradient sync held off on the first
     "mae-bf16": ["amp.enabled=true", "amp.dtype=bfloat16"],
-    # timm's DINOv3 trunk (rotary position embeddings, registers, LayerScale 1e-5), KoLeo off: with LayerScale at
-    # 1e-5 every image's CLS feature is nearly the same at the start, and KoLeo's nearest neighbour among such
-    # near-ties is decided by rounding (docs/vit.md)
-    "dinov2-rope": ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2", "loss.koleo_weight=0"],
+    # dinov3: timm's DINOv3 trunk (rotary position embeddings, registers, LayerScale 1e-5) and the Gram teacher
+    # (sharded like the EMA teacher, a snapshot before update 1 and refreshed at every update up to 4), KoLeo off:
+    # with LayerScale at 1e-5 every image's CLS feature is nearly the same at the start, and KoLeo's nearest
+    # neighbour among such near-ties is decided by rounding (docs/vit.md)
+    "dinov3": ["loss.koleo_weight=0"],
 }
 
 
@@ -41,11 +42,11 @@ def test_fsdp_trains_like_ddp(tmp_path: Path) -> None:
     reduce-scatter averages the same two numbers DDP's all-reduce does, so mae (no clipping) ends bit-identical;
     dino_vit and dinov2 clip the gradients, and the norm of sharded gradients is summed shard by shard, so the
     clip factor differs in the last bits and AdamW carries that on. Measured after 10 updates: max weight
-    difference 0 (mae), 5.1e-7 (dinov2, 2 micro-batches per update), 1.2e-7 (dinov2 on the DINOv3 trunk), 8.8e-6
-    (dino_vit); tolerance 5e-5, as for 1
-    against 2 processes under AdamW. Under bf16 FSDP gathers the parameters in bf16 where DDP's autocast casts them
-    per operation (layer norms read them in float32), so the losses agree to bf16 rounding only (weights within
-    1.3e-4 after 10 updates, tolerance 5e-3); the sharded parameters stay float32."""
+    difference 0 (mae), 5.1e-7 (dinov2, 2 micro-batches per update), 1.2e-7 (dinov3: the DINOv3 trunk, the Gram
+    teacher), 8.8e-6 (dino_vit); tolerance 5e-5, as for 1 against 2 processes under AdamW. Under bf16 FSDP gathers
+    the parameters in bf16 where DDP's autocast casts them per operation (layer norms read them in float32), so the
+    losses agree to bf16 rounding only (weights within 1.3e-4 after 10 updates, tolerance 5e-3); the sharded
+    parameters stay float32."""
     ddp_runs = run_ranks(strategy_runs, 2, str(tmp_path / "ddp"), CASES, "ddp", STEPS, str(tmp_path / "d"))
     fsdp_runs = run_ranks(strategy_runs, 2, str(tmp_path / "fsdp"), CASES, "fsdp", STEPS, str(tmp_path / "f"))
     for case, extra in CASES.items():
@@ -62,7 +63,8 @@ def _compare(case: str, extra: list[str], ddp: list[dict[str, Any]], fsdp: list[
         a, b = ddp[rank]["losses"], fsdp[rank]["losses"]
         assert a.shape == b.shape == (STEPS * micro,) and torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=2e-2 if bf16 else 1e-5, atol=1e-6)
-    # the teacher is sharded as its student: same placements, same local shapes, so its EMA step is local
+    # the teachers (dinov3's Gram teacher too) are sharded as their student: same placements, same local shapes, so
+    # the EMA step and the Gram snapshot are local
     layout = fsdp[0]["layout"]
     if recipe != "mae":
         assert layout and all(t and s and same and shape for t, s, same, shape in layout)
@@ -184,22 +186,20 @@ def test_fsdp_holds_half_the_state_and_checkpointing_keeps_fewer_activations(mon
             {k: v for k, v in fsdp[rank].items() if k != "activations"}
 
 
-@pytest.mark.parametrize("recipe", ["dinov2", "ijepa", "dinov2-rope"])
+@pytest.mark.parametrize("recipe", ["dinov2", "ijepa", "dinov3"])
 def test_activation_checkpointing_changes_no_number(tmp_path: Path, recipe: str) -> None:
     """model.activation_checkpointing recomputes each block in backward from its saved input, with the RNG state
     of the forward (drop path draws the same): 3 updates end bit-identical to the run that kept everything, and
-    the parameter names (checkpoint keys, lr groups) are the same. ``dinov2-rope``: on timm's DINOv3 trunk,
-    whose blocks also take the rotary embeddings."""
+    the parameter names (checkpoint keys, lr groups) are the same. ``dinov3``: on timm's DINOv3 trunk, whose
+    blocks also take the rotary embeddings, with the Gram teacher's forward."""
     from sslkit.builder import build_task
     from sslkit.config.compose import compose_config
     from sslkit.train_steps.standard import standard_train_step
     from sslkit.trainer import train
 
-    recipe, _, variant = recipe.partition("-")
-    rope = ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2"] if variant == "rope" else []
     states = []
     for ac in ("false", "true"):
-        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], *rope, "optim.max_steps=3",
+        cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe], "optim.max_steps=3",
                               "model.trunk_kwargs.drop_path_rate=0.1", "eval.knn.enabled=false",
                               "log.tensorboard=false", "checkpoint.every_n_epochs=0",
                               f"model.activation_checkpointing={ac}", f"output_dir={tmp_path / ac}"])

@@ -74,7 +74,7 @@ def test_padding_slots_take_the_memory_efficient_kernel() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mae", "dino_vit", "lejepa", "ibot", "dinov2", "ijepa"])
+@pytest.mark.parametrize("recipe", ["mae", "dino_vit", "lejepa", "ibot", "dinov2", "dinov3", "ijepa"])
 def test_deterministic_vit_runs_and_resumes_are_bit_identical(tmp_path: Path, recipe: str) -> None:
     """machine.deterministic=true on CUDA, with the attention kernels it allows: two runs, and a run killed mid-epoch
     and resumed, end with identical checkpoints."""

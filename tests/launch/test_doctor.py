@@ -33,7 +33,8 @@ def test_paper_recipes_are_cuda_only_and_keep_their_real_size(tmp_path, capsys: 
     out = capsys.readouterr().out
     assert re.search(r"paper ibot_vitb16 +skipped +CUDA only", out), out
     assert code == 0, out
-    assert set(doctor.PAPER_RECIPES) == {f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")}
+    assert set(doctor.PAPER_RECIPES) == {f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")
+                                         } | {"dinov3_vits16"}
     (tmp_path / "a.jpg").touch()  # the folder check looks for an image file
     for recipe, extra in doctor.PAPER_RECIPES.items():
         real = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",

@@ -30,10 +30,11 @@ def test_every_method_names_registered_parts_and_its_recipe_keeps_its_required_h
         assert (cfg.model.name, cfg.loss.name, cfg.data.transform.name) == (method.model, method.loss, method.transform)
         assert set(method.required_hooks) <= set(cfg.method.hooks)
     assert (methods["mae"].masking, methods["mae"].patch_tokens) == ("random", True)
-    assert all((methods[n].masking, methods[n].patch_tokens) == ("block", True) for n in ("ibot", "dinov2"))
+    assert all((methods[n].masking, methods[n].patch_tokens) == ("block", True) for n in ("ibot", "dinov2", "dinov3"))
     assert (methods["ijepa"].masking, methods["ijepa"].patch_tokens) == ("multi_block", True)
-    assert all(m.masking is None for n, m in methods.items() if n not in ("mae", "ibot", "dinov2", "ijepa"))
+    assert all(m.masking is None for n, m in methods.items() if n not in ("mae", "ibot", "dinov2", "dinov3", "ijepa"))
     assert methods["byol"].required_hooks == ("momentum_teacher",)
+    assert methods["dinov3"].required_hooks == ("momentum_teacher", "gram_teacher")
     assert methods["swav"].required_hooks == ("swav_prototypes",) and methods["swav"].transform == "multicrop"
     assert methods["dino"].accepted_keys() == {
         "model.kwargs": ["num_global"],

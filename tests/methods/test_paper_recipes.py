@@ -12,10 +12,14 @@ from helpers import photo_folder
 from sslkit.config.compose import compose_config
 from sslkit.optim.schedules import scaled_lr
 
-PAPER = [f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")]
+PAPER = [f"{m}_{s}" for m in ("dinov2", "ibot", "ijepa") for s in ("vits16", "vitb16")] + [
+    f"dinov3_{s}" for s in ("vits16", "vitb16", "vitl16")]
 #: The references' learning rates at their own global batch: DINOv2 0.004 at 1024 (sqrt_wrt_1024), iBOT 0.0005 x B /
-#: 256, I-JEPA 0.001 at 2048 (its code does not scale; sslkit's linear rule gives this at 2048).
-REFERENCE_LR = {"dinov2": (1024, 0.004), "ibot": (1024, 0.002), "ijepa": (2048, 0.001)}
+#: 256, I-JEPA 0.001 at 2048 (its code does not scale; sslkit's linear rule gives this at 2048), DINOv3 0.001 at 1024
+#: (vitl_im1k_lin834.yaml, sqrt_wrt_1024).
+REFERENCE_LR = {"dinov2": (1024, 0.004), "ibot": (1024, 0.002), "ijepa": (2048, 0.001), "dinov3": (1024, 0.001)}
+#: The trunk of each size: sslkit's ViTs, timm's DINOv3 ones for dinov3.
+TRUNKS = {"vits16": "vit_small", "vitb16": "vit_base", "vitl16": "vit_large"}
 #: A launch the references ran: 16 GPUs (2 nodes x 8).
 SIXTEEN = ["distributed.num_nodes=2", "distributed.nproc_per_node=8"]
 
@@ -27,7 +31,7 @@ def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tm
     cfg = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
                           *SIXTEEN])
     assert cfg.method.name == method and cfg.data.image_size == 224 and cfg.model.trunk_kwargs.patch_size == 16
-    assert cfg.model.trunk == {"vits16": "vit_small", "vitb16": "vit_base"}[size]
+    assert cfg.model.trunk == TRUNKS[size] + ("_patch16_dinov3" if method == "dinov3" else "")
     batch, lr = REFERENCE_LR[method]
     per_process = batch // 16
     assert scaled_lr(cfg.optim.lr, per_process * 16, cfg.optim.lr_scaling) == pytest.approx(lr)
@@ -36,6 +40,13 @@ def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tm
         assert cfg.loss.out_dim == 65536 and cfg.loss.koleo_weight == 0.1 and cfg.optim.layer_decay == 0.9
         assert cfg.loss.warmup_teacher_temp_epochs == 30 and cfg.data.transform.num_small == 8
         assert cfg.masking.max_patches == (224 // 16) ** 2 // 2
+    if method == "dinov3":  # the ViT-L ImageNet config's values, and the 7B's Gram stage
+        assert scaled_lr(cfg.optim.lr, 256, cfg.optim.lr_scaling) == pytest.approx(0.0005)
+        assert cfg.loss.out_dim == cfg.loss.patch_out_dim == 65536 and cfg.model.kwargs.separate_patch_head
+        assert cfg.loss.centering == "sinkhorn_knopp" and cfg.optim.layer_decay == 0.9
+        assert (cfg.gram.every, cfg.gram.max_refreshes, cfg.gram.weight, cfg.gram.ramp_updates) == (10000, 3, 2.0, 1000)
+        assert cfg.loss.gram_weight == 2.0 and cfg.method.hooks.gram_teacher.start_update == cfg.gram.start_update
+        assert cfg.gram.start_update == 5 * (1281167 // 1024) * 100 // 6  # 5/6 of ImageNet-1k's 100 epochs
     if method == "ibot":
         assert cfg.loss.out_dim == 8192 and cfg.data.transform.num_small == 10
         assert cfg.loss.teacher_temp == {"vits16": 0.04, "vitb16": 0.07}[size]
@@ -60,7 +71,8 @@ def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp
     from sslkit.trainer import train
 
     photo_folder(tmp_path / "images", n=6)
-    extra = ["loss.centering=centering"] if recipe.startswith("dinov2") else []
+    extra = ["loss.centering=centering"] if recipe.startswith("dinov") else []
+    extra += ["gram.start_update=0"] if recipe.startswith("dinov3") else []  # the Gram loss in the one step
     own = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
                           *SIXTEEN]).amp
     assert own.enabled and own.dtype == "bfloat16"
@@ -80,7 +92,12 @@ def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp
     finally:
         task.close()
     assert task.clock.update == 1
-    assert task.base_model.trunk.pos_embed.shape[1] == (224 // 16) ** 2  # a 14 x 14 grid
+    trunk = task.base_model.trunk
+    if recipe.startswith("dinov3"):  # rotary positions: no table, any grid
+        assert trunk.grid(224, 224) == (14, 14) and trunk.pos_embed is None
+        assert next(h for h in task.hooks if h.name == "gram_teacher").snapshots == [0]  # before the first update
+    else:
+        assert trunk.pos_embed.shape[1] == (224 // 16) ** 2  # a 14 x 14 grid
     # the update happened (at lr 0: the warm-up starts there), with a gradient in AdamW's first moment
     assert task.optimizer.state[qkv]["exp_avg"].abs().sum() > 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

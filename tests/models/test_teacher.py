@@ -99,7 +99,8 @@ def test_every_teacher_is_deterministic_in_training_whatever_drop_path_the_stude
 
 def test_every_methods_model_is_an_ssl_model_with_its_teachers_named() -> None:
     """Every recipe's model is an SSLModel (trunk, head, forward, momentum_pairs), and momentum_pairs names
-    exactly the frozen copies the momentum_teacher hook moves: none for the models without a teacher."""
+    exactly the frozen copies the momentum_teacher hook moves: none for the models without a teacher; the other
+    frozen copy, DINOv3's Gram teacher, is among the trunk's copies (trunk_copies), which the EMA does not move."""
     from helpers import RECIPES, SMALL
 
     from sslkit.builder.model import build_model
@@ -113,5 +114,7 @@ def test_every_methods_model_is_an_ssl_model_with_its_teachers_named() -> None:
         teachers = {id(t) for _, t in model.momentum_pairs()}
         frozen = {id(m) for m in model.children() if not any(p.requires_grad for p in m.parameters())
                   and any(True for _ in m.parameters())}
-        assert teachers == frozen, recipe
+        copies = {id(c) for c in model.trunk_copies()}
+        assert teachers | copies == frozen, recipe
+        assert (copies - teachers != set()) == (recipe == "dinov3"), recipe
         assert bool(teachers) == ("momentum_teacher" in cfg.method.hooks), recipe

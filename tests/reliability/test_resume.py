@@ -70,7 +70,7 @@ def test_sigkill_mid_epoch_resume_is_bit_identical_2_ranks(tmp_path: Path, recip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mae", "dinov2", "ijepa"])  # ibot: dinov2's model; in-process in test_everyday
+@pytest.mark.parametrize("recipe", ["mae", "dinov2", "dinov3", "ijepa"])  # ibot: dinov2's model; in test_everyday
 def test_a_masked_vit_resumes_bit_identically_after_sigkill(tmp_path: Path, recipe: str) -> None:
     """The masked ViT recipes with stochastic depth: the masks come from each sample's (seed, epoch, index) and need
     no state, drop path draws from the RNG every rank checkpoints, the teachers, the centres and the momentum

@@ -1,0 +1,312 @@
+"""DINOv3 (Siméoni et al., 2025): DINOv2's losses plus Gram anchoring of the patch features to a Gram teacher.
+
+One file of composition on the DINOv2 parts: :class:`DINOv3Model` is iBOT's wiring (student, EMA teacher, masked
+global crops) plus a Gram teacher, a frozen snapshot of the EMA teacher that the model owns (so the checkpoint,
+sharded or not, holds it); :class:`DINOv3Loss` is DINOv2's loss plus the Gram loss
+(:func:`~sslkit.methods.gram.gram_loss`) with its weight on the training clock; :class:`GramTeacherHook` decides
+when the Gram teacher is a fresh snapshot (:func:`~sslkit.methods.gram.gram_snapshot_at`). The reference is
+facebookresearch/dinov3 ``train/ssl_meta_arch.py`` (``get_gram_teacher_output``, ``update_gram``,
+``gram_load_ema_teacher``) and ``train/train.py`` (when the Gram teacher is refreshed).
+
+A recipe sets the Gram settings under ``gram.*`` (sslkit/config/defaults.yaml) and routes them to the model
+(``model.kwargs.gram_teacher``), the loss (``loss.gram_*``) and the hook (``method.hooks.gram_teacher``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sslkit.clock import StepContext, TrainClock
+from sslkit.errors import UserError
+from sslkit.hooks.base import SSLHook
+from sslkit.methods.base import Method, RunShape, register_method
+from sslkit.methods.dinov2 import DINOv2Loss, sinkhorn_batch_rule
+from sslkit.methods.gram import GRAM_NEGATIVES, GRAM_TOKENS, gram_loss, gram_snapshot_at, gram_token_weights
+from sslkit.methods.ibot import IBOTModel
+from sslkit.models.masking import Masks
+from sslkit.models.output import ModelOutput
+from sslkit.models.teacher import frozen_copy
+from sslkit.models.weights import load_trunk
+from sslkit.optim.schedules import WarmupCosine
+from sslkit.registry import register_hook, register_loss, register_model
+
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = ["DINOV3", "GRAM_TEACHERS", "DINOv3Loss", "DINOv3Model", "GramError", "GramTeacherHook", "build_dinov3",
+           "gram_rule"]
+
+logger = logging.getLogger("sslkit")
+
+#: Where the Gram teacher comes from (``gram.teacher``): ``snapshot``, a copy of the EMA teacher taken before
+#: ``gram.start_update`` (and refreshed every ``gram.every`` updates); ``file``, backbone weights read from
+#: ``gram.checkpoint`` (an sslkit checkpoint's EMA teacher, or released DINOv2/DINOv3 weights), refreshed from the
+#: EMA teacher as ``snapshot``; ``ema``, the EMA teacher itself (DINOv3's ``gram.ema_teacher``: no second network).
+GRAM_TEACHERS = ("snapshot", "file", "ema")
+
+
+class GramError(UserError, ValueError):
+    """Gram settings that cannot run: the message names the ``gram.*`` key and what would work."""
+
+
+class DINOv3Model(IBOTModel):
+    """DINOv3's student, EMA teacher and Gram teacher over a ViT with a mask token.
+
+    :class:`~sslkit.methods.ibot.IBOTModel`'s forward (student on every crop, global crops masked; teacher on the
+    global crops), plus, once the Gram loss is on (:attr:`gram_active`, set by :class:`GramTeacherHook` from the
+    clock), the fields :class:`DINOv3Loss` reads: ``gram_patches`` (the student's patch tokens of the masked
+    global crops, after the final norm: DINOv3's ``x_norm_patchtokens``), ``gram_targets`` (the Gram teacher's of
+    the whole crops, no gradient) and ``gram_masks``. ``gram_teacher`` (:data:`GRAM_TEACHERS`): with ``snapshot``
+    or ``file`` the model holds ``gram_trunk``, a frozen copy of the trunk (no gradients, outside the optimizer,
+    no stochastic layer) that only :meth:`refresh_gram_teacher` and a checkpoint change; with ``ema`` the targets
+    are the EMA teacher's own patch tokens.
+    """
+
+    def __init__(self, trunk: nn.Module, head: nn.Module, num_global: int = 2, separate_patch_head: bool = False,
+                 patch_out_dim: int | None = None, gram_teacher: str = "snapshot") -> None:
+        if gram_teacher not in GRAM_TEACHERS:
+            raise GramError(f"gram.teacher={gram_teacher!r}: use one of {', '.join(GRAM_TEACHERS)}")
+        super().__init__(trunk, head, num_global, separate_patch_head, patch_out_dim)
+        self.gram_teacher = gram_teacher
+        self.gram_trunk = frozen_copy(self.trunk) if gram_teacher != "ema" else None
+        #: the Gram loss is on (from ``gram.start_update``): a Python flag the hook sets, so no step reads a tensor
+        self.gram_active = False
+
+    def trunk_copies(self) -> list[nn.Module]:
+        """The EMA teacher's trunk and the Gram teacher's."""
+        return super().trunk_copies() + ([self.gram_trunk] if self.gram_trunk is not None else [])
+
+    @torch.no_grad()
+    def refresh_gram_teacher(self) -> None:
+        """The Gram teacher becomes a copy of the EMA teacher's trunk (parameters and buffers; DINOv3's
+        ``update_gram`` with ``m = 0``), shard by shard under FSDP2 (both are sharded alike)."""
+        if self.gram_trunk is None:
+            return
+        for target, source in ((self.gram_trunk.parameters(), self.teacher_trunk.parameters()),
+                               (self.gram_trunk.buffers(), self.teacher_trunk.buffers())):
+            for t, s in zip(target, source, strict=True):
+                t.copy_(s)
+
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
+                masks: Sequence[Masks | None] | None = None) -> ModelOutput:
+        """iBOT's outputs, and the Gram fields while :attr:`gram_active`."""
+        output, crops = self.forward_globals(views, masks)
+        if not self.gram_active:
+            return output
+        if self.gram_trunk is None:
+            targets = crops.teacher.patches
+        else:
+            with torch.no_grad():
+                targets = self.gram_trunk.forward_tokens(crops.images).patches
+        output.gram_patches = crops.student.patches
+        output.gram_targets = targets.detach()
+        output.gram_masks = crops.mask
+        return output
+
+
+@register_model("dinov3")
+def build_dinov3(trunk: nn.Module, head: nn.Module | None = None, num_global: int = 2,
+                 separate_patch_head: bool = False, patch_out_dim: int | None = None,
+                 gram_teacher: str = "snapshot") -> DINOv3Model:
+    """DINOv3 wiring: a ViT student (with a mask token), the DINO head (``model.head.name=dino``), optionally a
+    separate patch head, their EMA teacher and the Gram teacher (``gram_teacher``, from ``gram.teacher``)."""
+    if head is None:
+        raise ValueError("dinov3 needs a DINO head: model.head.name=dino")
+    return DINOv3Model(trunk, head, num_global, separate_patch_head, patch_out_dim, gram_teacher)
+
+
+@register_loss("dinov3")
+class DINOv3Loss(DINOv2Loss):
+    """DINOv3's loss (Siméoni et al. 2025, sections 3-4; facebookresearch/dinov3 ``ssl_meta_arch.py``)::
+
+        L = L_DINOv2 + w_gram(t) L_Gram
+
+    ``L_DINOv2`` is :class:`~sslkit.methods.dinov2.DINOv2Loss` (DINO on the CLS tokens, iBOT on the masked
+    patches, KoLeo). ``L_Gram`` (:func:`~sslkit.methods.gram.gram_loss`) is added on the steps whose output holds
+    the Gram fields (:class:`DINOv3Model` from ``gram_start_update`` on): the mean squared difference of the
+    student's and the Gram teacher's patch Gram matrices, over ``gram_tokens`` (:data:`~sslkit.methods.gram.
+    GRAM_TOKENS`), per image (``gram_image_level``) or over the local batch, of the L2-normalised features
+    (``gram_normalize``), negatives treated by ``gram_negatives`` (:data:`~sslkit.methods.gram.GRAM_NEGATIVES`).
+    ``w_gram`` is ``gram_weight`` from ``gram_start_update``, reached by a half cosine from 0 over
+    ``gram_ramp_updates`` updates (DINOv3's ViT-7B Gram stage: 0 until the stage, then up to 2.0 over 1,000
+    updates, its ``loss_weight_schedule``); 0 before. Logged: ``gram_loss`` (on the steps with it) and the
+    weight ``gram_weight``.
+    """
+
+    def __init__(self, out_dim: int = 65536, patch_out_dim: int | None = None, student_temp: float = 0.1,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_patch_temp: float | None = None, warmup_teacher_patch_temp: float | None = None,
+                 center_momentum: float = 0.9, centering: str = "centering", sinkhorn_iterations: int = 3,
+                 dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
+                 koleo_global: bool = True, warmup_teacher_temp_epochs: float = 0.0, gram_weight: float = 1.0,
+                 gram_start_update: int = 0, gram_ramp_updates: int = 0, gram_tokens: str = "all",
+                 gram_image_level: bool = True, gram_normalize: bool = True, gram_negatives: str = "keep") -> None:
+        super().__init__(out_dim, patch_out_dim, student_temp, teacher_temp, warmup_teacher_temp,
+                         warmup_teacher_temp_iters, teacher_patch_temp, warmup_teacher_patch_temp, center_momentum,
+                         centering, sinkhorn_iterations, dino_weight, ibot_weight, koleo_weight, koleo_global,
+                         warmup_teacher_temp_epochs)
+        if gram_tokens not in GRAM_TOKENS:
+            raise GramError(f"gram.tokens={gram_tokens!r}: use one of {', '.join(GRAM_TOKENS)}")
+        if gram_negatives not in GRAM_NEGATIVES:
+            raise GramError(f"gram.negatives={gram_negatives!r}: use one of {', '.join(GRAM_NEGATIVES)}")
+        if gram_tokens != "all" and gram_image_level:
+            raise GramError(f"gram.tokens={gram_tokens} selects patches across the images of a batch: it needs "
+                            "gram.image_level=false (the batch-level Gram matrix, as DINOv3's)")
+        self.gram_weight = WarmupCosine(0.0, 0.0, gram_weight, 0, gram_ramp_updates, offset=gram_start_update)
+        self.gram_tokens, self.gram_image_level = gram_tokens, bool(gram_image_level)
+        self.gram_normalize, self.gram_negatives = bool(gram_normalize), gram_negatives
+
+    def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
+        """DINOv2's loss, plus the weighted Gram loss when the output carries the Gram fields."""
+        out = super().forward(output, sample, ctx)
+        weight = self.gram_weight.at(ctx.clock if ctx is not None else TrainClock())
+        if ctx is not None:
+            ctx.record("gram_weight", weight)
+        if "gram_patches" not in output:
+            return out
+        selected = gram_token_weights(output["gram_masks"], self.gram_tokens)
+        gram = gram_loss(output["gram_patches"], output["gram_targets"], normalize=self.gram_normalize,
+                         image_level=self.gram_image_level, negatives=self.gram_negatives, weights=selected)
+        out["loss"] = out["loss"] + weight * gram
+        out["gram_loss"] = gram.detach()
+        return out
+
+
+@register_hook("gram_teacher")
+class GramTeacherHook(SSLHook):
+    """When the Gram teacher changes: a snapshot of the EMA teacher before update ``start_update`` and every
+    ``every`` updates after it (0: never again), at most ``max_refreshes`` times after the first
+    (:func:`~sslkit.methods.gram.gram_snapshot_at`; DINOv3's ``it_load_ema_teacher``, ``update_frequency`` and
+    ``max_updates``); with ``teacher=file`` the first Gram teacher is read from ``checkpoint`` when the run starts
+    and the refreshes follow; with ``teacher=ema`` nothing is copied. From ``start_update`` on the model gives the
+    Gram fields (:attr:`DINOv3Model.gram_active`).
+
+    A snapshot for update ``u`` is taken after step ``u - 1`` is done (its EMA update included), before the
+    checkpoint of that step is written, so a run resumed from any checkpoint has the Gram teacher the run had.
+    The hook's state is the last clock value it handled and the updates it took snapshots before (logged).
+    """
+
+    name = "gram_teacher"
+
+    def __init__(self, start_update: int = 0, every: int = 0, max_refreshes: int | None = None,
+                 teacher: str = "snapshot", checkpoint: str | None = None) -> None:
+        self.start, self.every, self.max_refreshes = int(start_update), int(every), max_refreshes
+        self.teacher, self.checkpoint = teacher, checkpoint
+        #: the last clock value (``clock.update``) whose snapshot was decided; -1 before the run's first
+        self.handled = -1
+        #: the updates before which the Gram teacher became a snapshot (``-1``: read from ``checkpoint``)
+        self.snapshots: list[int] = []
+
+    def on_start(self, task: SSLTask) -> None:
+        """Check the start against the run's length; on a fresh run read the file; handle the clock as it is now
+        (a resumed run whose snapshot was not written yet takes it here)."""
+        model = self._model(task)
+        clock = task.clock
+        if self.start >= clock.max_updates:
+            raise GramError(f"gram.start_update={self.start} is after the run's last update ({clock.max_updates} "
+                            f"updates: updates 0 to {clock.max_updates - 1}): the Gram loss would never run. Lower "
+                            "gram.start_update or lengthen the run (optim.epochs, optim.max_steps)")
+        if clock.update == 0 and self.handled < 0 and self.teacher == "file" and model.gram_trunk is not None:
+            load_trunk(model.gram_trunk, str(self.checkpoint), "gram.checkpoint")
+            self.snapshots.append(-1)
+            logger.info("gram_teacher: the Gram teacher read from gram.checkpoint=%s", self.checkpoint)
+        self._handle(model, clock.update)
+        model.gram_active = clock.update >= self.start
+
+    def on_step(self, task: SSLTask) -> None:
+        """After a train step (its EMA update done): the snapshot due before the next update, if one is."""
+        clock = task.clock
+        if task.train and self.handled < clock.update < clock.max_updates:  # no snapshot after the last update
+            model = self._model(task)
+            self._handle(model, clock.update)
+            model.gram_active = clock.update >= self.start
+
+    def _handle(self, model: DINOv3Model, update: int) -> None:
+        if update <= self.handled:
+            return
+        self.handled = update
+        if model.gram_trunk is None or not gram_snapshot_at(update, self.start, self.every, self.max_refreshes):
+            return
+        if self.teacher == "file" and update == self.start:
+            return  # the file is the first Gram teacher
+        model.refresh_gram_teacher()
+        self.snapshots.append(update)
+        logger.info("gram_teacher: the Gram teacher is the EMA teacher as it is before update %d", update)
+
+    @staticmethod
+    def _model(task: SSLTask) -> DINOv3Model:
+        model = task.base_model
+        if not isinstance(model, DINOv3Model):
+            raise GramError(f"method.hooks.gram_teacher moves DINOv3's Gram teacher, and the model is "
+                            f"{type(model).__name__}: use it with method.name=dinov3")
+        return model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clock value handled last and the snapshots taken (the Gram teacher itself is in the model's state)."""
+        return {"handled": self.handled, "snapshots": list(self.snapshots)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.handled, self.snapshots = int(state["handled"]), list(state["snapshots"])
+
+
+def gram_rule(shape: RunShape) -> list[str]:
+    """The Gram settings as the recipe routed them (``gram.*`` -> ``model.kwargs.gram_teacher``, ``loss.gram_*``,
+    ``method.hooks.gram_teacher``): a known teacher with a source, a start inside the run (when its length is
+    known here), refreshes that have something to refresh, one start for the loss and the hook."""
+    hook = shape.hooks.get("gram_teacher") or {}
+    teacher = shape.model_kwargs.get("gram_teacher", "snapshot")
+    start = hook.get("start_update", 0)
+    errors = []
+    if teacher not in GRAM_TEACHERS:
+        errors.append(f"'gram.teacher' = {teacher}: use one of {', '.join(GRAM_TEACHERS)}")
+    if hook.get("teacher", teacher) != teacher:
+        errors.append(f"'method.hooks.gram_teacher.teacher' = {hook.get('teacher')} but 'model.kwargs.gram_teacher' "
+                      f"= {teacher}: route both from gram.teacher")
+    checkpoint = hook.get("checkpoint")
+    if teacher == "file" and not checkpoint:
+        errors.append("'gram.teacher' = file: a Gram teacher without a source. Set gram.checkpoint=PATH (an sslkit "
+                      "checkpoint or released DINOv2/DINOv3 weights), or gram.teacher=snapshot (the EMA teacher "
+                      "copied at gram.start_update)")
+    elif checkpoint and teacher != "file":
+        errors.append(f"'gram.checkpoint' = {checkpoint} is read with gram.teacher=file only (now {teacher}): set "
+                      "gram.teacher=file or drop gram.checkpoint")
+    elif checkpoint and not Path(str(checkpoint)).expanduser().is_file():
+        errors.append(f"'gram.checkpoint' = {checkpoint}: no such file; give an sslkit checkpoint file or a .pth / "
+                      ".safetensors file of backbone weights")
+    if teacher == "ema" and hook.get("every", 0):
+        errors.append("'gram.every' > 0 with gram.teacher=ema: the EMA teacher is never a snapshot, there is nothing "
+                      "to refresh; set gram.every=0 or gram.teacher=snapshot")
+    if not isinstance(start, int) or start < 0:
+        errors.append(f"'gram.start_update' must be an update number >= 0, got {start!r}")
+    elif shape.updates is not None and start >= shape.updates:
+        errors.append(f"'gram.start_update' = {start} is after the run's end: it makes {shape.updates} updates (0 to "
+                      f"{shape.updates - 1}), so the Gram loss would never run. Lower gram.start_update (below "
+                      f"{shape.updates}) or lengthen the run (optim.epochs, optim.max_steps)")
+    if shape.loss.get("gram_start_update", start) != start:
+        errors.append(f"'loss.gram_start_update' = {shape.loss['gram_start_update']} but "
+                      f"'method.hooks.gram_teacher.start_update' = {start}: route both from gram.start_update")
+    tokens, negatives = shape.loss.get("gram_tokens", "all"), shape.loss.get("gram_negatives", "keep")
+    if tokens not in GRAM_TOKENS:
+        errors.append(f"'gram.tokens' = {tokens}: use one of {', '.join(GRAM_TOKENS)}")
+    elif tokens != "all" and shape.loss.get("gram_image_level", True):
+        errors.append(f"'gram.tokens' = {tokens} selects patches across the images of a batch: set "
+                      "gram.image_level=false (the batch-level Gram matrix, as DINOv3's) or gram.tokens=all")
+    if negatives not in GRAM_NEGATIVES:
+        errors.append(f"'gram.negatives' = {negatives}: use one of {', '.join(GRAM_NEGATIVES)}")
+    return errors
+
+
+#: The method object: what ``method.name=dinov3`` trains.
+DINOV3 = register_method(Method(
+    name="dinov3", model="dinov3", loss="dinov3", required_hooks=("momentum_teacher", "gram_teacher"),
+    transform="multicrop", masking="block", patch_tokens=True, rules=(sinkhorn_batch_rule, gram_rule),
+    summary=("DINOv3 (Siméoni et al., 2025): DINOv2's losses plus Gram anchoring of the patch features to a "
+             "snapshot of the EMA teacher."),
+))
