@@ -260,6 +260,8 @@ COMMANDS = {
     "linear": "linear probe on the frozen trunk (= tools/eval_linear.py): sslkit linear checkpoint=RUN_DIR",
     "finetune": "fine-tune the whole trunk with a linear head, MAE's protocol (= tools/eval_finetune.py): "
                 "sslkit finetune checkpoint=RUN_DIR",
+    "dense": "a linear segmentation probe on a ViT's frozen patch tokens, mIoU into RUN_DIR/eval/dense.json: "
+             "sslkit dense checkpoint=RUN_DIR",
     "extract": "features and labels to a file (= tools/extract_features.py): sslkit extract checkpoint=RUN_DIR "
                "split=test output=feats.npz",
     "export": "the trunk for torchvision (ResNets) or timm (ViTs), as safetensors or ONNX (= tools/export.py): "
@@ -304,6 +306,10 @@ def _command(name: str) -> Any:
         from sslkit.tools.viz import viz_main
 
         return viz_main
+    if name == "dense":
+        from sslkit.tools.dense import dense_main
+
+        return dense_main
     from sslkit.tools import common as tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]

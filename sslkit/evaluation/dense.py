@@ -1,0 +1,136 @@
+"""The dense linear probe: a linear segmentation head on a frozen ViT's patch features, and mIoU (DINOv3's linear
+protocol, facebookresearch/dinov3 ``eval/segmentation``)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sslkit.data.segmentation import IGNORE_INDEX
+from sslkit.models.tokens import TokenTrunk
+
+__all__ = ["LinearSegmentationHead", "area_stats", "dense_logits", "evaluate_dense", "on_device", "patch_maps",
+           "segmentation_metrics", "train_dense_epoch", "warmup_cosine_lr"]
+
+
+class LinearSegmentationHead(nn.Module):
+    """DINOv3's linear segmentation head (``eval/segmentation/models/heads/linear_head.py``): on the patch feature
+    map ``[B, D, h, w]``, ``Dropout2d(dropout)``, BatchNorm, then a 1 x 1 convolution to ``num_classes`` logits,
+    its weights drawn from N(0, 0.01) and its bias 0."""
+
+    def __init__(self, in_dim: int, num_classes: int, dropout: float = 0.1, batchnorm: bool = True) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout2d(dropout)
+        self.norm = nn.BatchNorm2d(in_dim) if batchnorm else nn.Identity()
+        self.conv = nn.Conv2d(in_dim, num_classes, kernel_size=1)
+        nn.init.normal_(self.conv.weight, mean=0.0, std=0.01)
+        nn.init.zeros_(self.conv.bias)
+
+    def forward(self, maps: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, num_classes, h, w]`` of the feature map ``[B, D, h, w]``."""
+        return self.conv(self.norm(self.dropout(maps)))
+
+
+def patch_maps(trunk: TokenTrunk, images: torch.Tensor) -> torch.Tensor:
+    """The trunk's last-layer patch tokens (after its final norm: DINOv3's ``use_backbone_norm``) as a feature map
+    ``[B, D, h, w]``, float32."""
+    tokens = trunk.forward_tokens(images)
+    h, w = tokens.grid
+    return tokens.patches.float().transpose(1, 2).reshape(images.shape[0], -1, h, w)
+
+
+def dense_logits(head: nn.Module, maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The head's logits upsampled to the class map's ``size`` (bilinear, ``align_corners=False``, as DINOv3)."""
+    return F.interpolate(head(maps), size=size, mode="bilinear", align_corners=False)
+
+
+def warmup_cosine_lr(base: float, step: int, total: int, warmup: int) -> float:
+    """DINOv3's linear-probe schedule (``WarmupOneCycleLR``, ``pct_start`` 0): linear from ``base x 1e-6`` to
+    ``base`` over ``warmup`` steps, then a half cosine down to 0 at ``total``."""
+    if step < warmup:
+        return base * (1e-6 + (1 - 1e-6) * step / max(warmup, 1))
+    progress = (step - warmup) / max(total - warmup, 1)
+    return base * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _frozen_maps(trunk: TokenTrunk, images: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+    with torch.no_grad(), (torch.autocast(images.device.type, amp) if amp else contextlib.nullcontext()):
+        return patch_maps(trunk, images)
+
+
+def train_dense_epoch(trunk: TokenTrunk, head: nn.Module, optimizer: torch.optim.Optimizer,
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]], lr_at: Any, step: int,
+                      amp: torch.dtype | None = None) -> tuple[float, int]:
+    """One epoch of the head on the frozen trunk (eval mode, no gradient): cross-entropy of the upsampled logits
+    against the class maps, :data:`~sslkit.data.segmentation.IGNORE_INDEX` left out. Returns the mean loss (read
+    once, at the end) and the next step."""
+    trunk.eval()
+    head.train()
+    total = None
+    n = 0
+    for images, masks in batches:
+        maps = _frozen_maps(trunk, images, amp)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss = F.cross_entropy(dense_logits(head, maps, tuple(masks.shape[-2:])), masks, ignore_index=IGNORE_INDEX)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total = loss.detach() if total is None else total + loss.detach()
+        n += 1
+        step += 1
+    return (float(total) / n if total is not None else math.nan), step
+
+
+def area_stats(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
+               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``[4, num_classes]``: per class, the pixels predicted and labelled it (intersection), in either (union),
+    predicted it, labelled it; pixels labelled ``ignore_index`` left out (DINOv3's
+    ``calculate_intersect_and_union``, with ``bincount`` on the device)."""
+    keep = target != ignore_index
+    p, t = pred[keep], target[keep]
+    hit = p[p == t]
+    count = [torch.bincount(v.reshape(-1), minlength=num_classes)[:num_classes] for v in (hit, p, t)]
+    intersect, predicted, labelled = (c.to(torch.float64) for c in count)
+    return torch.stack([intersect, predicted + labelled - intersect, predicted, labelled])
+
+
+def segmentation_metrics(stats: torch.Tensor) -> dict[str, Any]:
+    """From summed :func:`area_stats`: ``miou`` (the mean over the classes with a non-empty union of intersection
+    / union, DINOv3's ``nanmean``), ``per_class_iou`` (None where the union is empty), ``pixel_accuracy`` (all
+    classes' intersections / all labelled pixels: ``aAcc``) and ``mean_accuracy`` (per class intersection /
+    labelled, averaged over the classes present)."""
+    intersect, union, _, labelled = stats.double().cpu()
+    iou = torch.where(union > 0, intersect / union.clamp(min=1), torch.full_like(union, math.nan))
+    acc = torch.where(labelled > 0, intersect / labelled.clamp(min=1), torch.full_like(labelled, math.nan))
+    return {"miou": float(iou.nanmean()), "pixel_accuracy": float(intersect.sum() / labelled.sum().clamp(min=1)),
+            "mean_accuracy": float(acc.nanmean()),
+            "per_class_iou": [None if math.isnan(v) else round(float(v), 6) for v in iou.tolist()]}
+
+
+def evaluate_dense(trunk: TokenTrunk, head: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                   num_classes: int, amp: torch.dtype | None = None) -> dict[str, Any]:
+    """:func:`segmentation_metrics` of the head's argmax over every batch (class maps at their own size)."""
+    trunk.eval()
+    head.eval()
+    total = None
+    with torch.no_grad():
+        for images, masks in batches:
+            pred = dense_logits(head, _frozen_maps(trunk, images, amp), tuple(masks.shape[-2:])).argmax(1)
+            stats = area_stats(pred, masks, num_classes)
+            total = stats if total is None else total + stats
+    if total is None:
+        raise ValueError("no test images for the dense probe")
+    return segmentation_metrics(total)
+
+
+def on_device(loader: Iterable[Any], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(images, class maps) of each batch of ``loader``, on ``device``."""
+    for images, masks in loader:
+        yield images.to(device, non_blocking=True), masks.to(device, non_blocking=True)

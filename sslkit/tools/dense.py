@@ -1,0 +1,157 @@
+"""The dense probe (``sslkit dense``): a linear segmentation head on a checkpoint's frozen ViT patch features, mIoU
+into ``<run>/eval/dense.json``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from sslkit.data.segmentation import (
+    FashionMNISTSegmentation,
+    SegmentationFolder,
+    SegmentationTransform,
+    TransformedSegmentation,
+)
+from sslkit.evaluation.dense import (
+    LinearSegmentationHead,
+    evaluate_dense,
+    on_device,
+    train_dense_epoch,
+    warmup_cosine_lr,
+)
+from sslkit.models.tokens import TokenTrunk
+from sslkit.tools.common import (
+    amp_dtype,
+    features_part,
+    output_path,
+    parse_tool_args,
+    part_module,
+    run_tool,
+    tool_pretrained,
+    tool_usage,
+    write_json,
+)
+from sslkit.tools.pretrained import ToolError
+
+__all__ = ["DENSE_KEYS", "dense_main", "segmentation_sets"]
+
+logger = logging.getLogger("sslkit")
+
+#: The ``key=value`` arguments of ``sslkit dense`` that are not config keys.
+DENSE_KEYS = {
+    "checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
+    "features": "trunk (default) | teacher: whose last-layer patch tokens the head reads",
+    "output": "where the results JSON goes (default <run>/eval/dense.json)",
+}
+
+
+def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str, Any]]:
+    """The training and test segmentation sets ``eval.dense`` names, and their number of classes:
+    ``fashion_mnist`` (each pixel above ``eval.dense.threshold`` the image's class, else background; the run's
+    own Fashion-MNIST files) or ``folder`` (ADE20K's layout under ``eval.dense.path``, ``eval.dense.num_classes``
+    classes). ``eval.dense.train_samples`` keeps the first N training images (0: all)."""
+    dense = cfg.eval.dense
+    if dense.dataset == "fashion_mnist":
+        from sslkit.data import build_source
+
+        path = cfg.data.train.path if cfg.data.train.source == "fashion_mnist" else None
+        sets = []
+        for split in ("train", "test"):
+            source = build_source("fashion_mnist", split, path)
+            sets.append(FashionMNISTSegmentation(source.images, source.labels, float(dense.threshold)))
+        classes = FashionMNISTSegmentation.num_classes
+        described = {"dataset": "fashion_mnist", "threshold": float(dense.threshold),
+                     "classes": "0 background, 1 + the image's label where the pixel is above the threshold"}
+    elif dense.dataset == "folder":
+        if not dense.path:
+            raise ToolError("eval.dense.dataset=folder needs eval.dense.path: a folder in ADE20K's layout "
+                            "(images/training, annotations/training, images/validation, annotations/validation)")
+        if not dense.num_classes:
+            raise ToolError("eval.dense.dataset=folder needs eval.dense.num_classes (150 for ADE20K)")
+        try:
+            sets = [SegmentationFolder(str(dense.path), split, bool(dense.reduce_zero_label))
+                    for split in ("train", "test")]
+        except FileNotFoundError as exc:
+            raise ToolError(f"eval.dense.path={dense.path}: {exc}") from None
+        classes = int(dense.num_classes)
+        described = {"dataset": "folder", "path": str(dense.path), "reduce_zero_label": bool(dense.reduce_zero_label)}
+    else:
+        raise ToolError(f"eval.dense.dataset={dense.dataset}: use fashion_mnist or folder")
+    train = sets[0]
+    if int(dense.train_samples) > 0:
+        train = Subset(train, range(min(int(dense.train_samples), len(train))))  # type: ignore[arg-type]
+    return train, sets[1], classes, described
+
+
+def _loader(dataset: Dataset, transform: SegmentationTransform, batch: int, shuffle: bool, seed: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(TransformedSegmentation(dataset, transform), batch_size=batch, shuffle=shuffle,
+                      generator=generator, num_workers=0, drop_last=False)
+
+
+def _dense(args: list[str]) -> int:
+    opts, overrides = parse_tool_args("dense", args, DENSE_KEYS)
+    pre = tool_pretrained("dense", opts, overrides)
+    cfg = pre.config
+    trunk = part_module(pre, features_part(opts, ("trunk", "teacher")))
+    if not isinstance(trunk, TokenTrunk):
+        raise ToolError(f"sslkit dense reads a ViT's patch tokens, and model.trunk={cfg.model.trunk} gives none: it "
+                        "probes ViT runs (dinov2, dinov3, ibot, mae, ...)")
+    dense, device, amp = cfg.eval.dense, pre.device, amp_dtype(cfg)
+    train_set, test_set, classes, described = segmentation_sets(cfg)
+    size = int(dense.image_size or cfg.data.image_size)
+    if size % trunk.patch_size:
+        raise ToolError(f"eval.dense.image_size={size} is not a multiple of the trunk's {trunk.patch_size} px "
+                        f"patches: use {size // trunk.patch_size * trunk.patch_size} or "
+                        f"{(size // trunk.patch_size + 1) * trunk.patch_size}")
+    transform = SegmentationTransform(size, cfg.data.eval_transform.get("mean"), cfg.data.eval_transform.get("std"),
+                                      channels=int(trunk.in_channels))
+    seed, batch, epochs = int(cfg.seed), int(dense.batch_size), int(dense.epochs)
+    torch.manual_seed(seed)
+    dim = int(trunk.out_dim)
+    head = LinearSegmentationHead(dim, classes, float(dense.dropout)).to(device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=float(dense.lr), betas=(0.9, 0.999),
+                                  weight_decay=float(dense.weight_decay))
+    train_loader = _loader(train_set, transform, batch, True, seed)
+    total = len(train_loader) * epochs
+    warmup = min(int(dense.warmup_steps), total // 10)
+    start, step, records = time.perf_counter(), 0, []
+    logger.info("dense: a linear head (Dropout2d, BatchNorm, 1x1 conv) on the frozen %s's patch tokens, %d classes, "
+                "%d training and %d test images at %d px, %d epoch(s)", opts.get("features", "trunk"), classes,
+                len(train_set), len(test_set), size, epochs)  # type: ignore[arg-type]
+    for epoch in range(epochs):
+        loss, step = train_dense_epoch(trunk, head, optimizer, on_device(train_loader, device),
+                                       lambda t: warmup_cosine_lr(float(dense.lr), t, total, warmup), step, amp)
+        records.append({"epoch": epoch + 1, "train_loss": round(loss, 6)})
+        logger.info("dense epoch %d/%d: train loss %.4f", epoch + 1, epochs, loss)
+    metrics = evaluate_dense(trunk, head, on_device(_loader(test_set, transform, batch, False, seed), device),
+                             classes, amp)
+    record = {**metrics, "num_classes": classes, "num_train": len(train_set), "num_test": len(test_set),  # type: ignore[arg-type]
+              "step": pre.step, "checkpoint": pre.path, "feature_dim": dim,
+              "time_s": round(time.perf_counter() - start, 2), "epochs": records,
+              "config": {"protocol": "DINOv3's linear segmentation (eval/segmentation, config-ade20k-linear-training."
+                                     "yaml): Dropout2d 0.1, BatchNorm, 1x1 conv on the last layer's normed patch "
+                                     "tokens, logits upsampled bilinearly, cross-entropy, AdamW (0.9, 0.999), "
+                                     "warm-up then cosine; images and class maps resized to image_size x image_size "
+                                     "(no sliding window)",
+                         **described, "features": opts.get("features", "trunk"), "image_size": size,
+                         **{k: v for k, v in OmegaConf.to_container(dense, resolve=True).items()  # type: ignore[union-attr]
+                            if k not in ("dataset", "path", "image_size")}}}
+    out = output_path(opts, pre, "dense.json")
+    write_json(out, record)
+    logger.info("dense probe of step %d: mIoU %.4f, pixel accuracy %.4f; written to %s", pre.step, metrics["miou"],
+                metrics["pixel_accuracy"], out)
+    return 0
+
+
+def dense_main(argv: list[str] | None = None) -> int:
+    """``sslkit dense checkpoint=RUN_DIR [eval.dense.epochs=2] [eval.dense.dataset=folder eval.dense.path=...]``"""
+    return run_tool("dense", _dense, argv, tool_usage(
+        "dense", "a linear segmentation head on the frozen ViT's patch tokens (DINOv3's linear protocol), mIoU into "
+        "<run>/eval/dense.json (eval.dense.*: Fashion-MNIST's garments against their background, or a folder in "
+        "ADE20K's layout)", DENSE_KEYS))

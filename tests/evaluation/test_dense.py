@@ -1,0 +1,165 @@
+"""The dense probe: mIoU against hand-counted pixels, the segmentation sets (Fashion-MNIST's threshold, ADE20K's
+folder layout), the head and its schedule, and ``sslkit dense`` on a trained ViT run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import RECIPES, SMALL, run_main
+from PIL import Image
+
+from sslkit.data.segmentation import (
+    IGNORE_INDEX,
+    FashionMNISTSegmentation,
+    SegmentationFolder,
+    SegmentationTransform,
+)
+from sslkit.evaluation.dense import LinearSegmentationHead, area_stats, segmentation_metrics, warmup_cosine_lr
+
+
+def test_miou_is_the_mean_over_classes_of_intersection_over_union_counted_by_hand() -> None:
+    target = torch.tensor([[0, 0, 1, 1], [2, 2, 1, IGNORE_INDEX]])
+    pred = torch.tensor([[0, 1, 1, 1], [2, 0, 0, 2]])
+    # class 0: labelled at 2 pixels, predicted at 3 (the ignored pixel's prediction is left out), both at 1 -> 1/4
+    # class 1: labelled 3, predicted 3, both 2 -> 2/4;  class 2: labelled 2, predicted 1, both 1 -> 1/2
+    # class 3: neither -> no IoU (left out of the mean)
+    stats = area_stats(pred, target, num_classes=4)
+    assert stats[0].tolist() == [1, 2, 1, 0] and stats[3].tolist() == [2, 3, 2, 0]
+    got = segmentation_metrics(stats)
+    assert got["per_class_iou"] == [0.25, 0.5, 0.5, None]
+    assert got["miou"] == pytest.approx((0.25 + 0.5 + 0.5) / 3)
+    assert got["pixel_accuracy"] == pytest.approx(4 / 7)
+    assert got["mean_accuracy"] == pytest.approx((1 / 2 + 2 / 3 + 1 / 2) / 3)
+    twice = segmentation_metrics(area_stats(pred, target, 4) + area_stats(pred, target, 4))
+    assert twice["miou"] == pytest.approx(got["miou"])  # summed over batches, then divided
+
+
+def test_fashion_mnist_pixels_above_the_threshold_take_the_image_class() -> None:
+    images = torch.zeros(2, 1, 28, 28, dtype=torch.uint8)
+    images[0, 0, 5:10, 5:10] = 200
+    images[0, 0, 0, 0] = 20  # 20 / 255 = 0.078: under the 0.1 threshold
+    images[1, 0, 3, 4] = 30  # 0.118: over it
+    data = FashionMNISTSegmentation(images, torch.tensor([3, 9]), threshold=0.1)
+    image, mask = data[0]
+    assert torch.equal(image, images[0]) and mask.dtype == torch.int64
+    assert int(mask[5:10, 5:10].unique().item()) == 4 and int(mask.sum()) == 25 * 4  # label 3 -> class 4
+    _, mask = data[1]
+    assert mask[3, 4] == 10 and int((mask > 0).sum()) == 1
+    with pytest.raises(ValueError, match="threshold"):
+        FashionMNISTSegmentation(images, torch.tensor([3, 9]), threshold=1.5)
+
+
+def ade_folder(root: Path, n_train: int = 4, n_test: int = 2, size: int = 32) -> Path:
+    """A folder in ADE20K's layout: images with a bright square on a dark ground, the square class 2 and the ground
+    class 1 in the class map (0, "other", on the border)."""
+    rng = np.random.default_rng(0)
+    for split, n in (("training", n_train), ("validation", n_test)):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "annotations" / split).mkdir(parents=True)
+        for i in range(n):
+            image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
+            mask = np.ones((size, size), dtype=np.uint8)
+            top, left = rng.integers(2, size // 2, 2)
+            image[top:top + size // 3, left:left + size // 3] = 220
+            mask[top:top + size // 3, left:left + size // 3] = 2
+            mask[0, :] = 0
+            Image.fromarray(image).save(root / "images" / split / f"ADE_{i:04d}.jpg")
+            Image.fromarray(mask).save(root / "annotations" / split / f"ADE_{i:04d}.png")
+    return root
+
+
+def test_an_ade20k_layout_folder_reads_images_and_class_maps_with_zero_ignored(tmp_path: Path) -> None:
+    root = ade_folder(tmp_path / "ade")
+    train, test = SegmentationFolder(root, "train"), SegmentationFolder(root, "test")
+    assert len(train) == 4 and len(test) == 2
+    image, mask = train[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+    assert set(mask.unique().tolist()) == {0, 1, IGNORE_INDEX}  # 1 -> 0, 2 -> 1, 0 -> ignored
+    assert (mask[0] == IGNORE_INDEX).all()
+    raw = SegmentationFolder(root, "train", reduce_zero_label=False)[0][1]
+    assert set(raw.unique().tolist()) == {0, 1, 2}
+    (root / "annotations" / "validation" / "ADE_0001.png").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no class map for 1 image\(s\).*ADE_0001.jpg"):
+        SegmentationFolder(root, "test")
+    with pytest.raises(FileNotFoundError, match="images/training/ and annotations/training/"):
+        SegmentationFolder(tmp_path / "nothing", "train")
+
+
+def test_the_transform_resizes_a_class_map_without_blending_labels() -> None:
+    image = torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8)
+    mask = torch.randint(0, 5, (40, 40))
+    x, m = SegmentationTransform(16, mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])(image, mask)
+    assert x.shape == (3, 16, 16) and m.shape == (16, 16) and m.dtype == torch.int64
+    assert set(m.unique().tolist()) <= set(mask.unique().tolist())
+    same = SegmentationTransform(40, mean=[0.5], std=[0.25])(image, mask)
+    torch.testing.assert_close(same[0], (image.float() / 255 - 0.5) / 0.25)
+    assert torch.equal(same[1], mask)
+
+
+def test_the_head_and_its_schedule_are_dinov3s() -> None:
+    torch.manual_seed(0)
+    head = LinearSegmentationHead(64, 7)
+    assert head.conv.weight.shape == (7, 64, 1, 1) and head.conv.bias.abs().sum() == 0
+    assert 0.008 < head.conv.weight.std().item() < 0.012
+    assert head(torch.randn(2, 64, 4, 4)).shape == (2, 7, 4, 4)
+    assert warmup_cosine_lr(1e-3, 0, 100, 10) == pytest.approx(1e-9)
+    assert warmup_cosine_lr(1e-3, 5, 100, 10) == pytest.approx(1e-3 * (1e-6 + (1 - 1e-6) * 0.5))
+    assert warmup_cosine_lr(1e-3, 10, 100, 10) == pytest.approx(1e-3)
+    assert warmup_cosine_lr(1e-3, 55, 100, 10) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert warmup_cosine_lr(1e-3, 100, 100, 10) == pytest.approx(0.0, abs=1e-15)
+
+
+@pytest.fixture(scope="module")
+def vit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dense") / "run"
+    run_main("config=dinov3", *SMALL, *RECIPES["dinov3"], "optim.max_steps=2", "eval.knn.enabled=false",
+             f"output_dir={out}")
+    return out
+
+
+@pytest.mark.slow
+def test_sslkit_dense_writes_miou_for_a_vit_run_on_an_ade20k_folder(vit_run: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from sslkit.launch.cli import console
+
+    root = ade_folder(tmp_path / "ade", n_train=6, n_test=3)
+    code = console(["dense", f"checkpoint={vit_run}", "eval.dense.dataset=folder", f"eval.dense.path={root}",
+                    "eval.dense.num_classes=2", "eval.dense.epochs=2", "eval.dense.batch_size=4",
+                    "machine.device=cpu"])
+    assert code == 0, capsys.readouterr().err
+    record = json.loads((vit_run / "eval" / "dense.json").read_text())
+    assert 0.0 <= record["miou"] <= 1.0 and len(record["per_class_iou"]) == 2
+    assert record["num_train"] == 6 and record["num_test"] == 3 and record["config"]["image_size"] == 32
+    assert len(record["epochs"]) == 2 and all(math.isfinite(e["train_loss"]) for e in record["epochs"])
+
+
+@pytest.mark.slow
+def test_sslkit_dense_on_fashion_mnist_names_its_threshold(vit_run: Path, tmp_path: Path) -> None:
+    from sslkit.data.sources import DEBIAN_FASHION_MNIST
+
+    if not Path(DEBIAN_FASHION_MNIST).is_dir():
+        pytest.skip("no Fashion-MNIST here (apt-get install dataset-fashion-mnist)")
+    from sslkit.launch.cli import console
+
+    out = tmp_path / "fm.json"
+    # the run trained at 32 px (synthetic images): Fashion-MNIST's 28 px images are resized to it
+    assert console(["dense", f"checkpoint={vit_run}", "eval.dense.train_samples=256", "eval.dense.epochs=1",
+                    "data.limit=256", "machine.device=cpu", f"output={out}"]) == 0
+    record = json.loads(out.read_text())
+    assert record["num_classes"] == 11 and record["config"]["threshold"] == 0.1 and record["num_train"] == 256
+    assert 0.0 <= record["miou"] <= 1.0
+
+
+def test_sslkit_dense_refuses_a_cnn_run_and_a_folder_without_its_path(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from sslkit.launch.cli import console
+
+    out = tmp_path / "cnn"
+    run_main("config=simclr", *SMALL, "optim.max_steps=1", "eval.knn.enabled=false", f"output_dir={out}")
+    assert console(["dense", f"checkpoint={out}", "machine.device=cpu"]) == 2
+    assert "sslkit dense reads a ViT's patch tokens, and model.trunk=small_cnn gives none" in capsys.readouterr().err
