@@ -82,10 +82,13 @@ def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str,
         described = {"dataset": "folder", "path": str(dense.path), "reduce_zero_label": bool(dense.reduce_zero_label)}
     else:
         raise ToolError(f"eval.dense.dataset={dense.dataset}: use fashion_mnist or folder")
-    train = sets[0]
+    train, test = sets
     if int(dense.train_samples) > 0:
         train = Subset(train, range(min(int(dense.train_samples), len(train))))  # type: ignore[arg-type]
-    return train, sets[1], classes, described
+    if int(cfg.data.limit) > 0:  # as every tool reads data.limit: the first N images of each split
+        train = Subset(train, range(min(int(cfg.data.limit), len(train))))  # type: ignore[arg-type]
+        test = Subset(test, range(min(int(cfg.data.limit), len(test))))  # type: ignore[arg-type]
+    return train, test, classes, described
 
 
 def _loader(dataset: Dataset, transform: SegmentationTransform, batch: int, shuffle: bool, seed: int) -> DataLoader:
