@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.data.segmentation import IGNORE_INDEX
+from sslkit.evaluation.linear import warmup_cosine_lr
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["LinearSegmentationHead", "area_stats", "dense_logits", "evaluate_dense", "on_device", "patch_maps",
-           "segmentation_metrics", "train_dense_epoch", "warmup_cosine_lr"]
+__all__ = ["LinearSegmentationHead", "area_stats", "dense_logits", "dense_lr", "evaluate_dense", "on_device",
+           "patch_maps", "segmentation_metrics", "train_dense_epoch"]
 
 
 class LinearSegmentationHead(nn.Module):
@@ -50,13 +51,10 @@ def dense_logits(head: nn.Module, maps: torch.Tensor, size: tuple[int, int]) -> 
     return F.interpolate(head(maps), size=size, mode="bilinear", align_corners=False)
 
 
-def warmup_cosine_lr(base: float, step: int, total: int, warmup: int) -> float:
+def dense_lr(base: float, step: int, warmup: int, total: int) -> float:
     """DINOv3's linear-probe schedule (``WarmupOneCycleLR``, ``pct_start`` 0): linear from ``base x 1e-6`` to
     ``base`` over ``warmup`` steps, then a half cosine down to 0 at ``total``."""
-    if step < warmup:
-        return base * (1e-6 + (1 - 1e-6) * step / max(warmup, 1))
-    progress = (step - warmup) / max(total - warmup, 1)
-    return base * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return warmup_cosine_lr(base, step, warmup, total, start=base * 1e-6)
 
 
 def _frozen_maps(trunk: TokenTrunk, images: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:

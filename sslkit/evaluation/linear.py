@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LinearSettings", "accuracy", "cosine_lr", "make_classifier", "make_optimizer", "train_epoch"]
+__all__ = ["LinearSettings", "accuracy", "cosine_lr", "make_classifier", "make_optimizer", "train_epoch",
+           "warmup_cosine_lr"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ def make_optimizer(head: nn.Module, s: LinearSettings) -> torch.optim.SGD:
 def cosine_lr(base: float, step: int, total: int) -> float:
     """Cosine decay from ``base`` at step 0 to 0 at ``total`` (no warmup, as the protocol)."""
     return base * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def warmup_cosine_lr(base: float, step: int, warmup: int, total: int, min_lr: float = 0.0,
+                     start: float = 0.0) -> float:
+    """Per step: linear from ``start`` to ``base`` over ``warmup`` steps, then a half cosine from ``base`` to ``min_lr``
+    at ``total``. MAE's fine-tuning schedule (``util/lr_sched.py``: ``start`` 0) and DINOv3's linear segmentation
+    probe's (``WarmupOneCycleLR`` with ``pct_start`` 0: ``start`` = ``base x 1e-6``, ``min_lr`` 0)."""
+    if step < warmup:
+        return start + (base - start) * step / warmup
+    done = min(step - warmup, total - warmup) / max(total - warmup, 1)
+    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 def feature_batches(features: Tensor, labels: Tensor, batch_size: int, generator: torch.Generator

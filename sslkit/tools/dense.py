@@ -19,10 +19,10 @@ from sslkit.data.segmentation import (
 )
 from sslkit.evaluation.dense import (
     LinearSegmentationHead,
+    dense_lr,
     evaluate_dense,
     on_device,
     train_dense_epoch,
-    warmup_cosine_lr,
 )
 from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.common import (
@@ -129,7 +129,7 @@ def _dense(args: list[str]) -> int:
                 len(train_set), len(test_set), size, epochs)  # type: ignore[arg-type]
     for epoch in range(epochs):
         loss, step = train_dense_epoch(trunk, head, optimizer, on_device(train_loader, device),
-                                       lambda t: warmup_cosine_lr(float(dense.lr), t, total, warmup), step, amp)
+                                       lambda t: dense_lr(float(dense.lr), t, warmup, total), step, amp)
         records.append({"epoch": epoch + 1, "train_loss": round(loss, 6)})
         logger.info("dense epoch %d/%d: train loss %.4f", epoch + 1, epochs, loss)
     metrics = evaluate_dense(trunk, head, on_device(_loader(test_set, transform, batch, False, seed), device),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 from sslkit.checkpoint import atomic_write
 from sslkit.errors import plural
 from sslkit.evaluation.features import extract_features
-from sslkit.evaluation.linear import accuracy
+from sslkit.evaluation.linear import accuracy, warmup_cosine_lr
 from sslkit.models.tokens import TokenTrunk
 from sslkit.optim import build_optimizer, set_lr
 from sslkit.tools.common import (
@@ -44,7 +43,7 @@ from sslkit.tools.common import (
 from sslkit.tools.pretrained import Pretrained, ToolError
 
 __all__ = ["Classifier", "FinetuneSettings", "finetune_main", "make_head", "make_optimizer", "set_drop_path",
-           "settings_of", "smoothed_cross_entropy", "train_epoch", "warmup_cosine_lr"]
+           "settings_of", "smoothed_cross_entropy", "train_epoch"]
 
 logger = logging.getLogger("sslkit")
 
@@ -141,15 +140,6 @@ def make_optimizer(model: nn.Module, s: FinetuneSettings) -> torch.optim.AdamW:
     ViT's layer ``l`` of ``L`` at ``layer_decay ** (L - l)`` times the learning rate (the head at 1)."""
     return build_optimizer(model, "adamw", s.lr, weight_decay=s.weight_decay, betas=s.betas,  # type: ignore[return-value]
                            layer_decay=s.layer_decay)
-
-
-def warmup_cosine_lr(base: float, min_lr: float, step: int, warmup: int, total: int) -> float:
-    """MAE's schedule (``util/lr_sched.py``), per step: linear from 0 to ``base`` over ``warmup`` steps, then a half
-    cosine from ``base`` to ``min_lr`` at ``total``."""
-    if step < warmup:
-        return base * step / warmup
-    done = min(step - warmup, total - warmup) / max(total - warmup, 1)
-    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
@@ -271,7 +261,7 @@ def _finetune(args: list[str]) -> int:
     warmup = round(s.warmup_epochs * steps_per_epoch)
 
     def lr_at(t: int) -> float:
-        return warmup_cosine_lr(s.lr, s.min_lr, t, warmup, total)
+        return warmup_cosine_lr(s.lr, t, warmup, total, min_lr=s.min_lr)
 
     out = output_path(opts, pre, "finetune.json")
     state_path = os.path.splitext(out)[0] + ".state.pt"

@@ -19,7 +19,7 @@ from sslkit.data.segmentation import (
     SegmentationFolder,
     SegmentationTransform,
 )
-from sslkit.evaluation.dense import LinearSegmentationHead, area_stats, segmentation_metrics, warmup_cosine_lr
+from sslkit.evaluation.dense import LinearSegmentationHead, area_stats, dense_lr, segmentation_metrics
 
 
 def test_miou_is_the_mean_over_classes_of_intersection_over_union_counted_by_hand() -> None:
@@ -107,11 +107,11 @@ def test_the_head_and_its_schedule_are_dinov3s() -> None:
     assert head.conv.weight.shape == (7, 64, 1, 1) and head.conv.bias.abs().sum() == 0
     assert 0.008 < head.conv.weight.std().item() < 0.012
     assert head(torch.randn(2, 64, 4, 4)).shape == (2, 7, 4, 4)
-    assert warmup_cosine_lr(1e-3, 0, 100, 10) == pytest.approx(1e-9)
-    assert warmup_cosine_lr(1e-3, 5, 100, 10) == pytest.approx(1e-3 * (1e-6 + (1 - 1e-6) * 0.5))
-    assert warmup_cosine_lr(1e-3, 10, 100, 10) == pytest.approx(1e-3)
-    assert warmup_cosine_lr(1e-3, 55, 100, 10) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert warmup_cosine_lr(1e-3, 100, 100, 10) == pytest.approx(0.0, abs=1e-15)
+    assert dense_lr(1e-3, 0, 10, 100) == pytest.approx(1e-9)
+    assert dense_lr(1e-3, 5, 10, 100) == pytest.approx(1e-3 * (1e-6 + (1 - 1e-6) * 0.5))
+    assert dense_lr(1e-3, 10, 10, 100) == pytest.approx(1e-3)
+    assert dense_lr(1e-3, 55, 10, 100) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert dense_lr(1e-3, 100, 10, 100) == pytest.approx(0.0, abs=1e-15)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from torch import nn
 
 import sslkit.tools.finetune as FT
 from sslkit.evaluation import FeatureEncoder
+from sslkit.evaluation.linear import warmup_cosine_lr
 from sslkit.models.vit import build_vit
 
 TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false", "eval.knn.enabled=false"]
@@ -64,12 +65,12 @@ def test_smoothed_cross_entropy_is_the_label_smoothing_loss() -> None:
 
 def test_warmup_then_cosine_to_min_lr() -> None:
     base, low = 1e-3, 1e-6
-    assert FT.warmup_cosine_lr(base, low, 0, 10, 110) == 0.0
-    assert FT.warmup_cosine_lr(base, low, 5, 10, 110) == pytest.approx(base / 2)
-    assert FT.warmup_cosine_lr(base, low, 10, 10, 110) == pytest.approx(base)
-    assert FT.warmup_cosine_lr(base, low, 60, 10, 110) == pytest.approx(low + (base - low) / 2)
-    assert FT.warmup_cosine_lr(base, low, 110, 10, 110) == pytest.approx(low)
-    assert FT.warmup_cosine_lr(base, low, 0, 0, 10) == pytest.approx(base)  # no warmup
+    assert warmup_cosine_lr(base, 0, 10, 110, min_lr=low) == 0.0
+    assert warmup_cosine_lr(base, 5, 10, 110, min_lr=low) == pytest.approx(base / 2)
+    assert warmup_cosine_lr(base, 10, 10, 110, min_lr=low) == pytest.approx(base)
+    assert warmup_cosine_lr(base, 60, 10, 110, min_lr=low) == pytest.approx(low + (base - low) / 2)
+    assert warmup_cosine_lr(base, 110, 10, 110, min_lr=low) == pytest.approx(low)
+    assert warmup_cosine_lr(base, 0, 0, 10, min_lr=low) == pytest.approx(base)  # no warmup
 
 
 def _layer(name: str, depth: int) -> int:
