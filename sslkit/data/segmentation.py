@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from sslkit.data.transforms import Normalize
+
 __all__ = ["IGNORE_INDEX", "IMAGE_SUFFIXES", "FashionMNISTSegmentation", "SegmentationFolder", "SegmentationTransform",
            "TransformedSegmentation"]
 
@@ -96,32 +98,27 @@ class SegmentationFolder(Dataset):
 
 class SegmentationTransform:
     """An image and its class map brought to ``size x size``: the image resized bilinearly (antialiased when it
-    shrinks) and normalised with ``mean`` / ``std`` (0.5 where None, as sslkit's transforms), the class map resized
-    to the same grid by nearest neighbour (a label is never blended). A gray image is repeated to ``channels`` = 3
-    for an RGB trunk (Fashion-MNIST's garments under a run trained on colour images)."""
+    shrinks) and normalised as sslkit's transforms normalise (:class:`~sslkit.data.transforms.Normalize`), the class
+    map resized to the same grid by nearest neighbour (a label is never blended). A gray image is repeated to
+    ``channels`` = 3 for an RGB trunk (Fashion-MNIST's garments under a run trained on colour images)."""
 
     def __init__(self, size: int, mean: Any = None, std: Any = None, channels: int | None = None) -> None:
         self.size = int(size)
-        self.mean, self.std, self.channels = mean, std, channels
+        self.normalize, self.channels = Normalize(mean, std), channels
 
     def __call__(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = image.to(torch.float32).div(255.0) if image.dtype == torch.uint8 else image.float()
+        x = image.to(torch.float32).div(255.0) if image.dtype == torch.uint8 else image.to(torch.float32, copy=True)
         if self.channels is not None and x.shape[0] != self.channels:
             if x.shape[0] != 1:
                 raise ValueError(f"the segmentation images have {x.shape[0]} channels and the trunk takes "
                                  f"{self.channels}")
-            x = x.expand(self.channels, -1, -1)
+            x = x.expand(self.channels, -1, -1).contiguous()
         s = self.size
         if tuple(x.shape[1:]) != (s, s):
             down = x.shape[1] > s or x.shape[2] > s
             x = F.interpolate(x[None], size=(s, s), mode="bilinear", align_corners=False, antialias=down)[0]
             mask = F.interpolate(mask[None, None].float(), size=(s, s), mode="nearest")[0, 0].to(torch.int64)
-        c = x.shape[0]
-        mean = torch.tensor([0.5] * c if self.mean is None else list(self.mean), dtype=torch.float32)
-        std = torch.tensor([0.5] * c if self.std is None else list(self.std), dtype=torch.float32)
-        if mean.numel() == 1:
-            mean, std = mean.expand(c), std.expand(c)
-        return (x - mean.view(-1, 1, 1)) / std.view(-1, 1, 1), mask
+        return self.normalize(x), mask
 
 
 class TransformedSegmentation(Dataset):

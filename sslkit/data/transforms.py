@@ -16,6 +16,7 @@ from sslkit.registry import TRANSFORMS, get, register_transform
 __all__ = [
     "USUAL_CROP_PCT",
     "EvalTransform",
+    "Normalize",
     "SimCLRTransform",
     "Transform",
     "build_eval",
@@ -47,8 +48,9 @@ def _to_float(image: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"expected a uint8 or float image tensor, got {image.dtype}")
 
 
-class _Normalize:
-    """Per-channel ``(x - mean) / std`` with defaults of 0.5; tensors cached per channel count."""
+class Normalize:
+    """Per-channel ``(x - mean) / std`` with defaults of 0.5 (one value serves every channel), in place on a float
+    image ``[C, H, W]`` the caller owns; tensors cached per channel count."""
 
     def __init__(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> None:
         self.mean = None if mean is None else [float(m) for m in mean]
@@ -238,7 +240,7 @@ class SimCLRTransform:
         k = int(0.1 * self.image_size)
         self.blur_kernel = max(3, k + 1 if k % 2 == 0 else k)
         self.solarize_p = float(solarize_p)
-        self.normalize = _Normalize(mean, std)
+        self.normalize = Normalize(mean, std)
 
     def _jitter(self, x: torch.Tensor, u: Sequence[float]) -> torch.Tensor:
         s = self.jitter_strength
@@ -342,7 +344,7 @@ class EvalTransform:
         """Configure; see :func:`build_eval`."""
         self.resize = eval_resize(image_size, resize, crop_pct)
         self.image_size = int(image_size)
-        self.normalize = _Normalize(mean, std)
+        self.normalize = Normalize(mean, std)
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
         """A list holding the one normalised float32 view ``[C, image_size, image_size]``."""
