@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
+from sslkit.builder import limited
 from sslkit.data.segmentation import (
     FashionMNISTSegmentation,
     SegmentationFolder,
@@ -54,7 +55,8 @@ def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str,
     """The training and test segmentation sets ``eval.dense`` names, and their number of classes:
     ``fashion_mnist`` (each pixel above ``eval.dense.threshold`` the image's class, else background; the run's
     own Fashion-MNIST files) or ``folder`` (ADE20K's layout under ``eval.dense.path``, ``eval.dense.num_classes``
-    classes). ``eval.dense.train_samples`` keeps the first N training images (0: all)."""
+    classes). ``eval.dense.train_samples`` keeps the first N training images (0: all), ``data.limit`` the first N
+    of each split (:func:`~sslkit.builder.limited`)."""
     dense = cfg.eval.dense
     if dense.dataset == "fashion_mnist":
         from sslkit.data import build_source
@@ -83,12 +85,9 @@ def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str,
     else:
         raise ToolError(f"eval.dense.dataset={dense.dataset}: use fashion_mnist or folder")
     train, test = sets
-    if int(dense.train_samples) > 0:
-        train = Subset(train, range(min(int(dense.train_samples), len(train))))  # type: ignore[arg-type]
-    if int(cfg.data.limit) > 0:  # as every tool reads data.limit: the first N images of each split
-        train = Subset(train, range(min(int(cfg.data.limit), len(train))))  # type: ignore[arg-type]
-        test = Subset(test, range(min(int(cfg.data.limit), len(test))))  # type: ignore[arg-type]
-    return train, test, classes, described
+    limit = int(cfg.data.limit)  # as every tool reads data.limit: the first N images of each split
+    train = limited(limited(train, int(dense.train_samples)), limit)
+    return train, limited(test, limit), classes, described
 
 
 def _loader(dataset: Dataset, transform: SegmentationTransform, batch: int, shuffle: bool, seed: int) -> DataLoader:
