@@ -216,18 +216,18 @@ class GramTeacherHook(SSLHook):
             load_trunk(model.gram_trunk, str(self.checkpoint), "gram.checkpoint")
             self.snapshots.append(-1)
             logger.info("gram_teacher: the Gram teacher read from gram.checkpoint=%s", self.checkpoint)
-        self._handle(model, clock.update)
-        model.gram_active = clock.update >= self.start
+        self._advance(model, clock.update)
 
     def on_step(self, task: SSLTask) -> None:
         """After a train step (its EMA update done): the snapshot due before the next update, if one is."""
         clock = task.clock
-        if task.train and self.handled < clock.update < clock.max_updates:  # no snapshot after the last update
-            model = self._model(task)
-            self._handle(model, clock.update)
-            model.gram_active = clock.update >= self.start
+        if task.train and clock.update < clock.max_updates:  # no snapshot after the last update
+            self._advance(self._model(task), clock.update)
 
-    def _handle(self, model: DINOv3Model, update: int) -> None:
+    def _advance(self, model: DINOv3Model, update: int) -> None:
+        """The clock reads ``update`` (the next update to run): the Gram loss is on from the start; the snapshot due
+        before ``update`` is taken, once."""
+        model.gram_active = update >= self.start
         if update <= self.handled:
             return
         self.handled = update
