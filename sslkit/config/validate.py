@@ -75,11 +75,15 @@ def _check_tree(cfg: DictConfig, ref: DictConfig, prefix: str, errors: list[str]
             errors.append(f"'{path}' must be {_type_name(exp_v)} (like {exp_v!r}), got {_type_name(got_v)} {got_v!r}")
 
 
+def _parameters(builder: Callable[..., Any]) -> Any:
+    """The parameters of a registered builder: a class's ``__init__``'s, a function's own."""
+    return inspect.signature(builder.__init__ if inspect.isclass(builder) else builder).parameters
+
+
 def _check_kwargs(where: str, builder: Callable[..., Any], kwargs: dict[str, Any], errors: list[str],
                   provided: tuple[str, ...] = ()) -> None:
     """Every key of ``kwargs`` must be an argument of ``builder``; required ones must be there."""
-    target = builder.__init__ if inspect.isclass(builder) else builder
-    params = inspect.signature(target).parameters
+    params = _parameters(builder)
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     names = [n for n in params if n not in ("self",)]
@@ -670,9 +674,7 @@ def _loss_arguments(cfg: DictConfig) -> list[str]:
     name = cfg.loss.get("name") if isinstance(cfg.loss, DictConfig) else None
     if name is None or name not in R.LOSSES:
         return []
-    builder = R.LOSSES.get(name)
-    target = builder.__init__ if inspect.isclass(builder) else builder
-    return list(inspect.signature(target).parameters)
+    return list(_parameters(R.LOSSES.get(name)))
 
 
 def _check_loss_call(name: str, builder: Any, errors: list[str]) -> None:

@@ -130,10 +130,7 @@ def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
     momentum teachers and DINOv3's Gram teacher, :meth:`~sslkit.models.ssl_model.SSLModel.trunk_copies`: they start
     equal to the trunk); the heads start fresh. Returns the trunk's parameters that kept their fresh values."""
     trunk = getattr(model, "trunk", None)
-    if not isinstance(trunk, TokenTrunk):
-        raise WeightsError(f"model.pretrained loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the "
-                           f"trunk is {type(trunk).__name__}")
-    missing = load_trunk(trunk, path)
+    missing = load_trunk(trunk, path)  # (refuses a trunk that is not a ViT, as it refuses a file of another one)
     copies = model.trunk_copies() if isinstance(model, SSLModel) else []
     for copy in copies:
         copy.load_state_dict(trunk.state_dict())
