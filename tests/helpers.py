@@ -246,3 +246,25 @@ def distillation_output(seed: int, b: int, m: int, k: int, masked: float) -> dic
             "patch_projections": [torch.randn(b, m, k, generator=g) for _ in range(2)],
             "patch_targets": [torch.randn(b, m, k, generator=g) for _ in range(2)],
             "patch_weights": list(w)}
+
+
+def ade_folder(root: Path, n_train: int = 4, n_test: int = 2, size: int = 32) -> Path:
+    """A folder in ADE20K's layout: images with a bright square on a dark ground, the square class 2 and the ground
+    class 1 in the class map (0, "other", on the border)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("training", n_train), ("validation", n_test)):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "annotations" / split).mkdir(parents=True)
+        for i in range(n):
+            image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
+            mask = np.ones((size, size), dtype=np.uint8)
+            top, left = rng.integers(2, size // 2, 2)
+            image[top:top + size // 3, left:left + size // 3] = 220
+            mask[top:top + size // 3, left:left + size // 3] = 2
+            mask[0, :] = 0
+            Image.fromarray(image).save(root / "images" / split / f"ADE_{i:04d}.jpg")
+            Image.fromarray(mask).save(root / "annotations" / split / f"ADE_{i:04d}.png")
+    return root

@@ -7,11 +7,9 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from helpers import RECIPES, SMALL, run_main
-from PIL import Image
+from helpers import RECIPES, SMALL, ade_folder, run_main
 
 from sslkit.data.segmentation import (
     IGNORE_INDEX,
@@ -52,25 +50,6 @@ def test_fashion_mnist_pixels_above_the_threshold_take_the_image_class() -> None
     assert mask[3, 4] == 10 and int((mask > 0).sum()) == 1
     with pytest.raises(ValueError, match="threshold"):
         FashionMNISTSegmentation(images, torch.tensor([3, 9]), threshold=1.5)
-
-
-def ade_folder(root: Path, n_train: int = 4, n_test: int = 2, size: int = 32) -> Path:
-    """A folder in ADE20K's layout: images with a bright square on a dark ground, the square class 2 and the ground
-    class 1 in the class map (0, "other", on the border)."""
-    rng = np.random.default_rng(0)
-    for split, n in (("training", n_train), ("validation", n_test)):
-        (root / "images" / split).mkdir(parents=True)
-        (root / "annotations" / split).mkdir(parents=True)
-        for i in range(n):
-            image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
-            mask = np.ones((size, size), dtype=np.uint8)
-            top, left = rng.integers(2, size // 2, 2)
-            image[top:top + size // 3, left:left + size // 3] = 220
-            mask[top:top + size // 3, left:left + size // 3] = 2
-            mask[0, :] = 0
-            Image.fromarray(image).save(root / "images" / split / f"ADE_{i:04d}.jpg")
-            Image.fromarray(mask).save(root / "annotations" / split / f"ADE_{i:04d}.png")
-    return root
 
 
 def test_an_ade20k_layout_folder_reads_images_and_class_maps_with_zero_ignored(tmp_path: Path) -> None:

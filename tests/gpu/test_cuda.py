@@ -79,7 +79,8 @@ def test_deterministic_cuda_runs_and_resumes_are_bit_identical(tmp_path: Path, r
     assert_identical(latest_state(out), reference)
 
 
-@pytest.mark.parametrize("recipe", ["simclr", "moco", "byol", "swav", "dino", "vicreg", "ibot", "dinov2", "ijepa"])
+@pytest.mark.parametrize("recipe", ["simclr", "moco", "byol", "swav", "dino", "vicreg", "ibot", "dinov2", "dinov3",
+                                    "ijepa"])
 def test_no_host_device_sync_inside_the_step(tmp_path: Path, recipe: str) -> None:
     """CUDA's sync debug mode raises on any synchronising call (item, a blocking copy, a stream sync) inside steps
     3-6; the first two may sync (cuDNN autotuning, first allocations). Logging and checkpoints, which sync at their

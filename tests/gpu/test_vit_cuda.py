@@ -7,11 +7,12 @@ same properties: tests/models/test_masking.py, tests/models/test_vit.py, tests/l
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAE_VIT_S16_224, RECIPES, SMALL, run_cli
+from helpers import MAE_VIT_S16_224, RECIPES, SMALL, ade_folder, metrics, run_cli, run_main
 from reliability_helpers import BASE, FAULT_ENV, RECIPE_ARGS, assert_identical, hooks_override, latest_state
 
 from sslkit.models.masking import BlockMasking, MultiBlockMasking, RandomMasking, SampleKeys
@@ -296,3 +297,30 @@ def test_the_gram_loss_runs_on_the_device_in_bf16_without_a_sync() -> None:
     for a, b in zip(cpu, gpu):
         assert b.dtype == torch.float32 and b.device.type == "cuda"
         assert torch.allclose(b.cpu(), a, rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_dinov3_trains_in_bf16_and_its_dense_probe_runs_on_the_device(tmp_path: Path) -> None:
+    """dinov3 on CUDA in bf16: the Gram teacher a snapshot (a copy on the device) before every update from the
+    second, the Gram loss finite in the log; then sslkit dense on the device under the run's autocast (the frozen
+    trunk in bf16, the head's BatchNorm and cross-entropy in float32): a finite mIoU, and the per-class pixel counts
+    (bincount on the device) equal to the CPU's for the same predictions."""
+    import json
+
+    from sslkit.evaluation.dense import area_stats
+    from sslkit.launch.cli import console
+
+    out = tmp_path / "run"
+    run_main("config=dinov3", *SMALL, *RECIPES["dinov3"], *GPU, "optim.max_steps=4", "log.every_n_steps=1",
+             "eval.knn.enabled=false", f"output_dir={out}")
+    gram = [r["gram_loss"] for r in metrics(out) if "gram_loss" in r]
+    assert len(gram) == 3 and all(math.isfinite(v) for v in gram)  # updates 1-3
+    root = ade_folder(tmp_path / "ade", n_train=8, n_test=4)
+    assert console(["dense", f"checkpoint={out}", "eval.dense.dataset=folder", f"eval.dense.path={root}",
+                    "eval.dense.num_classes=2", "eval.dense.epochs=2", "eval.dense.batch_size=4"]) == 0
+    record = json.loads((out / "eval" / "dense.json").read_text())
+    assert math.isfinite(record["miou"]) and 0.0 <= record["miou"] <= 1.0
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randint(0, 5, (4, 64, 64), generator=g), torch.randint(0, 5, (4, 64, 64), generator=g)
+    target[:, 0] = 255
+    assert torch.equal(area_stats(pred.cuda(), target.cuda(), 5).cpu(), area_stats(pred, target, 5))
