@@ -206,6 +206,14 @@ class RunInfo:
     output_dir: str = "."
     #: The resolved config (read-only; for logging and checkpoint metadata).
     config: Any = None
+    _text: tuple[int, str | None] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def config_text(self) -> str | None:
+        """The resolved config as YAML text (None when the task was built without one): made once per config
+        object, which a run never changes, rather than at every checkpoint."""
+        if self._text is None or self._text[0] != id(self.config):
+            self._text = (id(self.config), _config_text(self.config))
+        return self._text[1]
 
 
 class _Alias:
@@ -472,7 +480,7 @@ class SSLTask:
             "rank_local": self._rank_local_state(gather_rng),
             # the resolved config as YAML text (plain data: weights_only loading reads it), so a checkpoint file
             # copied out of its run folder still says how to rebuild its model (sslkit knn/linear/export)
-            "config": _config_text(self.config),
+            "config": self.run.config_text(),
         }
 
     def hook_states(self) -> dict[str, Any]:
@@ -565,6 +573,8 @@ def _config_text(config: Any) -> str | None:
     """The resolved config as YAML text (None when the task was built without one)."""
     if config is None:
         return None
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    return OmegaConf.to_yaml(config, resolve=True) if isinstance(config, DictConfig) else None
+    from sslkit.config.text import config_yaml
+
+    return config_yaml(config) if isinstance(config, DictConfig) else None

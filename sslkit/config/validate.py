@@ -661,7 +661,8 @@ def _check_required(cfg: DictConfig, errors: list[str]) -> None:
 
 def _check_gram(cfg: DictConfig, errors: list[str]) -> None:
     """``gram.*`` changed for a run whose loss has no Gram term (only a dinov3 recipe reads those keys)."""
-    changed = [k for k, v in cfg.gram.items() if v != schema().gram.get(k)]
+    defaults = schema().gram
+    changed = [k for k, v in cfg.gram.items() if v != defaults.get(k)]
     if not changed or "gram_weight" in _loss_arguments(cfg):
         return
     errors.append(f"'gram.{changed[0]}' is set, but method.name={cfg.method.name} has no Gram anchoring: the gram.* "

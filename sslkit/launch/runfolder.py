@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
 from sslkit.config.diff import flatten_config, show_value
 from sslkit.config.run_keys import ELASTIC_KEYS, LENGTHENING_KEYS, ignored
+from sslkit.config.text import config_yaml
 from sslkit.errors import UserError
 
 __all__ = [
@@ -171,7 +172,7 @@ def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
 
 def write_config(cfg: DictConfig) -> str:
     """Write the resolved config as ``<output_dir>/config.yaml`` atomically; returns its text."""
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    text = config_yaml(cfg)
     path = os.path.join(str(cfg.output_dir), CONFIG_FILE)
     atomic_write(path, lambda f: f.write(text.encode()))
     return text
