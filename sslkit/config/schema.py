@@ -3,7 +3,7 @@ free-form sections, and ConfigError."""
 
 from __future__ import annotations
 
-import copy
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,17 +42,18 @@ class ConfigError(UserError, ValueError):
     """A config that cannot run: what is wrong, with the key, and what to do."""
 
 
-_DEFAULTS_FILE: dict[tuple[int, int], DictConfig] = {}
+_DEFAULTS_FILE: dict[tuple[int, int], bytes] = {}
 
 
 def defaults_file() -> DictConfig:
-    """sslkit/config/defaults.yaml as loaded (parsed once a process while the file is unchanged; a copy)."""
+    """sslkit/config/defaults.yaml as loaded (parsed once a process while the file is unchanged; a copy, kept
+    pickled: unpickling is the quick way to copy a config)."""
     st = (PACKAGE_CONFIG_DIR / "defaults.yaml").stat()
     key = (st.st_mtime_ns, st.st_size)
     if key not in _DEFAULTS_FILE:
         _DEFAULTS_FILE.clear()
-        _DEFAULTS_FILE[key] = OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml")  # type: ignore[assignment]
-    return copy.deepcopy(_DEFAULTS_FILE[key])
+        _DEFAULTS_FILE[key] = pickle.dumps(OmegaConf.load(PACKAGE_CONFIG_DIR / "defaults.yaml"))
+    return pickle.loads(_DEFAULTS_FILE[key])
 
 
 def schema() -> DictConfig:
