@@ -41,11 +41,15 @@ _BASE_PATH: list[str] = []
 
 def ensure_server() -> None:
     """Start this process's fork server once, with sslkit's worker preload and the malloc thresholds a run's
-    processes have (read by glibc when a process starts, so they must be in the server's environment)."""
+    processes have (read by glibc when a process starts, so they must be in the server's environment), and the
+    small recipes composed (tests/forkwarm.py, found through the server's PYTHONPATH: a fork server starts with the
+    interpreter's default ``sys.path``; each forked process gets its own ``sys.path`` and environment)."""
     saved = dict(os.environ)
-    os.environ.update({**TUNED_MALLOC, "SSLKIT_MALLOC_TUNED": "1"})
+    tests = str(Path(__file__).resolve().parent)
+    os.environ.update({**TUNED_MALLOC, "SSLKIT_MALLOC_TUNED": "1",
+                       "PYTHONPATH": os.pathsep.join([tests, *filter(None, [saved.get("PYTHONPATH")])])})
     try:
-        _CTX.set_forkserver_preload(list(WORKER_PRELOAD))
+        _CTX.set_forkserver_preload([*WORKER_PRELOAD, "forkwarm"])  # (forkwarm: the small recipes composed)
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.clear()

@@ -54,7 +54,8 @@ def hydra_compose(overrides: list[str]) -> DictConfig:
     """The defaults, recipe and data preset chosen by the group ``overrides`` (``config=``, ``data=``), composed
     by Hydra; a copy, so the caller may change it (kept pickled: unpickling copies a config in a seventh of
     ``copy.deepcopy``'s time)."""
-    key = (tuple(overrides), tuple(str(d) for d in config_dirs()), _config_files_stamp())
+    choices = tuple(sorted(dict(ov.split("=", 1) for ov in overrides).items()))  # (the last of a group wins)
+    key = (choices, tuple(str(d) for d in config_dirs()), _config_files_stamp())
     if key not in _COMPOSED:
         search = ",".join(f"file://{d}" for d in config_dirs())
         with initialize_config_dir(config_dir=str(PACKAGE_CONFIG_DIR), version_base=None):
