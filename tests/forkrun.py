@@ -37,6 +37,9 @@ _CTX = multiprocessing.get_context("forkserver")
 #: starts its ranks as new interpreters itself).
 CONSOLE_SCRIPTS = ("sslkit", "torchrun")
 _BASE_PATH: list[str] = []
+#: ensure_server and _base_path are called from several threads at once (tests/test_docs.py runs its commands in a
+#: thread pool): one at a time, so that the environment ensure_server swaps and the path computed once are seen whole.
+_LOCK = threading.Lock()
 
 
 def ensure_server() -> None:
@@ -44,6 +47,11 @@ def ensure_server() -> None:
     processes have (read by glibc when a process starts, so they must be in the server's environment), and the
     small recipes composed (tests/forkwarm.py, found through the server's PYTHONPATH: a fork server starts with the
     interpreter's default ``sys.path``; each forked process gets its own ``sys.path`` and environment)."""
+    with _LOCK:
+        _ensure_server()
+
+
+def _ensure_server() -> None:
     saved = dict(os.environ)
     tests = str(Path(__file__).resolve().parent)
     os.environ.update({**TUNED_MALLOC, "SSLKIT_MALLOC_TUNED": "1",
@@ -58,12 +66,17 @@ def ensure_server() -> None:
 
 def _base_path() -> list[str]:
     """``sys.path`` of a new interpreter without PYTHONPATH, less its first entry (the script's folder)."""
-    if not _BASE_PATH:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                             capture_output=True, text=True, env=env, check=True).stdout
-        _BASE_PATH.extend(json.loads(out))
+    with _LOCK:
+        if not _BASE_PATH:
+            _BASE_PATH.extend(_new_interpreter_path())
     return _BASE_PATH
+
+
+def _new_interpreter_path() -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    return json.loads(out)
 
 
 def _script(argv: list[str]) -> str | None:

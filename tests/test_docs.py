@@ -524,6 +524,7 @@ def _start_all(request: pytest.FixtureRequest, factory: pytest.TempPathFactory) 
     """Start the commands of every selected :func:`test_doc_command` (once), longest first."""
     if _STARTED:
         return
+    forkrun.ensure_server()  # (here, before the pool's threads read this process's environment, which it swaps)
     selected = [item.callspec.params["command"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_doc_command" and hasattr(item, "callspec")
                 and "multiprocess" not in item.keywords]  # (those run one at a time, in the multiprocess group)

@@ -21,15 +21,22 @@ SGD = ["optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0", "optim.
        "optim.final_weight_decay=null"]
 
 
-def test_two_ranks_train_each_vit_recipe_like_one_process(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """Each recipe's state after 2 SGD updates of batch 16 in one process: what 2 ranks of batch 8 must reach, under
+    ddp and under fsdp (dinov3 with KoLeo off included)."""
+    return recipe_states(0, 1, [*NEW, "dinov3-nokoleo"], 16, 2, str(tmp_path_factory.mktemp("one")), *SGD)
+
+
+def test_two_ranks_train_each_vit_recipe_like_one_process(tmp_path: Path,
+                                                          one_process: dict[str, dict[str, torch.Tensor]]) -> None:
     """Two updates of every new recipe (masks drawn per sample on each rank, SIGReg's all-reduced statistics,
     DINO's centre, MoCo v3's gathered keys, teachers, synced BatchNorm in the projectors), and dinov3 (timm's
     DINOv3 trunk, the Gram teacher a snapshot before the second update, KoLeo off: docs/vit.md). A ViT has no
     BatchNorm (the projectors' is synced), so the states agree to float rounding: measured max difference 1.5e-8
     (mae) to 1.6e-6 (simclr_vit, whose projector has BatchNorm), 1.5e-8 (dinov3, Gram teacher included), tolerance
     5e-6."""
-    recipes = [*NEW, "dinov3-nokoleo"]
-    single = recipe_states(0, 1, recipes, 16, 2, str(tmp_path / "one"), *SGD)
+    recipes, single = [*NEW, "dinov3-nokoleo"], one_process
     ranks = run_ranks(recipe_states, 2, str(tmp_path / "two"), recipes, 8, 2, str(tmp_path / "two"), *SGD)
     for recipe in recipes:
         ref = single[recipe]
@@ -48,11 +55,13 @@ def test_two_ranks_train_each_vit_recipe_like_one_process(tmp_path: Path) -> Non
         print(f"{recipe}: max |2 ranks - 1 process| over the state after 2 updates: {worst:.2e}")
 
 
-def test_fsdp_on_two_ranks_trains_each_vit_recipe_like_one_process(tmp_path: Path) -> None:
+def test_fsdp_on_two_ranks_trains_each_vit_recipe_like_one_process(tmp_path: Path,
+                                                                  one_process: dict[str, dict[str, torch.Tensor]]
+                                                                  ) -> None:
     """The same under distributed.strategy=fsdp: every ViT recipe's blocks, trunks and root sharded over the 2
     ranks (teachers, decoders and predictors too), the whole state gathered onto rank 0 after 2 SGD updates,
     equal to one process's with the doubled batch within the same tolerance."""
-    single = recipe_states(0, 1, NEW, 16, 2, str(tmp_path / "one"), *SGD)
+    single = one_process
     ranks = run_ranks(recipe_states, 2, str(tmp_path / "two"), NEW, 8, 2, str(tmp_path / "two"), *SGD,
                       "distributed.strategy=fsdp")
     for recipe in NEW:
