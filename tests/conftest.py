@@ -44,6 +44,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A multi-process test starts its processes from the tests' fork server (tests/forkrun.py: torch imported and
+    the small recipes composed once), also where it starts them through sslkit's own launcher in this process
+    (benchmarks/memory.py, doctor's collective check): whichever starts the process's fork server first sets what
+    it preloads."""
+    if "multiprocess" in item.keywords:
+        import forkrun
+
+        forkrun.ensure_server()
+
+
 #: The "sslkit" logger as importing sslkit leaves it (no handler of its own, propagating to the root).
 _SSLKIT_LOGGER = logging.getLogger("sslkit")
 _LOGGER_BASELINE = (list(_SSLKIT_LOGGER.handlers), _SSLKIT_LOGGER.propagate, _SSLKIT_LOGGER.level)
