@@ -389,3 +389,7 @@ def test_a_composition_is_reused_only_while_its_files_are_unchanged(tmp_path: Pa
     recipe.write_text(recipe.read_text().replace("0.25", "0.125"))
     assert compose_config(["config=mine", "machine.device=cpu"]).optim.lr == 0.125
     assert compose_config(["config=simclr", "machine.device=cpu"]).optim.lr != 0.125  # keyed by the recipe
+    # reused by the choices made, whatever their order or repetition (Hydra takes the last of a group, as here)
+    a = compose_config(["data=synthetic", "config=mine", "machine.device=cpu"])
+    b = compose_config(["config=simclr", "machine.device=cpu", "config=mine", "data=synthetic"])
+    assert a.optim.lr == b.optim.lr == 0.125 and a.data.train.source == "synthetic" and a == b
