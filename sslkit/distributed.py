@@ -308,17 +308,19 @@ def _as_parent(index: int, state: bytes, stdout: int, stderr: int) -> Any:
     return fn(index, *args)
 
 
-def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, join: bool = True) -> Any:
+def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, join: bool = True,
+                    preload: tuple[str, ...] = WORKER_PRELOAD) -> Any:
     """``torch.multiprocessing.start_processes(fn, args, nprocs, join)`` by a fork server that imported
-    :data:`WORKER_PRELOAD` once. Like ``spawn``, no process inherits threads, CUDA or a process group from this
-    one; unlike it, a process does not import torch again. Each process sees this process's environment,
-    working folder, ``sys.path``, stdout and stderr as they are at this call. ``fn`` and ``args`` must pickle,
-    as for spawn."""
+    ``preload`` (default :data:`WORKER_PRELOAD`: what a training process imports) once, when this process starts
+    its first server; a check that needs only torch says so and saves the server torchvision's and timm's imports.
+    Like ``spawn``, no process inherits threads, CUDA or a process group from this one; unlike it, a process does
+    not import torch again. Each process sees this process's environment, working folder, ``sys.path``, stdout
+    and stderr as they are at this call. ``fn`` and ``args`` must pickle, as for spawn."""
     import pickle
 
     import torch.multiprocessing as mp
 
-    mp.set_forkserver_preload(list(WORKER_PRELOAD))  # (no effect once this process's fork server runs)
+    mp.set_forkserver_preload(list(preload))  # (no effect once this process's fork server runs)
     state = pickle.dumps((dict(os.environ), os.getcwd(), list(sys.path), pickle.dumps((fn, args))))
     for stream in (sys.stdout, sys.stderr):  # what is written before the processes write
         stream.flush()

@@ -234,7 +234,7 @@ def collective_check() -> Check:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         try:
-            start_processes(_collective_worker, (2, find_free_port(), backend, out), 2)
+            start_processes(_collective_worker, (2, find_free_port(), backend, out), 2, preload=("torch",))
             ok, seconds = open(out).read().split()
         except Exception as exc:  # a firewall, a broken NCCL: say it, go on with the other checks
             return Check("collective", "FAILED", f"2 processes over {backend}: {type(exc).__name__}: "
