@@ -6,23 +6,35 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf._utils import OmegaConfDumper
 
 __all__ = ["config_yaml"]
 
-#: libyaml's emitter (C) with OmegaConf's representers: the text ``OmegaConf.to_yaml`` writes (strings that would
-#: read back as numbers or booleans quoted, as OmegaConf's dumper does), at a tenth of its Python emitter's time,
-#: which every checkpoint pays. PyYAML without libyaml falls back to OmegaConf's own dumper.
-_Dumper: type = OmegaConfDumper
-if getattr(yaml, "__with_libyaml__", False):
-    class _CDumper(yaml.CDumper):  # type: ignore[misc,name-defined]
+
+def _c_dumper() -> type | None:
+    """libyaml's emitter (C) with the string representer of OmegaConf's dumper (strings that would read back as
+    numbers or booleans quoted): the text ``OmegaConf.to_yaml`` writes at a tenth of its Python emitter's time,
+    which every checkpoint paid. None without libyaml or where OmegaConf's dumper is not where it was (not public
+    API: tests/config/test_text.py compares the texts): ``OmegaConf.to_yaml`` itself then."""
+    try:
+        from omegaconf._utils import OmegaConfDumper
+    except ImportError:
+        return None
+    if not getattr(yaml, "__with_libyaml__", False) or not hasattr(OmegaConfDumper, "str_representer"):
+        return None
+
+    class CDumper(yaml.CDumper):  # type: ignore[misc,name-defined]
         pass
 
-    _CDumper.add_representer(str, OmegaConfDumper.str_representer)
-    _Dumper = _CDumper
+    CDumper.add_representer(str, OmegaConfDumper.str_representer)
+    return CDumper
+
+
+_DUMPER = _c_dumper()
 
 
 def config_yaml(cfg: DictConfig) -> str:
     """``cfg`` resolved, as YAML text that ``OmegaConf.create`` reads back to the same config."""
+    if _DUMPER is None:
+        return OmegaConf.to_yaml(cfg, resolve=True)
     container: Any = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return yaml.dump(container, Dumper=_Dumper, default_flow_style=False, allow_unicode=True, sort_keys=False)
+    return yaml.dump(container, Dumper=_DUMPER, default_flow_style=False, allow_unicode=True, sort_keys=False)

@@ -26,3 +26,12 @@ def test_a_recipe_reads_back_equal_and_as_omegaconf_writes_it(recipe: str) -> No
     text = config_yaml(cfg)
     assert OmegaConf.create(text) == OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True))
     assert text == OmegaConf.to_yaml(cfg, resolve=True)  # the same text, by libyaml's emitter
+
+
+def test_without_libyaml_it_is_omegaconfs_own_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sslkit.config import text
+
+    cfg = compose_config(["config=simclr", "machine.device=cpu"])
+    fast = config_yaml(cfg)
+    monkeypatch.setattr(text, "_DUMPER", None)
+    assert config_yaml(cfg) == fast == OmegaConf.to_yaml(cfg, resolve=True)
