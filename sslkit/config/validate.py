@@ -563,7 +563,8 @@ def _check_device_augment(cfg: DictConfig, transform: Any, errors: list[str]) ->
 def validate(cfg: DictConfig) -> None:
     """Check keys, types, values and registry names of a composed config; raise ConfigError."""
     errors: list[str] = []
-    _check_tree(cfg, schema(), "", errors)
+    ref = schema()
+    _check_tree(cfg, ref, "", errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     for key, (ok, req) in _VALUE_RULES.items():
@@ -643,7 +644,7 @@ def validate(cfg: DictConfig) -> None:
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
     _check_hooks(cfg, errors)
-    _check_gram(cfg, errors)
+    _check_gram(cfg, ref.gram, errors)
     _check_required(cfg, errors)
     if not errors:
         _check_freeze(cfg, errors)
@@ -659,9 +660,9 @@ def _check_required(cfg: DictConfig, errors: list[str]) -> None:
                           f"(its recipe file says what it takes); add {key}=... to the command")
 
 
-def _check_gram(cfg: DictConfig, errors: list[str]) -> None:
-    """``gram.*`` changed for a run whose loss has no Gram term (only a dinov3 recipe reads those keys)."""
-    defaults = schema().gram
+def _check_gram(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> None:
+    """``gram.*`` changed from ``defaults`` (the schema's) for a run whose loss has no Gram term (only a dinov3
+    recipe reads those keys)."""
     changed = [k for k, v in cfg.gram.items() if v != defaults.get(k)]
     if not changed or "gram_weight" in _loss_arguments(cfg):
         return
