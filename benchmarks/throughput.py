@@ -25,7 +25,11 @@ nothing). The presets are
 * ``mae_vit_s16``: MAE, ViT-S/16 (fixed sine-cosine positions), one 224 px view with 75% of its 196 patches
   dropped, the paper's decoder (512-d, 8 blocks, 16 heads), the JPEG folder;
 * ``dino_vit_s16``: DINO, ViT-S/16 (drop path 0.1), 2 x 224 + 6 x 96 px crops, the paper's head (65536
-  prototypes), the JPEG folder.
+  prototypes), the JPEG folder;
+* ``dinov2_vit_s16``, ``ijepa_vit_s16``: the paper-scale recipes as they are;
+* ``dinov3_vit_l16``: ``config=dinov3_vitl16`` (timm's RoPE ViT-L/16 with 4 registers, two 65536-prototype heads)
+  at 2 x 256 + 8 x 112 px crops, batch 64 per process, with its Gram stage's extra forward from the first update;
+  DINOv3's own record for ViT-L/16 is about 159 img/s per H100 (docs/results.md says how that is derived).
 
 For the ViT presets the table names the attention kernel PyTorch's ``scaled_dot_product_attention`` runs
 (timm's attention calls it): the aten operator seen in a profiled step, e.g. ``flash`` (FlashAttention-2),
@@ -129,6 +133,11 @@ PRESETS = {
     # (batch 128: 256 teacher rows, the fewest it takes for 65536 prototypes); I-JEPA's one view, 4 target blocks
     "dinov2_vit_s16": Preset("dinov2_vits16", [], jpeg=True, image_size=224, small_size=96, num_small=8, batch=128),
     "ijepa_vit_s16": Preset("ijepa_vits16", [], jpeg=True, image_size=224, batch=128, num_large=1),
+    # DINOv3's ViT-L/16 (timm's RoPE trunk, 4 registers, two 65536-prototype heads) at the issue's 2 x 256 + 8 x 112
+    # crops, batch 64 per GPU as facebookresearch/dinov3's vitl_im1k_lin834.yaml; the Gram loss on from the first
+    # update (its Gram teacher's forward: the recipe's heaviest step, that of its last sixth)
+    "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_update=0"], jpeg=True, image_size=256, small_size=112,
+                             num_small=8, batch=64),
 }
 
 
@@ -136,7 +145,7 @@ def _quick(preset: Preset) -> Preset:
     """The preset at CPU size: 64 px crops (32 px small ones, 2 of them), batch 16 (Sinkhorn-Knopp's 32 teacher rows
     cannot spread over 65536 prototypes: centring instead; I-JEPA's blocks need more than 4 x 4 patches: 8 px)."""
     trunk = list(preset.trunk)
-    if preset.recipe.startswith("dinov2"):
+    if preset.recipe.startswith(("dinov2", "dinov3")):
         trunk.append("loss.centering=centering")
     if preset.recipe.startswith("ijepa"):
         trunk.append("model.trunk_kwargs.patch_size=8")

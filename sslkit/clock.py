@@ -39,6 +39,9 @@ class TrainClock:
     max_updates: int = 1
     #: Images trained on, all ranks together.
     samples: int = 0
+    #: The stage of the schedule: ``"base"``, or ``"high_res"`` in a high-resolution phase (``hires.*``, set by
+    #: :class:`~sslkit.hooks.resolution.HighResolutionHook`); a checkpoint's ``position.stage``.
+    stage: str = "base"
 
     @property
     def where(self) -> float:

@@ -398,6 +398,8 @@ class SSLTask:
             sampler.set_epoch(self.epoch)
         if hasattr(sampler, "set_start"):
             sampler.set_start(self.clock.step_in_epoch * self.batches_per_step * loader.batch_size)
+        if self.train and getattr(sampler, "track_updates", False):
+            sampler.updates_from(self.clock.update, self.batches_per_step * loader.batch_size)
         self.phase_done = False
         self.clock.epoch = self.epoch
         self.clock.micro_batch = 0
@@ -474,6 +476,7 @@ class SSLTask:
                 "step_in_epoch": steps,
                 "update": self.clock.update,
                 "samples": self.clock.samples,
+                "stage": self.clock.stage,
                 **self.guard.state_dict(),
             },
             "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
@@ -528,6 +531,7 @@ class SSLTask:
         self.clock.step_in_epoch = pos["step_in_epoch"]
         self.clock.update = pos["update"]
         self.clock.samples = pos["samples"]
+        self.clock.stage = pos.get("stage", "base")
         self.guard.load_state_dict(pos)
         rng = state["rng"]
         if isinstance(rng, dict):  # written by a single process before per-rank states

@@ -122,7 +122,10 @@ def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
 #: Variants of a recipe's small test form, named ``recipe-variant``: KoLeo off (dinov3, on timm's DINOv3 trunk with
 #: LayerScale 1e-5: KoLeo's nearest neighbours among the near-identical CLS features of such a model at the start are
 #: decided by rounding, docs/vit.md).
-VARIANTS = {"nokoleo": ["loss.koleo_weight=0"]}
+VARIANTS = {"nokoleo": ["loss.koleo_weight=0"],
+            # a high-resolution phase from the second update, with the Gram teacher's crops (test_dinov3.py)
+            "hires": ["loss.koleo_weight=0", "hires.start_update=1", "hires.global_sizes=[40,48]",
+                      "hires.local_sizes=[16,24]", "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]"]}
 
 
 def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int, steps: int,

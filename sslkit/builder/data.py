@@ -22,11 +22,12 @@ from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, bu
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
+from sslkit.data.resolution import HighResPhase, PhasedTransform
 from sslkit.data.sources import DataSourceError
 from sslkit.distributed import get_rank, get_world_size
 
-__all__ = ["TrainData", "build_train_data", "eval_sources", "eval_specs", "fixed_subset", "knn_subsample", "limited",
-           "loader_for"]
+__all__ = ["TrainData", "build_train_data", "eval_sources", "eval_specs", "fixed_subset", "high_res_phase",
+           "knn_subsample", "limited", "loader_for"]
 
 logger = logging.getLogger("sslkit")
 
@@ -54,17 +55,21 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
 
 
 def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
-            workers: int, pin: bool, device_augment: DeviceAugment | None = None) -> Any:
+            workers: int, pin: bool, device_augment: DeviceAugment | None = None,
+            phase: HighResPhase | None = None) -> Any:
     """A loader of ``source``; the train loader keeps its workers from epoch to epoch (the eval loaders,
     used once at the end, do not hold processes all run long). With ``device_augment`` the workers only read
     and draw each sample's augmentation parameters (:class:`~sslkit.data.device_augment.ReadForDevice`); batches
-    of images of many sizes come packed (:func:`~sslkit.data.device_decode.collate_raw`)."""
+    of images of many sizes come packed (:func:`~sslkit.data.device_decode.collate_raw`). With ``phase`` (a
+    high-resolution phase) the transform changes with the update each sample's key names."""
     made = ReadForDevice(device_augment.num_views) if device_augment is not None else \
         build_transform(transform.name, **section_kwargs(transform))
+    if phase is not None:
+        made = _phased(made, transform, phase)
     ds = SSLDataset(source, made, seed=cfg.seed)
     sampler = StatefulDistributedSampler(
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
-        drop_last=train and cfg.data.drop_last,
+        drop_last=train and cfg.data.drop_last, track_updates=phase is not None,
     )
     ignores = tuple(int(getattr(signal, name)) for name in preemption_signals(cfg))
     collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
@@ -73,12 +78,42 @@ def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train
                         collate_fn=collate)
 
 
+def high_res_phase(cfg: DictConfig) -> HighResPhase | None:
+    """``hires.*``: the run's high-resolution phase, or None (``hires.start_update`` null)."""
+    h = cfg.hires
+    if h.start_update is None:
+        return None
+    teacher = list(h.teacher_sizes) or [cfg.gram.teacher_size] * len(h.global_sizes)
+    return HighResPhase(int(h.start_update), tuple(h.global_sizes), tuple(h.local_sizes), tuple(teacher),
+                        tuple(float(r) for r in h.ratios), seed=int(cfg.seed))
+
+
+def _phased(base: Any, transform: DictConfig, phase: HighResPhase) -> PhasedTransform:
+    """``base`` before ``phase``, then the transform section built again at each size triple of the phase (the
+    local size for a multi-crop, the teacher's size where the phase has one)."""
+    kwargs = section_kwargs(transform)
+    made = []
+    for i in range(len(phase.ratios)):
+        g, loc, t = phase.sizes(i)
+        sized = {**kwargs, "image_size": g}
+        if "small_size" in kwargs:
+            sized["small_size"] = loc
+        if t is not None or "teacher_size" in kwargs:
+            sized["teacher_size"] = t
+        made.append(build_transform(transform.name, **sized))
+    return PhasedTransform(base, phase, made)
+
+
 def _device_augment(cfg: DictConfig, device: torch.device) -> DeviceAugment | None:
     """``data.augment_on``: the batch augmentation, or None where the workers augment. ``auto`` is ``device``
     wherever the training transform has a device version (else workers, said in the log): on CUDA, where the
     worker pipeline starves the GPU, and on the CPU, where it measured faster too (docs/data.md)."""
     choice = cfg.data.augment_on
     if choice == "workers":
+        return None
+    if cfg.hires.start_update is not None:  # augment_on=device was refused with the config
+        logger.info("data: augmented in the loader workers: the crops of the high-resolution phase (hires.*) are made "
+                    "there")
         return None
     try:
         augment = device_augment_for(build_transform(cfg.data.transform.name, **section_kwargs(cfg.data.transform)))
@@ -147,7 +182,7 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
         logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
                     "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
     train_loader = loader_for(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
-                              workers=workers, pin=pin, device_augment=device_augment)
+                              workers=workers, pin=pin, device_augment=device_augment, phase=high_res_phase(cfg))
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate

@@ -643,13 +643,19 @@ def validate(cfg: DictConfig) -> None:
         builder = _registered(errors, R.DATASETS, source, f"data.{split}.source")
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
-    _check_hooks(cfg, errors)
-    _check_gram(cfg, ref.gram, errors)
-    _check_required(cfg, errors)
+    _check_sections(cfg, ref, trunk, updates, errors)
     if not errors:
         _check_freeze(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
+
+
+def _check_sections(cfg: DictConfig, ref: DictConfig, trunk: Any, updates: int | None, errors: list[str]) -> None:
+    """The hooks, the Gram and high-resolution settings, and the recipe's required keys."""
+    _check_hooks(cfg, errors)
+    _check_gram(cfg, ref.gram, errors)
+    _check_teacher_crops(cfg, trunk, updates, errors)
+    _check_required(cfg, errors)
 
 
 def _check_required(cfg: DictConfig, errors: list[str]) -> None:
@@ -669,6 +675,37 @@ def _check_gram(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> Non
     errors.append(f"'gram.{changed[0]}' is set, but method.name={cfg.method.name} has no Gram anchoring: the gram.* "
                   "keys are read by method.name=dinov3 (config=dinov3, dinov3_adapt, dinov3_vits16, ...); drop them "
                   "or train a dinov3 recipe")
+
+
+def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, errors: list[str]) -> None:
+    """``gram.teacher_size`` reaches the transform and a Gram teacher that is a second network; ``hires.*`` is a
+    phase a ViT can run (:func:`~sslkit.data.resolution.phase_errors`), in the loader workers."""
+    from sslkit.data.resolution import phase_errors
+
+    h = cfg.hires
+    teacher_sizes = [t for t in h.teacher_sizes if t is not None] if h.start_update is not None else []
+    if cfg.gram.teacher_size is not None or teacher_sizes:
+        key = "gram.teacher_size" if cfg.gram.teacher_size is not None else "hires.teacher_sizes"
+        if cfg.gram.teacher == "ema":
+            errors.append(f"'{key}' gives the Gram teacher crops of its own, and gram.teacher=ema has no Gram teacher "
+                          "network (the EMA teacher sees the student's crops): set gram.teacher=snapshot or file, or "
+                          f"drop {key}")
+        if cfg.data.transform.get("teacher_size", None) != cfg.gram.teacher_size:
+            errors.append(f"'{key}' is set, but data.transform.teacher_size does not follow gram.teacher_size (the "
+                          "multicrop transform makes the teacher's crops): set data.transform.teacher_size="
+                          "${gram.teacher_size}, as the dinov3 recipes do")
+    if h.start_update is None or trunk is None:
+        return
+    patch = None
+    if getattr(trunk, "patch_tokens", False):
+        value = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
+        patch = value if isinstance(value, int) and value > 0 else None
+    errors.extend(phase_errors(h.start_update, list(h.global_sizes), list(h.local_sizes), list(h.teacher_sizes),
+                               list(h.ratios), patch, updates))
+    if cfg.data.augment_on == "device":
+        errors.append("'hires.start_update' is set with data.augment_on=device: the crops of a high-resolution phase "
+                      "are made in the loader workers (the device augmentation has one size per view): set "
+                      "data.augment_on=workers or auto")
 
 
 def _loss_arguments(cfg: DictConfig) -> list[str]:
@@ -705,7 +742,7 @@ def _crop_sizes(cfg: DictConfig) -> list[tuple[str, int]]:
         section = OmegaConf.select(cfg, where)
         if not isinstance(section, DictConfig):
             continue
-        for key in ("image_size", "small_size"):
+        for key in ("image_size", "small_size", "teacher_size"):
             if key == "small_size" and section.get("num_small", 1) == 0:
                 continue
             value = section.get(key)

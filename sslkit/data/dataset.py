@@ -87,20 +87,31 @@ class SSLDataset(Dataset):
             f"truncated or not an image (e.g. {self._first_error or 'see the warnings above'})"
         )
 
-    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, Any]:
-        """The sample for ``(epoch, index)`` (a plain int means epoch 0)."""
+    def __getitem__(self, key: tuple[int, ...] | int) -> dict[str, Any]:
+        """The sample for ``(epoch, index)`` (a plain int means epoch 0). A third entry, the update the sample's
+        batch trains (:meth:`~sslkit.data.sampler.StatefulDistributedSampler.updates_from`), picks the transform
+        of that update when the transform changes with it (:class:`~sslkit.data.resolution.PhasedTransform`)."""
         if isinstance(key, (tuple, list)):
-            epoch, index = (int(k) for k in key)
+            epoch, index = int(key[0]), int(key[1])
+            update = int(key[2]) if len(key) > 2 else None
         else:
-            epoch, index = 0, int(key)
+            epoch, index, update = 0, int(key), None
         n = len(self)
         if not 0 <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         image, label, valid = self._read(index)
+        transform = self.transform
+        if update is not None and hasattr(transform, "at"):
+            transform = transform.at(update)
         state = torch.get_rng_state()
         try:
             torch.default_generator.manual_seed(mix_seed(self.seed, epoch, index))
-            views = self.transform(image)
+            made = transform(image)
         finally:
             torch.set_rng_state(state)
-        return {"views": views, "label": label, "index": index, "valid": valid}
+        sample: dict[str, Any] = {"label": label, "index": index, "valid": valid}
+        if isinstance(made, dict):  # views and the views only a teacher sees (MultiCropTransform's teacher_size)
+            sample.update(made)
+        else:
+            sample["views"] = made
+        return sample

@@ -418,6 +418,10 @@ def device_augment_for(transform: object) -> DeviceAugment:
     if isinstance(transform, SimCLRTransform):
         return DeviceAugment([DeviceSimCLRAugment.from_transform(transform)])
     if isinstance(transform, MultiCropTransform):
+        if transform.teacher_size is not None:
+            raise ValueError(f"the teacher's crops at {transform.teacher_size} px (a Gram teacher's high-resolution "
+                             "crops) have no device version yet: augment on the loader workers "
+                             "(data.augment_on=workers)")
         return DeviceAugment([DeviceSimCLRAugment.from_transform(g) for g in transform.groups])
     raise ValueError(f"{type(transform).__name__} has no device version yet: augment on the loader workers "
                      "(the simclr and multicrop transforms have one)")

@@ -28,19 +28,24 @@ def collate_views(batch: list[dict[str, Any]],
     fine; ``stack`` makes it, e.g. :func:`~sslkit.data.device_decode.collate_raw` for images as read),
     ``target`` (int64 labels), ``data_valid`` (bool; False for an unreadable sample that was replaced,
     counted per epoch by :class:`~sslkit.data.health.SkippedSamples`) and ``data_idx``
-    (int64 indices).
+    (int64 indices); with samples that carry ``teacher_views`` (crops only a teacher sees), ``teacher_input`` stacked
+    like ``input``.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
     num_views = len(batch[0]["views"])
     if any(len(b["views"]) != num_views for b in batch):
         raise ValueError(f"samples in a batch have different numbers of views: {[len(b['views']) for b in batch]}")
-    return {
+    out = {
         "input": [stack([b["views"][v] for b in batch]) for v in range(num_views)],
         "target": torch.tensor([b["label"] for b in batch], dtype=torch.int64),
         "data_valid": torch.tensor([b["valid"] for b in batch], dtype=torch.bool),
         "data_idx": torch.tensor([b["index"] for b in batch], dtype=torch.int64),
     }
+    if "teacher_views" in batch[0]:
+        out["teacher_input"] = [stack([b["teacher_views"][v] for b in batch])
+                                for v in range(len(batch[0]["teacher_views"]))]
+    return out
 
 
 def ignore_signals_in_worker(signals: tuple[int, ...], _worker_id: int) -> None:

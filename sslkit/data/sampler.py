@@ -14,7 +14,7 @@ __all__ = ["StatefulDistributedSampler"]
 logger = logging.getLogger("sslkit.data")
 
 
-class StatefulDistributedSampler(Sampler[tuple[int, int]]):
+class StatefulDistributedSampler(Sampler[tuple[int, ...]]):
     """Shard a dataset over ``num_replicas`` ranks; yield ``(epoch, index)`` pairs.
 
     Each epoch permutes ``range(dataset_len)`` with a generator seeded by ``seed + epoch`` (every
@@ -32,8 +32,10 @@ class StatefulDistributedSampler(Sampler[tuple[int, int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        track_updates: bool = False,
     ) -> None:
-        """Sample ``dataset_len`` indices for ``rank`` of ``num_replicas``."""
+        """Sample ``dataset_len`` indices for ``rank`` of ``num_replicas``; with ``track_updates``, yield
+        ``(epoch, index, update)`` (:meth:`updates_from`)."""
         if dataset_len < 0:
             raise ValueError(f"dataset_len must be >= 0, got {dataset_len}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -46,6 +48,9 @@ class StatefulDistributedSampler(Sampler[tuple[int, int]]):
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self.start = 0
+        self.track_updates = bool(track_updates)
+        #: the update the first sample of the next iteration trains, and the samples of this rank per update
+        self.first_update, self.per_update = 0, 1
 
     @property
     def num_samples(self) -> int:
@@ -77,6 +82,15 @@ class StatefulDistributedSampler(Sampler[tuple[int, int]]):
             raise ValueError(f"start must be in [0, {self.num_samples}], got {start}")
         self.start = int(start)
 
+    def updates_from(self, first_update: int, per_update: int) -> None:
+        """The next iteration's first sample belongs to update ``first_update``, and each update takes
+        ``per_update`` of this rank's samples (batch x micro-batches): with ``track_updates`` each key then names
+        its update, so a transform that changes with the update (a high-resolution phase) gives a whole batch the
+        same crops on every rank, and a resumed run the crops it had."""
+        if first_update < 0 or per_update < 1:
+            raise ValueError(f"need first_update >= 0 and per_update >= 1, got {first_update}, {per_update}")
+        self.first_update, self.per_update = int(first_update), int(per_update)
+
     def epoch_indices(self, epoch: int | None = None) -> list[int]:
         """All of this rank's indices for ``epoch`` (default: the current one), ignoring the start."""
         epoch = self.epoch if epoch is None else epoch
@@ -90,11 +104,16 @@ class StatefulDistributedSampler(Sampler[tuple[int, int]]):
             order = order.repeat(-(-total // n))
         return order[:total][self.rank :: self.num_replicas].tolist()
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        """Yield ``(epoch, index)`` for this rank's remaining samples of the current epoch."""
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        """Yield ``(epoch, index)`` for this rank's remaining samples of the current epoch (``(epoch, index,
+        update)`` with ``track_updates``)."""
         epoch = self.epoch
-        for index in self.epoch_indices(epoch)[self.start :]:
-            yield epoch, index
+        if not self.track_updates:
+            for index in self.epoch_indices(epoch)[self.start :]:
+                yield epoch, index
+            return
+        for i, index in enumerate(self.epoch_indices(epoch)[self.start :]):
+            yield epoch, index, self.first_update + i // self.per_update
 
     def __len__(self) -> int:
         """Samples left in the current epoch from the start."""

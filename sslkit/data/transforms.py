@@ -183,6 +183,22 @@ def _gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: float) -> torch.Ten
     return torch.matmul(torch.matmul(mh, x), mw.T)
 
 
+def _blur_kernel(size: int) -> int:
+    """The Gaussian blur's taps for crops of ``size``: an odd 10% of the side, at least 3 (SimCLR's)."""
+    k = int(0.1 * size)
+    return max(3, k + 1 if k % 2 == 0 else k)
+
+
+def _resized(crop: torch.Tensor, s: int) -> torch.Tensor:
+    """The float crop ``[C, h, w]`` resized to ``s x s`` (bilinear, antialiased when shrinking); itself when it is
+    that size."""
+    ch, cw = crop.shape[-2:]
+    if (ch, cw) == (s, s):
+        return crop
+    antialias = ch > s or cw > s
+    return F.interpolate(crop[None], size=(s, s), mode="bilinear", align_corners=False, antialias=antialias)[0]
+
+
 class SimCLRTransform:
     """SimCLR-style views: random resized crop, flip, colour jitter, grayscale, blur, solarize.
 
@@ -237,8 +253,7 @@ class SimCLRTransform:
         self.grayscale_p = float(grayscale_p)
         self.blur_p = float(blur_p)
         self.blur_sigma = (float(blur_sigma[0]), float(blur_sigma[1]))
-        k = int(0.1 * self.image_size)
-        self.blur_kernel = max(3, k + 1 if k % 2 == 0 else k)
+        self.blur_kernel = _blur_kernel(self.image_size)
         self.solarize_p = float(solarize_p)
         self.normalize = Normalize(mean, std)
 
@@ -266,16 +281,34 @@ class SimCLRTransform:
 
     def view(self, image: torch.Tensor) -> torch.Tensor:
         """One augmented, normalised float32 view ``[C, image_size, image_size]`` of ``image``."""
+        return self.view_pair(image)[0]
+
+    def view_pair(self, image: torch.Tensor, teacher_size: int | None = None,
+                  teacher_distortions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`view`, and with ``teacher_size`` the same crop box at ``teacher_size`` for a teacher that sees the
+        crop at another resolution (DINOv3's Gram teacher crops, ``gram_teacher_crops_size``): flipped as the view;
+        colour, blur and solarize applied too (the same draws, the blur's sigma scaled with the size) only with
+        ``teacher_distortions`` (DINOv3's ``gram_teacher_no_distortions: true`` is ``False`` here). The teacher crop
+        is resized from the image's crop box itself, not from the view, so it holds the detail the view lost."""
         u = torch.rand(self._N_UNIFORMS, dtype=torch.float64).tolist()
         _, h, w = image.shape
         top, left, ch, cw = random_resized_crop_box(u, h, w, self.crop_scale, self.crop_ratio)
         crop = _to_float(image[:, top : top + ch, left : left + cw])
-        s = self.image_size
-        if (ch, cw) != (s, s):
-            antialias = ch > s or cw > s
-            crop = F.interpolate(crop[None], size=(s, s), mode="bilinear", align_corners=False, antialias=antialias)[0]
-        x = crop.clamp_(0.0, 1.0)
-        u = u[40:]
+        teacher = None if teacher_size is None else _resized(crop, int(teacher_size)).clamp(0.0, 1.0)
+        x = _resized(crop, self.image_size).clamp_(0.0, 1.0)
+        view = self._distort(x, u[40:], self.blur_kernel, 1.0)
+        if teacher is None:
+            return view, None
+        if teacher_distortions:
+            return view, self._distort(teacher, u[40:], _blur_kernel(int(teacher_size)),
+                                       int(teacher_size) / self.image_size)
+        if u[40] < self.hflip_p:
+            teacher = teacher.flip(-1)
+        return view, self.normalize(teacher.contiguous())
+
+    def _distort(self, x: torch.Tensor, u: Sequence[float], kernel: int, sigma_scale: float) -> torch.Tensor:
+        """Flip, colour jitter, grayscale, blur (sigma x ``sigma_scale``, ``kernel`` taps) and solarize of the crop
+        ``x`` in [0, 1] as the uniforms ``u`` say, then normalise."""
         if u[0] < self.hflip_p:
             x = x.flip(-1)
         if u[1] < self.jitter_p:
@@ -284,8 +317,8 @@ class SimCLRTransform:
             x = _gray(x).expand(3, -1, -1).contiguous()
         if u[11] < self.blur_p:
             lo, hi = self.blur_sigma
-            sigma = lo + u[12] * (hi - lo)
-            x = _gaussian_blur(x, self.blur_kernel, sigma)
+            sigma = (lo + u[12] * (hi - lo)) * sigma_scale
+            x = _gaussian_blur(x, kernel, sigma)
         if u[13] < self.solarize_p:
             x = torch.where(x >= 0.5, 1.0 - x, x)
         return self.normalize(x.contiguous())
@@ -416,19 +449,39 @@ class MultiCropTransform:
     """Several groups of crops of one image, in order: e.g. 2 global crops then N local ones.
 
     Each group is a :class:`SimCLRTransform` (its own size, scale and probabilities); the
-    views come back as one list, the global crops first (SwAV, DINO).
+    views come back as one list, the global crops first (SwAV, DINO). With ``teacher_size``, each of the first
+    ``teacher_groups`` groups (the global crops) also gives its crop at ``teacher_size``
+    (:meth:`SimCLRTransform.view_pair`) and the transform returns ``{"views": [...], "teacher_views": [...]}``.
     """
 
-    def __init__(self, groups: Sequence[SimCLRTransform]) -> None:
+    def __init__(self, groups: Sequence[SimCLRTransform], teacher_size: int | None = None,
+                 teacher_distortions: bool = False, teacher_groups: int = 0) -> None:
         """Concatenate the views of ``groups``."""
+        if teacher_size is not None and teacher_size < 1:
+            raise ValueError(f"teacher_size must be >= 1 (or null: no teacher crops), got {teacher_size}")
         self.groups = list(groups)
+        self.teacher_size = None if teacher_size is None else int(teacher_size)
+        self.teacher_distortions = bool(teacher_distortions)
+        self.teacher_groups = int(teacher_groups)
 
-    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
-        """Every group's views of ``image``, group after group."""
-        return [view for group in self.groups for view in group(image)]
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor] | dict[str, list[torch.Tensor]]:
+        """Every group's views of ``image``, group after group (and the teacher's crops, with ``teacher_size``)."""
+        if self.teacher_size is None:
+            return [view for group in self.groups for view in group(image)]
+        views, teacher = [], []
+        for i, group in enumerate(self.groups):
+            if i >= self.teacher_groups:
+                views += group(image)
+                continue
+            for _ in range(group.num_views):
+                view, crop = group.view_pair(image, self.teacher_size, self.teacher_distortions)
+                views.append(view)
+                teacher.append(crop)
+        return {"views": views, "teacher_views": teacher}
 
     def __repr__(self) -> str:
-        return f"MultiCropTransform({self.groups})"
+        extra = f", teacher_size={self.teacher_size}" if self.teacher_size is not None else ""
+        return f"MultiCropTransform({self.groups}{extra})"
 
 
 @register_transform("multicrop")
@@ -447,13 +500,17 @@ def build_multicrop(
     small_blur_p: float = 0.0,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    teacher_size: int | None = None,
+    teacher_distortions: bool = False,
 ) -> MultiCropTransform:
     """Multi-crop (SwAV, Caron et al. 2020; DINO): ``num_large`` crops of ``image_size`` with area
     in ``crop_scale``, then ``num_small`` crops of ``small_size`` with area in ``small_scale``.
 
     ImageNet: 2 x 224 (0.14-1) + 6 x 96 (0.05-0.14). ``blur_p`` and ``solarize_p`` may be lists,
     one value per large crop, for the asymmetric augmentation of BYOL and DINO (blur 1.0 / 0.1,
-    solarize 0.0 / 0.2); the small crops use ``small_blur_p`` and no solarize.
+    solarize 0.0 / 0.2); the small crops use ``small_blur_p`` and no solarize. ``teacher_size``: each large crop
+    also at this size, for a teacher that sees the global crops at another resolution (DINOv3's Gram teacher:
+    ``gram.teacher_size``), distorted as the crop only with ``teacher_distortions``.
     """
     def per_large(value: float | Sequence[float], name: str) -> list[float]:
         values = [float(value)] * num_large if isinstance(value, int | float) else [float(v) for v in value]
@@ -468,7 +525,7 @@ def build_multicrop(
     if num_small > 0:
         groups.append(SimCLRTransform(small_size, num_views=num_small, crop_scale=small_scale,
                                       blur_p=small_blur_p, **common))
-    return MultiCropTransform(groups)
+    return MultiCropTransform(groups, teacher_size, teacher_distortions, teacher_groups=num_large)
 
 
 @register_transform("eval")

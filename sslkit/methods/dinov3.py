@@ -27,7 +27,14 @@ from sslkit.errors import UserError
 from sslkit.hooks.base import SSLHook
 from sslkit.methods.base import Method, RunShape, register_method
 from sslkit.methods.dinov2 import DINOv2Loss, sinkhorn_batch_rule
-from sslkit.methods.gram import GRAM_NEGATIVES, GRAM_TOKENS, gram_loss, gram_snapshot_at, gram_token_weights
+from sslkit.methods.gram import (
+    GRAM_NEGATIVES,
+    GRAM_TOKENS,
+    gram_loss,
+    gram_snapshot_at,
+    gram_token_weights,
+    resize_patch_grid,
+)
 from sslkit.methods.ibot import IBOTModel
 from sslkit.models.masking import Masks
 from sslkit.models.output import ModelOutput
@@ -93,9 +100,12 @@ class DINOv3Model(IBOTModel):
             for t, s in zip(target, source, strict=True):
                 t.copy_(s)
 
-    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor,
-                masks: Sequence[Masks | None] | None = None) -> ModelOutput:
-        """iBOT's outputs, and the Gram fields while :attr:`gram_active`."""
+    def forward(self, views: Sequence[torch.Tensor] | torch.Tensor, masks: Sequence[Masks | None] | None = None,
+                teacher_views: Sequence[torch.Tensor] | None = None) -> ModelOutput:
+        """iBOT's outputs, and the Gram fields while :attr:`gram_active`. ``teacher_views``: the global crops at
+        the Gram teacher's resolution (``gram.teacher_size``; the sample's ``teacher_input``), whose patch features
+        are resized to the student's grid (bicubic, :func:`~sslkit.methods.gram.resize_patch_grid`: DINOv3's
+        ``get_gram_teacher_output``); without them the Gram teacher sees the student's global crops."""
         output, crops = self.forward_globals(views, masks)
         if not self.gram_active:
             return output
@@ -103,11 +113,24 @@ class DINOv3Model(IBOTModel):
             targets = crops.teacher.patches
         else:
             with torch.no_grad():
-                targets = self.gram_trunk.forward_tokens(crops.images).patches
+                targets = self._gram_targets(crops.images, teacher_views)
         output.gram_patches = crops.student.patches
         output.gram_targets = targets.detach()
         output.gram_masks = crops.mask
         return output
+
+    def _gram_targets(self, images: torch.Tensor, teacher_views: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """The Gram teacher's patch tokens of the global crops ``images``, or of ``teacher_views`` brought to the
+        grid of ``images``."""
+        if teacher_views is None:
+            return self.gram_trunk.forward_tokens(images).patches
+        high = torch.cat(list(teacher_views)) if len(teacher_views) > 1 else teacher_views[0]
+        if high.shape[0] != images.shape[0]:
+            raise ValueError(f"{high.shape[0]} teacher crops for {images.shape[0]} global crops: the transform gives "
+                             "one teacher crop per global crop")
+        patches = self.gram_trunk.forward_tokens(high).patches
+        return resize_patch_grid(patches, self.trunk.grid(high.shape[-2], high.shape[-1]),
+                                 self.trunk.grid(images.shape[-2], images.shape[-1]))
 
 
 @register_model("dinov3")

@@ -41,6 +41,7 @@ __all__ = [
     "clip_gradients",
     "forward_and_loss",
     "forward_backward",
+    "model_keywords",
     "precision",
     "prepare_sample",
     "read_sample",
@@ -139,6 +140,17 @@ def augment_on_device(task: SSLTask, images: Images, uniforms: torch.Tensor) -> 
     return views
 
 
+def model_keywords(sample: dict[str, Any]) -> dict[str, Any]:
+    """What the model takes besides the views, where the sample has it: ``masks`` (the mask stage's) and
+    ``teacher_views`` (crops only a teacher sees: a Gram teacher's high-resolution crops, ``teacher_input``)."""
+    keywords = {}
+    if sample.get("masks") is not None:
+        keywords["masks"] = sample["masks"]
+    if sample.get("teacher_input") is not None:
+        keywords["teacher_views"] = sample["teacher_input"]
+    return keywords
+
+
 def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:
     """Stage *forward and loss*, under the precision policy: the model's output (``on_forward`` fires), then
     the loss with the step context. Returns this rank's loss, attached to the graph; the logged terms of a
@@ -147,8 +159,7 @@ def forward_and_loss(task: SSLTask, sample: dict[str, Any]) -> torch.Tensor:
     timer = task.perf_stats.timer
     with precision(task):
         with timer("forward"):
-            masks = sample.get("masks")
-            output = task.model(sample["input"]) if masks is None else task.model(sample["input"], masks=masks)
+            output = task.model(sample["input"], **model_keywords(sample))
         task.last_batch.model_output = output
         task.run_hooks(Event.ON_FORWARD)
         with timer("loss"):

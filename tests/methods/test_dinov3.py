@@ -368,3 +368,79 @@ def test_dinov3_adapt_continues_from_released_weights_which_stay_its_gram_anchor
             assert torch.equal(state[key], value), key
     assert task.optimizer.state[head]["exp_avg"].abs().sum() > 0  # the head trained (at lr 0: the warm-up's start)
     assert all(p not in task.optimizer.state for p in model.trunk.parameters())  # the trunk frozen in epoch 1
+
+
+def test_with_teacher_crops_the_gram_targets_are_the_gram_teachers_patches_resized_to_the_students_grid() -> None:
+    """DINOv3's high-resolution Gram teacher (get_gram_teacher_output): the teacher's patch map of the 48 px crops
+    (6 x 6 patches) brought to the student's 4 x 4 grid by a bicubic resize, written out here."""
+    model = _model()
+    _perturb(model.gram_trunk, 3)
+    model.gram_active = True
+    views, masks = _views()
+    g = torch.Generator().manual_seed(5)
+    high = [torch.randn(3, 3, 48, 48, generator=g) for _ in range(2)]
+    out = model(views, masks, teacher_views=high)
+    with torch.no_grad():
+        patches = model.gram_trunk.forward_tokens(torch.cat(high)).patches  # [6, 36, D]
+    maps = patches.transpose(1, 2).reshape(6, -1, 6, 6)
+    expected = F.interpolate(maps, size=(4, 4), mode="bicubic", align_corners=False).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(out["gram_targets"], expected, rtol=0, atol=1e-6)
+    assert out["gram_patches"].shape == expected.shape
+    plain = model(views, masks)  # without teacher crops: the student's crops, as before
+    assert not torch.allclose(plain["gram_targets"], out["gram_targets"])
+    with pytest.raises(ValueError, match="3 teacher crops for 6 global crops"):
+        model(views, masks, teacher_views=high[:1])
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["gram.teacher=ema", "gram.every=0", "gram.teacher_size=48"],
+     "'gram.teacher_size' gives the Gram teacher crops of its own, and gram.teacher=ema has no Gram teacher network"),
+    (["gram.teacher_size=44"], "'gram.teacher_size' = 44"),
+    (["gram.teacher_size=48", "data.transform.teacher_size=null"],
+     "'gram.teacher_size' is set, but data.transform.teacher_size does not follow gram.teacher_size"),
+    (["hires.start_update=8", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
+     "'hires.start_update' = 8 is after the run's end: it makes 8 updates"),
+    (["hires.start_update=2", "hires.global_sizes=[44]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
+     "'hires.global_sizes' holds 44: every size must be a multiple of the trunk's 8 px patch"),
+    (["hires.start_update=2", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]",
+      "data.augment_on=device"], "'hires.start_update' is set with data.augment_on=device"),
+])
+def test_bad_teacher_crops_and_high_resolution_phases_are_config_errors(extra: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([*D3, *extra]))
+    assert message in str(info.value)
+
+
+def test_a_high_resolution_phase_on_a_cnn_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=re.escape("'hires.start_update' is set, but the trunk has no patch grid")):
+        validate(compose_config(["config=simclr", *SMALL, "hires.start_update=1", "hires.global_sizes=[48]",
+                                 "hires.local_sizes=[16]", "hires.ratios=[1]"]))
+
+
+#: A phase from update 2 of the small recipe: two size triples, the Gram teacher's crops at 1.5 x the global ones.
+HIRES = ["hires.start_update=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+         "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"]
+
+
+@pytest.mark.slow
+def test_the_recipe_grows_its_crops_from_the_phases_start_and_the_checkpoint_knows_the_stage(tmp_path: Path) -> None:
+    """Through the CLI, 5 updates: 32 px global crops and the Gram teacher's at 48 px (gram.teacher_size) until
+    update 2, then each update at the size triple the phase draws for it; the clock's stage in the checkpoint."""
+    from sslkit.data.resolution import HighResPhase
+
+    out = tmp_path / "run"
+    run_main(*D3, *HIRES, "optim.max_steps=5", "log.every_n_steps=1", "eval.knn.enabled=false",
+             "checkpoint.every_n_steps=1", "checkpoint.keep_last=0", f"output_dir={out}")
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if r.get("phase") == "train" and "loss" in r}
+    phase = HighResPhase(2, (40, 48), (16, 24), (64, 72), (0.5, 0.5), seed=compose_config(D3).seed)
+    for update in range(5):
+        sizes = (32, 48) if update < 2 else phase.sizes(phase.choice(update))[::2]
+        assert (steps[update + 1]["crop_size"], steps[update + 1]["teacher_crop_size"]) == sizes, update
+    assert {phase.choice(u) for u in range(2, 5)} == {0, 1}  # both triples ran
+    assert all(math.isfinite(steps[s]["gram_loss"]) for s in (2, 3, 4, 5))
+    stages = [torch.load(out / "checkpoints" / f"checkpoint_{u:09d}.pt", weights_only=False)["position"]["stage"]
+              for u in (2, 3)]
+    assert stages == ["base", "high_res"]  # written after updates 1 and 2

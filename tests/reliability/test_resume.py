@@ -76,3 +76,13 @@ def test_a_masked_vit_resumes_bit_identically_after_sigkill(tmp_path: Path, reci
     no state, drop path draws from the RNG every rank checkpoints, the teachers, the centres and the momentum
     schedule are in the checkpoint; the run killed mid-epoch ends bit-identical."""
     _run_killed_and_resumed(tmp_path, recipe, 1, [])
+
+
+@pytest.mark.slow
+def test_dinov3_resumes_bit_identically_across_the_start_of_a_high_resolution_phase(tmp_path: Path) -> None:
+    """A high-resolution phase from update 9, the Gram teacher on crops of its own size throughout: the run killed
+    after step 10 resumes from the checkpoint of update 8, before the phase, and crosses its start again; the
+    crops each update draws come from (seed, update), so the resumed run ends bit-identical."""
+    _run_killed_and_resumed(tmp_path, "dinov3", 1, [
+        "hires.start_update=9", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+        "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"])

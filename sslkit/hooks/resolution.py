@@ -1,0 +1,63 @@
+"""The hook that reports a high-resolution phase: the clock's stage, the crop sizes each update trained on."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from sslkit.data.resolution import HighResPhase
+from sslkit.hooks.base import SSLHook
+
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = ["HighResolutionHook"]
+
+logger = logging.getLogger("sslkit")
+
+
+class HighResolutionHook(SSLHook):
+    """The run's :class:`~sslkit.data.resolution.HighResPhase` as the clock and the logs see it: ``clock.stage``
+    is ``"base"`` or ``"high_res"`` (a checkpoint's ``position.stage``), the switch is logged once, and each
+    logged record holds ``crop_size`` and, with teacher crops, ``teacher_crop_size``: the sizes the step was fed
+    (read from the batch's shapes, no device sync). The crops themselves come from the data pipeline, whose sampler
+    names each sample's update (:meth:`~sslkit.data.sampler.StatefulDistributedSampler.updates_from`)."""
+
+    name = "high_res"
+
+    def __init__(self, phase: HighResPhase) -> None:
+        self.phase = phase
+        #: the update at which this run (or the run it resumes) entered the phase; None before
+        self.entered: int | None = None
+
+    def on_start(self, task: SSLTask) -> None:
+        """Set the clock's stage for the update the run starts at, and say what is coming."""
+        task.clock.stage = self.phase.stage(task.clock.update)
+        logger.info("high-resolution phase from update %d (now %s, update %d): global crops %s, local %s, teacher %s, "
+                    "drawn per update with ratios %s", self.phase.start_update, task.clock.stage, task.clock.update,
+                    list(self.phase.global_sizes), list(self.phase.local_sizes), list(self.phase.teacher_sizes),
+                    list(self.phase.ratios))
+
+    def on_forward(self, task: SSLTask) -> None:
+        """The stage of this update, and the crop sizes its batch has."""
+        if not task.train or task.last_batch is None:
+            return
+        clock = task.clock
+        stage = self.phase.stage(clock.update)
+        if stage != clock.stage or (stage == "high_res" and self.entered is None):
+            if stage == "high_res" and self.entered is None:
+                self.entered = clock.update
+                logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
+            clock.stage = stage
+        sample = task.last_batch.sample
+        task.scheduled["crop_size"] = float(sample["input"][0].shape[-1])
+        if sample.get("teacher_input"):
+            task.scheduled["teacher_crop_size"] = float(sample["teacher_input"][0].shape[-1])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The update the phase began at (None before it)."""
+        return {"entered": self.entered}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.entered = state.get("entered")
