@@ -686,7 +686,10 @@ def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, error
     teacher_sizes = [t for t in h.teacher_sizes if t is not None] if h.start_update is not None else []
     if cfg.gram.teacher_size is not None or teacher_sizes:
         key = "gram.teacher_size" if cfg.gram.teacher_size is not None else "hires.teacher_sizes"
-        if cfg.gram.teacher == "ema":
+        if "gram_weight" not in _loss_arguments(cfg):
+            errors.append(f"'{key}' sizes the crops of a Gram teacher, and method.name={cfg.method.name} has none: "
+                          f"drop {key} (or train a dinov3 recipe)")
+        elif cfg.gram.teacher == "ema":
             errors.append(f"'{key}' gives the Gram teacher crops of its own, and gram.teacher=ema has no Gram teacher "
                           "network (the EMA teacher sees the student's crops): set gram.teacher=snapshot or file, or "
                           f"drop {key}")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import RECIPES, SMALL, distillation_output, run_main
+from helpers import RECIPES, SMALL, VIT, distillation_output, run_main
 
 from sslkit.builder.model import build_model
 from sslkit.clock import StepContext, TrainClock
@@ -411,10 +411,14 @@ def test_bad_teacher_crops_and_high_resolution_phases_are_config_errors(extra: l
     assert message in str(info.value)
 
 
-def test_a_high_resolution_phase_on_a_cnn_is_a_config_error() -> None:
+def test_a_high_resolution_phase_on_a_cnn_or_teacher_crops_without_a_gram_teacher_are_config_errors() -> None:
+    phase = ["hires.start_update=1", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"]
     with pytest.raises(ConfigError, match=re.escape("'hires.start_update' is set, but the trunk has no patch grid")):
-        validate(compose_config(["config=simclr", *SMALL, "hires.start_update=1", "hires.global_sizes=[48]",
-                                 "hires.local_sizes=[16]", "hires.ratios=[1]"]))
+        validate(compose_config(["config=simclr", *SMALL, *phase]))
+    with pytest.raises(ConfigError, match=re.escape("'hires.teacher_sizes' sizes the crops of a Gram teacher, and "
+                                                    "method.name=simclr has none")):
+        validate(compose_config(["config=simclr_vit", *SMALL, *VIT, *phase, "hires.teacher_sizes=[64]"]))
+    validate(compose_config(["config=simclr_vit", *SMALL, *VIT, *phase]))  # a ViT method grows its views
 
 
 #: A phase from update 2 of the small recipe: two size triples, the Gram teacher's crops at 1.5 x the global ones.
