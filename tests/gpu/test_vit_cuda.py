@@ -324,3 +324,26 @@ def test_dinov3_trains_in_bf16_and_its_dense_probe_runs_on_the_device(tmp_path: 
     pred, target = torch.randint(0, 5, (4, 64, 64), generator=g), torch.randint(0, 5, (4, 64, 64), generator=g)
     target[:, 0] = 255
     assert torch.equal(area_stats(pred.cuda(), target.cuda(), 5).cpu(), area_stats(pred, target, 5))
+
+
+@pytest.mark.slow
+def test_dinov3_grows_its_crops_on_the_device_with_the_gram_teachers_high_resolution_crops(tmp_path: Path) -> None:
+    """dinov3 on CUDA in bf16 with the Gram teacher on 48 px crops and a high-resolution phase from update 2: the
+    teacher's patch map resized to the student's grid on the device (bicubic under autocast), each update fed the
+    sizes the phase drew for it, the Gram loss finite; the same run again is bitwise the same in its log (the
+    phase's draw and the crops depend on (seed, update) only)."""
+    from sslkit.data.resolution import HighResPhase
+
+    hires = ["hires.start_update=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+             "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"]
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        run_main("config=dinov3", *SMALL, *RECIPES["dinov3"], *GPU, *hires, "optim.max_steps=5",
+                 "log.every_n_steps=1", "eval.knn.enabled=false", "machine.deterministic=true", f"output_dir={out}")
+        runs.append([r for r in metrics(out) if r.get("phase") == "train" and "loss" in r])
+    phase = HighResPhase(2, (40, 48), (16, 24), (64, 72), (0.5, 0.5), seed=0)
+    sizes = [(r["crop_size"], r["teacher_crop_size"]) for r in runs[0]]
+    assert sizes == [(32, 48), (32, 48)] + [phase.sizes(phase.choice(u))[::2] for u in (2, 3, 4)]
+    assert all(math.isfinite(r["gram_loss"]) for r in runs[0][1:])
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]

@@ -33,7 +33,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert "knn_top1" in proc.stdout
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
     assert state["position"] == {"phase_idx": 2, "step_in_epoch": 0, "update": 8, "samples": 128,
-                                 "skipped_steps": {}, "consecutive_skips": 0}
+                                 "skipped_steps": {}, "consecutive_skips": 0, "stage": "base"}
     assert state["hooks"]["knn"]["done"] is True
     # each checkpoint is logged once; the last epoch's is updated once with the kNN results of the end of the run
     saves = [line.split("] ", 1)[1] for line in (out / "log.txt").read_text().splitlines() if "checkpoint_0" in line]
