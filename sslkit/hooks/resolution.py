@@ -43,12 +43,10 @@ class HighResolutionHook(SSLHook):
         if not task.train or task.last_batch is None:
             return
         clock = task.clock
-        stage = self.phase.stage(clock.update)
-        if stage != clock.stage or (stage == "high_res" and self.entered is None):
-            if stage == "high_res" and self.entered is None:
-                self.entered = clock.update
-                logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
-            clock.stage = stage
+        clock.stage = self.phase.stage(clock.update)
+        if clock.stage == "high_res" and self.entered is None:
+            self.entered = clock.update
+            logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
         sample = task.last_batch.sample
         task.scheduled["crop_size"] = float(sample["input"][0].shape[-1])
         if sample.get("teacher_input"):
