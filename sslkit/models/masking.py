@@ -220,14 +220,15 @@ class BlockMasking:
     The count reached is at most the target, as BEiT's. Each image decides from its own numbers: unlike
     DINOv2's collate, which masks exactly ``int(B * p)`` images of a batch with ratios spread over the
     range, the masked fraction is ``p`` in expectation, and a sample's mask does not depend on its batch
-    (so 1 and N processes agree). ``mode = "replace"``; ``max_patches`` None means no cap (iBOT; DINOv2
-    caps a block at half the patches).
+    (so 1 and N processes agree). ``mode = "replace"``; ``max_patches`` None means no cap (iBOT), a float in
+    (0, 1] a share of the grid's ``N`` patches (``floor(N x share)``: DINOv2 caps a block at half the patches,
+    ``0.5``, which follows the grid when crop sizes change), an int a number of patches.
     """
 
     mode = "replace"
 
     def __init__(self, probability: float = 0.5, ratio_min: float = 0.1, ratio_max: float = 0.5,
-                 min_patches: int = 4, max_patches: int | None = None, min_aspect: float = 0.3,
+                 min_patches: int = 4, max_patches: int | float | None = None, min_aspect: float = 0.3,
                  attempts: int = 30) -> None:
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"masking.probability must be in [0, 1], got {probability}")
@@ -235,8 +236,13 @@ class BlockMasking:
         _check_ratio("masking.ratio_max", ratio_max)
         if ratio_min > ratio_max:
             raise ValueError(f"masking.ratio_min={ratio_min} is above masking.ratio_max={ratio_max}")
-        if min_patches < 1 or (max_patches is not None and max_patches < 1):
-            raise ValueError("masking.min_patches and masking.max_patches must be >= 1")
+        share = isinstance(max_patches, float)
+        if min_patches < 1 or (max_patches is not None and not share and max_patches < 1):
+            raise ValueError("masking.min_patches and masking.max_patches must be >= 1 (or max_patches a share of "
+                             "the patches in (0, 1])")
+        if share and not 0.0 < max_patches <= 1.0:
+            raise ValueError(f"masking.max_patches={max_patches}: a share of the patches must be in (0, 1] (an int "
+                             "is a number of patches)")
         if not 0.0 < min_aspect <= 1.0:
             raise ValueError(f"masking.min_aspect must be in (0, 1], got {min_aspect}")
         if attempts < 1:
@@ -251,6 +257,14 @@ class BlockMasking:
         ``floor(N * r)`` in float32; the ceiling covers its rounding). A loss over the masked patches gathers this many
         slots per image (:func:`sslkit.methods.dinov2_parts.masked_slots`)."""
         return max(1, math.ceil(num_patches * self.ratio_max))
+
+    def block_cap(self, num_patches: int) -> float | None:
+        """The most patches one block may add on a grid of ``num_patches`` (None: no cap)."""
+        if self.max_patches is None:
+            return None
+        if isinstance(self.max_patches, float):
+            return float(math.floor(num_patches * self.max_patches))
+        return float(self.max_patches)
 
     def count_moments(self, num_patches: int) -> tuple[float, float]:
         """The mean and variance of an image's target ``[masked] floor(N r)``, which bounds what it hides, with
@@ -279,10 +293,11 @@ class BlockMasking:
         mask = torch.zeros(b, n, dtype=torch.bool, device=device)
         count = torch.zeros_like(target)
         lo, hi = self.log_aspect
+        most = self.block_cap(n)
         for a in range(self.attempts):
             ua, ub, uc, ud = u[:, a].unbind(1)
             remaining = target - count
-            cap = remaining if self.max_patches is None else remaining.clamp(max=float(self.max_patches))
+            cap = remaining if most is None else remaining.clamp(max=most)
             area = self.min_patches + (cap - self.min_patches) * ua  # python's uniform(a, b), also for b < a
             aspect = torch.exp(lo + (hi - lo) * ub)
             h = torch.round(torch.sqrt(area * aspect))
@@ -552,7 +567,7 @@ def build_random(ratio: float = 0.75) -> RandomMasking:
 
 @register_masking("block")
 def build_block(probability: float = 0.5, ratio_min: float = 0.1, ratio_max: float = 0.5, min_patches: int = 4,
-                max_patches: int | None = None, min_aspect: float = 0.3, attempts: int = 30) -> BlockMasking:
+                max_patches: int | float | None = None, min_aspect: float = 0.3, attempts: int = 30) -> BlockMasking:
     """BEiT / iBOT / DINOv2 block masking with the mask token (:class:`BlockMasking`)."""
     return BlockMasking(probability, ratio_min, ratio_max, min_patches, max_patches, min_aspect, attempts)
 

@@ -44,6 +44,7 @@ def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tm
         assert scaled_lr(cfg.optim.lr, 256, cfg.optim.lr_scaling) == pytest.approx(0.0005)
         assert cfg.loss.out_dim == cfg.loss.patch_out_dim == 65536 and cfg.model.kwargs.separate_patch_head
         assert cfg.loss.centering == "sinkhorn_knopp" and cfg.optim.layer_decay == 0.9
+        assert cfg.masking.max_patches == 0.5  # half of any grid: 98 at 224 px, 1152 at a phase's 768 px
         assert (cfg.gram.every, cfg.gram.max_refreshes, cfg.gram.weight, cfg.gram.ramp_updates) == (10000, 3, 2.0, 1000)
         assert cfg.loss.gram_weight == 2.0 and cfg.method.hooks.gram_teacher.start_update == cfg.gram.start_update
         assert cfg.gram.start_update == 5 * (1281167 // 1024) * 100 // 6  # 5/6 of ImageNet-1k's 100 epochs

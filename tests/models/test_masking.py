@@ -274,3 +274,21 @@ def test_ratio_and_ranges_are_checked() -> None:
         BlockMasking(ratio_min=0.6, ratio_max=0.5)
     with pytest.raises(ValueError, match="target_scale"):
         MultiBlockMasking(target_scale=(0.3, 0.2))
+
+
+def test_a_block_cap_given_as_a_share_is_that_share_of_each_grids_patches() -> None:
+    """DINOv2 caps a mask block at half the grid (MaskingGenerator(max_num_patches=0.5 * N)): ``max_patches=0.5``
+    draws the masks ``max_patches=98`` draws on a 14 x 14 grid and those of 1152 on a 48 x 48 one (a 768 px crop of
+    a high-resolution phase), where a fixed 98 would cap a block at 4% of the grid."""
+    keys = _keys(64)
+    share = BlockMasking(probability=1.0, max_patches=0.5)
+    assert share.block_cap(196) == 98 and share.block_cap(2304) == 1152 and share.block_cap(49) == 24
+    assert torch.equal(share(keys, (14, 14)).mask, BlockMasking(probability=1.0, max_patches=98)(keys, (14, 14)).mask)
+    large = share(keys, (48, 48)).mask
+    assert torch.equal(large, BlockMasking(probability=1.0, max_patches=1152)(keys, (48, 48)).mask)
+    assert not torch.equal(large, BlockMasking(probability=1.0, max_patches=98)(keys, (48, 48)).mask)
+    assert BlockMasking(max_patches=None).block_cap(196) is None
+    with pytest.raises(ValueError, match=r"a share of the patches must be in \(0, 1\]"):
+        BlockMasking(max_patches=1.5)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BlockMasking(max_patches=0)
