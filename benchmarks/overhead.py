@@ -17,7 +17,7 @@ to both. The plain loop mirrors what sslkit's standard step does to the numbers:
   the recipe schedules it) for ``where = step / max_steps`` set just before ``optimizer.step``,
   ``optim.accumulate_steps`` micro-batches with ``backward(loss / K)``, the gradients clipped as
   ``optim.clip_grad`` says (after unscaling), and a masked method's masks passed to the model
-  (``model(views, masks=...)``, drawn by the same sample stage);
+  (``model(views, masks=...)``, drawn by the same sample stage: ``model_keywords``);
 * the method hooks of the recipe (momentum teachers, SwAV's prototype normalisation, DINO's
   last-layer freeze, the collapse monitor), the very hook objects ``build_task`` made, called at
   the same events. Only sslkit's infrastructure (logging, checkpointing, the non-finite loss guard,
@@ -72,7 +72,7 @@ from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
 from sslkit.reliability import PreemptionHook  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
-from sslkit.train_steps.stages import prepare_sample  # noqa: E402
+from sslkit.train_steps.stages import model_keywords, prepare_sample  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
 from sslkit.trainer import train  # noqa: E402
 
@@ -288,8 +288,8 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                     sample = prepare_sample(task, next(batches))
                     task.last_batch = LastBatch(sample=sample)
                     with precision():
-                        masks = sample.get("masks")  # masked methods: drawn by the sample stage, as in sslkit
-                        output = model(sample["input"]) if masks is None else model(sample["input"], masks=masks)
+                        # masks (drawn by the sample stage) and teacher crops, handed over as sslkit's step does
+                        output = model(sample["input"], **model_keywords(sample))
                         task.last_batch.model_output = output
                         fire(Event.ON_FORWARD)
                         loss = loss_fn(output, sample, task.context())  # the clock, for schedules

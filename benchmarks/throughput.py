@@ -78,7 +78,7 @@ from sslkit.config.schema import ConfigError  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.task import LastBatch, SSLTask  # noqa: E402
-from sslkit.train_steps.stages import precision, prepare_sample, split_loss  # noqa: E402
+from sslkit.train_steps.stages import model_keywords, precision, prepare_sample, split_loss  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
 from sslkit.trainer import train  # noqa: E402
 
@@ -220,7 +220,6 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
         sample["masks"] = task.data.masking(views, sample["data_idx"], 0)
     fire = _dispatcher(method_hooks(task), task)
     model, opt = task.model, task.optimizer
-    masks = sample.get("masks")
     fire(Event.ON_START)
     start = 0.0
     for i in range(warmup + steps):
@@ -229,7 +228,7 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
             start = time.perf_counter()
         task.last_batch = LastBatch(sample=sample)
         with precision(task):
-            out = model(views) if masks is None else model(views, masks=masks)
+            out = model(views, **model_keywords(sample))
             task.last_batch.model_output = out
             fire(Event.ON_FORWARD)
             loss, _ = split_loss(task.loss(out, sample, task.context()))
@@ -261,9 +260,10 @@ def attention_kernels(task: SSLTask, preset: Preset) -> str:
     b = min(preset.batch, 8)
     views = [torch.randn(b, 3, s, s, device=task.device) for s in preset.views()]
     masks = task.data.masking(views, torch.arange(b, device=task.device), 0) if task.data.masking else None
+    sample = {"input": views, "data_idx": torch.arange(b), "masks": masks}
     with profile(activities=[ProfilerActivity.CPU]) as prof, precision(task):
-        out = task.model(views) if masks is None else task.model(views, masks=masks)
-        loss, _ = split_loss(task.loss(out, {"input": views, "data_idx": torch.arange(b)}, task.context()))
+        out = task.model(views, **model_keywords(sample))
+        loss, _ = split_loss(task.loss(out, sample, task.context()))
         loss.backward()
     task.optimizer.zero_grad(set_to_none=True)
     seen = {ATTENTION_OPS[e.key] for e in prof.key_averages() if e.key in ATTENTION_OPS}

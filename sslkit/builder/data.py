@@ -164,6 +164,8 @@ class TrainData:
     steps_per_epoch: int
     epochs: int
     max_updates: int
+    #: the high-resolution phase the loader's transform follows (``hires.*``), or None
+    phase: HighResPhase | None = None
 
 
 def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> TrainData:
@@ -181,8 +183,9 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
     if cfg.data.global_batch_size > 0:
         logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
                     "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
+    phase = high_res_phase(cfg)
     train_loader = loader_for(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
-                              workers=workers, pin=pin, device_augment=device_augment, phase=high_res_phase(cfg))
+                              workers=workers, pin=pin, device_augment=device_augment, phase=phase)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
     accumulate = cfg.optim.accumulate_steps
     steps_per_epoch = len(train_loader) // accumulate
@@ -195,7 +198,7 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
         epochs = cfg.optim.epochs
         max_updates = epochs * steps_per_epoch
     return TrainData(train_source, train_loader, device_augment, device_decoder, workers, pin, batch,
-                     batch * world * accumulate, steps_per_epoch, epochs, max_updates)
+                     batch * world * accumulate, steps_per_epoch, epochs, max_updates, phase)
 
 
 def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from sslkit import registry as R
 from sslkit.builder.common import preemption_signals, section_kwargs
-from sslkit.builder.data import TrainData, eval_sources, fixed_subset, high_res_phase, knn_subsample, loader_for
+from sslkit.builder.data import TrainData, eval_sources, fixed_subset, knn_subsample, loader_for
 from sslkit.builder.model import ModelParts
 from sslkit.config.schema import ConfigError
 from sslkit.data.sources import DataSourceError
@@ -55,9 +55,8 @@ def build_hooks(cfg: DictConfig, data: TrainData, parts: ModelParts, device: tor
         for name, kwargs in cfg.method.hooks.items() if kwargs is not None
     ]
     hooks += [R.get(R.HOOKS, spec.name, f"hooks[{i}].name")(**section_kwargs(spec)) for i, spec in enumerate(cfg.hooks)]
-    phase = high_res_phase(cfg)
-    if phase is not None:
-        hooks.append(HighResolutionHook(phase))
+    if data.phase is not None:
+        hooks.append(HighResolutionHook(data.phase))
     if parts.frozen_later:
         hooks.append(FreezeParametersHook(parts.frozen_later))
     if parts.frozen_now:

@@ -699,12 +699,8 @@ def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, error
                           "${gram.teacher_size}, as the dinov3 recipes do")
     if h.start_update is None or trunk is None:
         return
-    patch = None
-    if getattr(trunk, "patch_tokens", False):
-        value = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
-        patch = value if isinstance(value, int) and value > 0 else None
     errors.extend(phase_errors(h.start_update, list(h.global_sizes), list(h.local_sizes), list(h.teacher_sizes),
-                               list(h.ratios), patch, updates))
+                               list(h.ratios), _patch_size(cfg, trunk), updates))
     if cfg.data.augment_on == "device":
         errors.append("'hires.start_update' is set with data.augment_on=device: the crops of a high-resolution phase "
                       "are made in the loader workers (the device augmentation has one size per view): set "
@@ -771,6 +767,15 @@ def _check_pretrained(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
         errors.append(f"'model.pretrained' = {path}: not a .pth, .pt, .bin or .safetensors file of weights")
 
 
+def _patch_size(cfg: DictConfig, trunk: Any) -> int | None:
+    """The side of a patch trunk's patches (``model.trunk_kwargs.patch_size``, else ``data.patch_size``), or None for
+    a trunk without patches or a patch size that is not a positive int (reported by the kwargs check)."""
+    if not getattr(trunk, "patch_tokens", False):
+        return None
+    patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
+    return patch if isinstance(patch, int) and patch > 0 else None
+
+
 def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
     """A trunk's own checks (a ViT's kwargs against timm's), and for a patch trunk that every crop is a whole
     number of patches."""
@@ -780,8 +785,8 @@ def _check_trunk(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
     if getattr(trunk, "patch_tokens", False):
         from sslkit.models.vit import patch_grid_errors
 
-        patch = cfg.model.trunk_kwargs.get("patch_size", cfg.data.patch_size)
-        if isinstance(patch, int) and patch > 0:
+        patch = _patch_size(cfg, trunk)
+        if patch is not None:
             errors.extend(patch_grid_errors(patch, _crop_sizes(cfg)))
         from sslkit.models.vit import VIT_SIZES
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sslkit.data.resolution import HighResPhase
 from sslkit.hooks.base import SSLHook
@@ -27,8 +27,6 @@ class HighResolutionHook(SSLHook):
 
     def __init__(self, phase: HighResPhase) -> None:
         self.phase = phase
-        #: the update at which this run (or the run it resumes) entered the phase; None before
-        self.entered: int | None = None
 
     def on_start(self, task: SSLTask) -> None:
         """Set the clock's stage for the update the run starts at, and say what is coming."""
@@ -44,18 +42,9 @@ class HighResolutionHook(SSLHook):
             return
         clock = task.clock
         clock.stage = self.phase.stage(clock.update)
-        if clock.stage == "high_res" and self.entered is None:
-            self.entered = clock.update
+        if clock.update == self.phase.start_update and clock.micro_batch == 0:
             logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
         sample = task.last_batch.sample
         task.scheduled["crop_size"] = float(sample["input"][0].shape[-1])
         if sample.get("teacher_input"):
             task.scheduled["teacher_crop_size"] = float(sample["teacher_input"][0].shape[-1])
-
-    def state_dict(self) -> dict[str, Any]:
-        """The update the phase began at (None before it)."""
-        return {"entered": self.entered}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.entered = state.get("entered")
