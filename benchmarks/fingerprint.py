@@ -1,9 +1,9 @@
 """Fingerprint every recipe's training: the losses of each step and a hash of the final state, to compare two commits.
 
 A refactor that must not change what trains (the core reshape of issue 12) is checked by running this on
-the commit before and after it and comparing: every recipe (all 17, CNN and ViT, small as ``sslkit doctor``
-runs them) runs 8 steps (2 epochs) of its own config on the synthetic data, in this process, on the CPU, and the
-SHA-256 of its final model and loss tensors and the list of its logged losses must be equal.
+the commit before and after it and comparing: every recipe (the 19 of ``sslkit doctor``, CNN, ViT and distillation,
+small as it runs them) runs 8 steps (2 epochs) of its own config on the synthetic data, in this process, on the CPU,
+and the SHA-256 of its final model and loss tensors and the list of its logged losses must be equal.
 
     python benchmarks/fingerprint.py --out /tmp/before.json          # on the old commit
     python benchmarks/fingerprint.py --compare /tmp/before.json      # on the new one: exit 1 on a difference
@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="compare with the fingerprints in this JSON file; exit 1 on a difference")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every recipe")
     args = parser.parse_args(argv)
-    from sslkit.launch.doctor import SMALL_RECIPES
+    from sslkit.launch.doctor import SMALL_RECIPES, small_teacher
 
+    small_teacher()  # the small distillation's teacher file
     found = {recipe: fingerprint(recipe, args.overrides) for recipe in SMALL_RECIPES}
     if args.out:
         Path(args.out).write_text(json.dumps(found, indent=1))
@@ -66,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{recipe:<14}{fp['hash'][:16]}  last loss {fp['losses'][-1]:.6f}")
     if args.compare:
         before = json.loads(Path(args.compare).read_text())
-        differ = [r for r in found if before.get(r) != found[r]]
-        print("identical: every recipe" if not differ else f"different: {', '.join(differ)}")
+        differ = [r for r in found if r in before and before[r] != found[r]]
+        new = [r for r in found if r not in before]
+        print("identical: every recipe" if not differ else f"different: {', '.join(differ)}",
+              f"(new since: {', '.join(new)})" if new else "")
         return 1 if differ else 0
     return 0
 

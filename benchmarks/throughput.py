@@ -29,7 +29,10 @@ nothing). The presets are
 * ``dinov2_vit_s16``, ``ijepa_vit_s16``: the paper-scale recipes as they are;
 * ``dinov3_vit_l16``: ``config=dinov3_vitl16`` (timm's RoPE ViT-L/16 with 4 registers, two 65536-prototype heads)
   at 2 x 256 + 8 x 112 px crops, batch 64 per process, with its Gram stage's extra forward from the first update;
-  DINOv3's own record for ViT-L/16 is about 159 img/s per H100 (docs/results.md says how that is derived).
+  DINOv3's own record for ViT-L/16 is about 159 img/s per H100 (docs/results.md says how that is derived);
+* ``distill_vitl16``: ``config=distill_vitl16``, a DINOv3 ViT-L/16 teacher (fresh weights, written once into the
+  scratch folder) into a ViT-S/16 and a ResNet-50, 224 px, batch 128; a second table gives the teacher's forward
+  alone and its share of the plain step.
 
 For the ViT presets the table names the attention kernel PyTorch's ``scaled_dot_product_attention`` runs
 (timm's attention calls it): the aten operator seen in a profiled step, e.g. ``flash`` (FlashAttention-2),
@@ -104,6 +107,8 @@ class Preset:
     num_small: int = 0
     batch: int = 256
     num_large: int = 2
+    #: a distillation preset's teacher: this sslkit trunk with fresh weights, written once as a weights file
+    teacher: str | None = None
 
     def views(self) -> list[int]:
         """The side of every view the model takes."""
@@ -138,6 +143,11 @@ PRESETS = {
     # update (its Gram teacher's forward: the recipe's heaviest step, that of its last sixth)
     "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_update=0"], jpeg=True, image_size=256, small_size=112,
                              num_small=8, batch=64),
+    # config=distill_vitl16: a DINOv3 ViT-L/16 teacher (fresh weights: the speed is the architecture's) into a
+    # ViT-S/16 and a ResNet-50 on the same batches, one 224 px view, the feature objective's dense term; the table
+    # after the main one gives the teacher's share of the step
+    "distill_vitl16": Preset("distill_vitl16", [], jpeg=True, image_size=224, batch=128, num_large=1,
+                             teacher="vit_large_patch16_dinov3"),
 }
 
 
@@ -150,7 +160,45 @@ def _quick(preset: Preset) -> Preset:
     if preset.recipe.startswith("ijepa"):
         trunk.append("model.trunk_kwargs.patch_size=8")
     return Preset(preset.recipe, trunk, preset.jpeg, 64 if preset.jpeg else 32,
-                  32 if preset.num_small else 0, 2 if preset.num_small else 0, 16, preset.num_large)
+                  32 if preset.num_small else 0, 2 if preset.num_small else 0, 16, preset.num_large,
+                  "vit_small_patch16_dinov3" if preset.teacher else None)
+
+
+def teacher_overrides(preset: Preset) -> list[str]:
+    """A distillation preset's teacher: its trunk with fresh weights (seed 0), written once into the temporary
+    folder (a ViT-L/16: 1.2 GB) and found there by later runs and processes."""
+    if preset.teacher is None:
+        return []
+    from safetensors.torch import save_file
+
+    from sslkit import registry as R
+
+    file = Path(tempfile.gettempdir()) / f"sslkit-bench-teacher-{preset.teacher}-{preset.image_size}.safetensors"
+    if not file.exists():
+        torch.manual_seed(0)
+        trunk = R.get(R.TRUNKS, preset.teacher)(in_channels=3, img_size=preset.image_size, patch_size=16)
+        partial = file.with_suffix(f".{os.getpid()}.part")
+        save_file({k: v.contiguous() for k, v in trunk.state_dict().items()}, str(partial))
+        os.replace(partial, file)
+    return [f"distill.teacher={file}", f"distill.teacher_trunk={preset.teacher}"]
+
+
+def teacher_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
+    """A distillation's teacher alone: images/s of its forward (no gradient, the step's precision) on the preset's
+    views, as the step computes it once for all students."""
+    teacher = task.base_model.teacher
+    views = [torch.randn(preset.batch, 3, s, s, device=task.device).contiguous(memory_format=torch.channels_last)
+             for s in preset.views()]
+    dense = any(s.patch_proj is not None for s in task.base_model.students.values())
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(task.device)
+            start = time.perf_counter()
+        with precision(task):
+            teacher.encode(views, dense)
+    _sync(task.device)
+    return preset.batch * steps / (time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -198,7 +246,8 @@ def preset_overrides(preset: Preset, data: Path | None, samples: int, device: st
         crops += [f"data.small_image_size={preset.small_size}", f"data.transform.num_small={preset.num_small}"]
     amp = ["amp.enabled=true", "amp.dtype=bfloat16"] if device == "cuda" else ["amp.enabled=false"]
     return [f"config={preset.recipe}", *source, *preset.trunk, *crops, f"data.batch_size={preset.batch}",
-            f"machine.device={device}", "machine.channels_last=true", *amp, "log.every_n_steps=1000"]
+            f"machine.device={device}", "machine.channels_last=true", *amp, "log.every_n_steps=1000",
+            *teacher_overrides(preset)]
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -473,6 +522,7 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
         folder = make_jpeg_folder(scratch / "jpeg", samples, 0.32 if args.quick else 1.0)
         print(f"wrote {samples} JPEGs to {folder} in {time.perf_counter() - t:.0f} s", flush=True)
     rows = []
+    teachers: list[tuple[str, str, float, float]] = []
     header_done = False
     for name, preset in presets.items():
         base = [*preset_overrides(preset, folder, samples, args.device), *extra]
@@ -484,6 +534,9 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
         attention = attention_kernels(raw_task, preset)
         trunk = str(raw_task.config.model.trunk)
         raw = raw_rate(raw_task, preset, steps, warmup)
+        if preset.teacher:
+            teachers.append((name, str(raw_task.config.distill.teacher_trunk), teacher_rate(raw_task, preset, steps,
+                                                                                             warmup), raw))
         del raw_task
         print(f"{name}: raw step {raw:,.0f} img/s; attention kernel(s): {attention}", flush=True)
         pipelines = [p for p in PIPELINES if preset.jpeg or p != "device+decode"]
@@ -506,6 +559,12 @@ def _measure(args: argparse.Namespace, names: list[str], steps: int, warmup: int
     for name, preset, trunk, pipeline, workers, loaded, full, raw, attention in rows:
         print(f"| {name} | {trunk} | {preset.describe()} | {preset.batch} | {pipeline} | {workers} | "
               f"{loaded:,.0f} | {full:,.0f} | {raw:,.0f} | {full / raw:.2f} | {attention} |")
+    if teachers:
+        print()
+        print("| preset | teacher | teacher forward img/s | (a) raw step img/s | teacher's share of the step |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, trunk, alone, raw in teachers:
+            print(f"| {name} | {trunk} | {alone:,.0f} | {raw:,.0f} | {raw / alone:.0%} |")
     if args.tools:
         print()
         print("| augmentation alone, one batch on the device | images/s |")

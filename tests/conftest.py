@@ -78,3 +78,11 @@ def _restore_sslkit_logger():
     _reset_sslkit_logger()
     yield
     _reset_sslkit_logger()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The small distillation recipe's teacher file (tests/helpers.RECIPES["distill"] names it) is written before any
+    test composes that recipe (once per machine: every later session finds it)."""
+    from sslkit.launch.doctor import small_teacher
+
+    small_teacher()

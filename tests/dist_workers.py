@@ -123,6 +123,11 @@ def mocov3_loss_and_grads(rank: int, world: int, n: int) -> dict[str, Any]:
 #: LayerScale 1e-5: KoLeo's nearest neighbours among the near-identical CLS features of such a model at the start are
 #: decided by rounding, docs/vit.md).
 VARIANTS = {"nokoleo": ["loss.koleo_weight=0"],
+            # two students on one teacher: a CNN with BatchNorm and a ViT
+            "two": ["distill.students=[small_cnn, {trunk: vit_tiny, name: vit, trunk_kwargs: {patch_size: 8, depth: 1, "
+                    "num_heads: 2}}]"],
+            "vit": ["distill.students=[{trunk: vit_tiny, name: vit, trunk_kwargs: {patch_size: "
+                    "8, depth: 1, num_heads: 2}}]"],
             # a high-resolution phase from the second update, with the Gram teacher's crops (test_dinov3.py)
             "hires": ["loss.koleo_weight=0", "hires.start_update=1", "hires.global_sizes=[40,48]",
                       "hires.local_sizes=[16,24]", "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]"]}
@@ -163,6 +168,31 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
         state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
         states[name] = state
     return states
+
+
+def distill_teacher_shards(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The small distillation with a ViT student under fsdp: whether the teacher's trunk is sharded, the teacher's
+    elements this rank holds and in all, and its pooled features of one fixed batch (whole on every rank)."""
+    from helpers import RECIPES, SMALL
+
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.parallel import is_sharded
+
+    cfg = compose_config(["config=distill", *SMALL, *RECIPES["distill"], *VARIANTS["vit"], "optim.max_steps=1",
+                          "distributed.strategy=fsdp", "eval.knn.enabled=false", "log.tensorboard=false",
+                          "log.report=false", f"output_dir={out}/teacher-{world}"])
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    task = build_task(cfg)
+    try:
+        teacher = task.base_model.teacher
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in teacher.parameters())
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        pooled, _ = teacher.encode([x], dense=True)
+        return {"sharded": is_sharded(teacher.trunk), "local": local,
+                "total": sum(p.numel() for p in teacher.parameters()), "pooled": pooled[0].detach().clone()}
+    finally:
+        task.close()
 
 
 def dinov2_parts_on_shard(rank: int, world: int, n: int) -> dict[str, Any]:

@@ -32,6 +32,10 @@ RECIPE_ARGS = {
     "dinov2": [*RECIPES["dinov2"], "model.trunk_kwargs.drop_path_rate=0.1"],
     "dinov3": [*RECIPES["dinov3"], "model.trunk_kwargs.drop_path_rate=0.1"],
     "ijepa": [*RECIPES["ijepa"], "model.trunk_kwargs.drop_path_rate=0.1"],
+    # two students (a CNN with BatchNorm, a ViT with drop path), each with its own groups and clipping; the teacher
+    # read from its file again on the resume
+    "distill": [*RECIPES["distill"], "distill.students=[small_cnn, {trunk: vit_tiny, name: vit, trunk_kwargs: "
+                "{patch_size: 8, depth: 1, num_heads: 2, drop_path_rate: 0.1}}]"],
 }
 
 

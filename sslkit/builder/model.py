@@ -10,15 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.builder.common import section_kwargs
 from sslkit.builder.data import TrainData
+from sslkit.builder.teacher import build_students, load_teacher
 from sslkit.config.schema import ConfigError
 from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
+from sslkit.methods.distill import student_specs
 from sslkit.models.masking import MaskPlan
 from sslkit.models.weights import load_backbone
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
@@ -62,11 +64,28 @@ def build_model(cfg: DictConfig, in_channels: int) -> torch.nn.Module:
     both build)."""
     import sslkit.methods  # noqa: F401  (registrations)
 
+    model_builder = R.get(R.MODELS, cfg.model.name, "model.name")
+    if "teacher" in inspect.signature(model_builder).parameters:
+        return _build_distill(cfg, in_channels, model_builder)
     builder = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")
     trunk = builder(**trunk_arguments(cfg, builder, in_channels))
     head_builder = R.get(R.HEADS, cfg.model.head.name, "model.head.name")
     head = head_builder(in_dim=trunk.out_dim, **section_kwargs(cfg.model.head))
-    return R.get(R.MODELS, cfg.model.name, "model.name")(trunk=trunk, head=head, **section_kwargs(cfg.model.kwargs, ()))
+    return model_builder(trunk=trunk, head=head, **section_kwargs(cfg.model.kwargs, ()))
+
+
+def _build_distill(cfg: DictConfig, in_channels: int, model_builder: Any) -> torch.nn.Module:
+    """A model with an external teacher (``distill``): the teacher read from ``distill.teacher``, the students built
+    from ``distill.students``, the student heads from ``model.head``'s settings."""
+    d = cfg.distill
+    specs = student_specs(OmegaConf.to_container(d.students, resolve=True))
+    size, patch = int(cfg.data.image_size), int(cfg.data.patch_size)
+    teacher = load_teacher(d.teacher, d.teacher_trunk, section_kwargs(d.teacher_trunk_kwargs, ()), in_channels, size,
+                           patch, rebuild=build_model)
+    students = build_students(specs, in_channels, size, patch)
+    return model_builder(teacher=teacher, students=students, objective=str(d.objective),
+                         dense=float(d.patch_weight) > 0, head_kwargs=section_kwargs(cfg.model.head),
+                         lr_scales={s["name"]: s["lr_scale"] for s in specs}, **section_kwargs(cfg.model.kwargs, ()))
 
 
 def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | None, int]]
@@ -175,6 +194,7 @@ def build_training_model(cfg: DictConfig, data: TrainData, device: torch.device,
         logger.info("distributed.strategy=fsdp with one process: nothing to shard, the model is trained whole "
                     "(its checkpoints load into fsdp runs of any size)")
     model = _compile_and_parallelize(cfg, model, (trunk, head), device, world, fsdp)
+    _shard_teacher(cfg, model, device, world, fsdp)
     loss = R.get(R.LOSSES, cfg.loss.name, "loss.name")(**section_kwargs(cfg.loss)).to(device)
     if hasattr(loss, "set_epoch_length"):  # schedules a loss takes in epochs (DINO's teacher temperature warm-up)
         loss.set_epoch_length(data.steps_per_epoch)
@@ -216,6 +236,25 @@ def _compile_and_parallelize(cfg: DictConfig, model: torch.nn.Module, parts: tup
                             activation_checkpointing=cfg.model.activation_checkpointing,
                             compile_kwargs=compile_kwargs, param_dtype=param_dtype)
     return model
+
+
+def _shard_teacher(cfg: DictConfig, model: torch.nn.Module, device: torch.device, world: int, fsdp: bool) -> None:
+    """``distill.teacher_shard``: under FSDP2 a distillation's ViT teacher sharded over the processes like the
+    students (``auto``, ``true``; each block a unit, then the trunk), else replicated whole on each (``false``,
+    DDP, one process, a CNN teacher under ``auto``)."""
+    teacher = getattr(model, "teacher", None)
+    setting = str(cfg.distill.teacher_shard).lower()
+    if teacher is None or setting == "false" or not fsdp:
+        return
+    blocks = getattr(teacher.trunk, "blocks", None)
+    if blocks is None:
+        if setting == "true":
+            raise ConfigError(f"distill.teacher_shard=true: the teacher ({type(teacher.trunk).__name__}) has no "
+                              "transformer blocks to shard; set distill.teacher_shard=auto (replicated)")
+        return
+    param_dtype = torch.bfloat16 if cfg.amp.enabled and cfg.amp.dtype == "bfloat16" else None
+    parallelize(teacher.trunk, strategy="fsdp", device=device, world_size=world, param_dtype=param_dtype)
+    logger.info("distill.teacher_shard: the teacher's %d blocks sharded over %d processes", len(blocks), world)
 
 
 def _optimizer(cfg: DictConfig, model: torch.nn.Module, data: TrainData) -> tuple[torch.optim.Optimizer, Any, Any]:

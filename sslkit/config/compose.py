@@ -160,6 +160,21 @@ def resolve_method(cfg: DictConfig) -> None:
                            (masking, method.masking or "none")):
         if isinstance(section, DictConfig) and section.get("name") is None:
             section.name = value
+    _first_student(cfg)
+
+
+def _first_student(cfg: DictConfig) -> None:
+    """A distillation leaves ``model.trunk`` null: it becomes the first student's trunk, ``model.trunk_kwargs`` its
+    kwargs (what validation, the kNN hook and the tools' records read). Entries that do not parse are left for
+    :func:`validate` to report."""
+    students = OmegaConf.select(cfg, "distill.students")
+    if cfg.model.get("trunk") is not None or not isinstance(students, ListConfig) or not students:
+        return
+    first = students[0]
+    if isinstance(first, str):
+        cfg.model.trunk, cfg.model.trunk_kwargs = first, {}
+    elif isinstance(first, DictConfig) and isinstance(first.get("trunk"), str):
+        cfg.model.trunk, cfg.model.trunk_kwargs = first.trunk, first.get("trunk_kwargs") or {}
 
 
 def import_modules(cfg: DictConfig) -> None:

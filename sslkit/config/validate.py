@@ -29,7 +29,7 @@ __all__ = ["freeze_entries", "per_process_batch", "validate"]
 
 #: Keys that take values of several types; their value rule alone checks them.
 _VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
-                     "eval.monitors.enabled", "eval.knn.subsample"}
+                     "eval.monitors.enabled", "eval.knn.subsample", "distill.teacher_shard"}
 
 
 def _type_name(value: Any) -> str:
@@ -223,6 +223,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.every_n_steps": (lambda v: v >= 0, ">= 0"),
     "checkpoint.keep_last": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
     "checkpoint.sharded": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "distill.teacher_shard": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.linear.epochs": (lambda v: v >= 1, ">= 1"),
@@ -654,6 +655,7 @@ def _check_sections(cfg: DictConfig, ref: DictConfig, trunk: Any, updates: int |
     """The hooks, the Gram and high-resolution settings, and the recipe's required keys."""
     _check_hooks(cfg, errors)
     _check_gram(cfg, ref.gram, errors)
+    _check_distill(cfg, ref.distill, errors)
     _check_teacher_crops(cfg, trunk, updates, errors)
     _check_required(cfg, errors)
 
@@ -675,6 +677,40 @@ def _check_gram(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> Non
     errors.append(f"'gram.{changed[0]}' is set, but method.name={cfg.method.name} has no Gram anchoring: the gram.* "
                   "keys are read by method.name=dinov3 (config=dinov3, dinov3_adapt, dinov3_vits16, ...); drop them "
                   "or train a dinov3 recipe")
+
+
+def _check_distill(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> None:
+    """``distill.*``: read only by method.name=distill; there, a teacher that exists, a known teacher trunk,
+    objective and metric, students that parse (a trunk each, no name twice, registered trunks)."""
+    from sslkit.methods.distill import METRICS, OBJECTIVES, DistillError, student_specs
+
+    d = cfg.distill
+    if cfg.method.name != "distill":
+        changed = [k for k, v in d.items() if v != defaults.get(k)]
+        if changed:
+            errors.append(f"'distill.{changed[0]}' is set, but method.name={cfg.method.name} does not distill: the "
+                          "distill.* keys are read by method.name=distill (config=distill); drop them")
+        return
+    if d.teacher is not None and not os.path.exists(os.path.expanduser(str(d.teacher))):
+        errors.append(f"'distill.teacher' = {d.teacher}: no such file or folder; give an sslkit run folder, a "
+                      "checkpoint, or a .pth / .safetensors weights file (with distill.teacher_trunk)")
+    trunk = d.teacher_trunk
+    if trunk is not None and not str(trunk).startswith("timm:"):
+        _registered(errors, R.TRUNKS, trunk, "distill.teacher_trunk")
+    if d.objective not in OBJECTIVES:
+        errors.append(f"'distill.objective' = {d.objective}: use one of {', '.join(OBJECTIVES)}")
+    if d.metric not in METRICS:
+        errors.append(f"'distill.metric' = {d.metric}: use one of {', '.join(METRICS)}")
+    try:
+        specs = student_specs(OmegaConf.to_container(d.students, resolve=True))
+    except DistillError as exc:
+        errors.append(str(exc))
+        return
+    for spec in specs:
+        _registered(errors, R.TRUNKS, spec["trunk"], f"distill.students ({spec['name']})")
+    if cfg.model.trunk != specs[0]["trunk"]:
+        errors.append(f"'model.trunk' = {cfg.model.trunk}, but a distillation's model.trunk is its first student's "
+                      f"({specs[0]['trunk']}): leave model.trunk unset (null), it is filled from distill.students")
 
 
 def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, errors: list[str]) -> None:
@@ -847,7 +883,7 @@ def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
             errors.append(f"'masking.name' = none, but method {method.name} trains on masked patches: keep "
                           f"masking.name={method.masking} (or another generator) and tune its keys (docs/vit.md)")
         return
-    if method is not None and method.masking is None:
+    if method is not None and method.masking is None and not method.takes_masks:
         errors.append(f"'masking.name' = {name}, but method {method.name} does not use masks (its model takes none): "
                       "set masking.name=none, or use a masked method (mae, ...)")
     if trunk is not None and not patches:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PAPER", "PAPER_RECIPES", "SMALL", "SMALL_RECIPES", "Check", "main"]
+__all__ = ["PAPER", "PAPER_RECIPES", "SMALL", "SMALL_RECIPES", "SMALL_TEACHER", "Check", "main", "small_teacher"]
 
 #: Overrides that make any recipe small: synthetic 32 px images, a narrow trunk, tiny heads, no loader workers.
 SMALL = [
@@ -73,6 +73,34 @@ SMALL_RECIPES: dict[str, list[str]] = {
     "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
               "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
 }
+#: The small distillation's teacher: a 2-block ViT-tiny of fresh weights (seed 0), written once as a weights file by
+#: :func:`small_teacher` (the doctor and the tests call it before they compose the recipe).
+SMALL_TEACHER = os.path.join(tempfile.gettempdir(), "sslkit-small-teacher-v1.safetensors")
+_TEACHER_TRUNK = ["distill.teacher_trunk=vit_tiny",
+                  "distill.teacher_trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2}"]
+#: distill: that teacher into the small CNN (feature objective, its dense term from the CNN's map to the 4 x 4 patches)
+SMALL_RECIPES["distill"] = [f"distill.teacher={SMALL_TEACHER}", *_TEACHER_TRUNK,
+                            "distill.students=[{trunk: small_cnn, trunk_kwargs: {width: 8}}]"]
+
+
+def small_teacher() -> str:
+    """Write :data:`SMALL_TEACHER` unless it is there (atomically: a file any process finds is whole); its path."""
+    if os.path.exists(SMALL_TEACHER):
+        return SMALL_TEACHER
+    import torch
+    from safetensors.torch import save_file
+
+    import sslkit.models  # noqa: F401  (registrations)
+    from sslkit import registry as R
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    trunk = R.get(R.TRUNKS, "vit_tiny")(in_channels=3, img_size=32, patch_size=8, depth=2, num_heads=2)
+    torch.random.set_rng_state(state)
+    partial = f"{SMALL_TEACHER}.{os.getpid()}.part"
+    save_file({k: v.contiguous() for k, v in trunk.state_dict().items()}, partial)
+    os.replace(partial, SMALL_TEACHER)
+    return SMALL_TEACHER
 #: Overrides that put a paper-scale recipe on synthetic 224 px images, its sizes kept (crops, patches, heads, batch).
 PAPER = ["data=synthetic", "data.train.kwargs.image_size=224", "data.test.kwargs.image_size=224",
          "data.train.kwargs.num_samples=1024", "data.image_size=224", "data.small_image_size=96",
@@ -429,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
               f"The recipes: {', '.join(known)}", file=sys.stderr)
         return 2
     logging.getLogger("sslkit").setLevel(logging.WARNING)  # the checks' own training logs are not the report
+    small_teacher()
     rows = machine_checks()
     steps: list[Callable[[str], Check]] = []
     if not a.no_collective:

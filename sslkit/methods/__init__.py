@@ -3,7 +3,7 @@
 import importlib
 
 METHODS = ("simclr", "moco", "byol", "simsiam", "swav", "dino", "barlow_twins", "vicreg", "mae", "lejepa", "ibot",
-           "dinov2", "dinov3", "ijepa")
+           "dinov2", "dinov3", "ijepa", "distill")
 
 for _name in METHODS:
     importlib.import_module(f"sslkit.methods.{_name}")

@@ -44,6 +44,8 @@ class Method:
     * ``transform``: the default augmentation (``data.transform.name`` defaults to it);
     * ``masking``: the mask generator the method trains with (``masking.name`` defaults to it; a method
       with one cannot train with ``masking.name=none``); None for methods without masks;
+    * ``takes_masks``: a method without a mask generator of its own whose model takes masks when the config gives
+      some (distillation's ``dino`` objective for ViT students): ``masking.name`` may be set or ``none``;
     * ``patch_tokens``: the method reads a ViT's patch tokens (a CNN trunk is then a config error);
     * ``rules``: the method's own config checks, run by validation with the run's :class:`RunShape`; each returns
       the messages of what does not hold (none when all is well), so a user's method adds its rules without
@@ -60,6 +62,7 @@ class Method:
     required_hooks: tuple[str, ...] = ()
     transform: str = "simclr"
     masking: str | None = None
+    takes_masks: bool = False
     patch_tokens: bool = False
     rules: tuple[Callable[[RunShape], list[str]], ...] = ()
     summary: str = ""

@@ -34,7 +34,9 @@ class ModelOutput:
     * ``gram_patches``, ``gram_targets``, ``gram_masks``: DINOv3's Gram anchoring: the student's patch tokens of
       the (masked) global crops ``[G B, N, D]``, the Gram teacher's of the same crops brought to the student's grid
       (no gradient), and ``[G B, N]`` True where the student saw the mask token
-      (:class:`~sslkit.methods.dinov3.DINOv3Model`, from the update the Gram loss starts at).
+      (:class:`~sslkit.methods.dinov3.DINOv3Model`, from the update the Gram loss starts at);
+    * ``teacher``, ``students``: distillation's frozen teacher's outputs of the step (computed once) and each
+      student's, by name (:class:`~sslkit.methods.distill.DistillModel`).
 
     Fields a method does not produce are None. A loss or hook may index it by field name
     (``output["projections"]``, as a plain dict of the same keys would be, and a hook may replace a
@@ -57,6 +59,8 @@ class ModelOutput:
     gram_patches: torch.Tensor | None = None
     gram_targets: torch.Tensor | None = None
     gram_masks: torch.Tensor | None = None
+    teacher: Any = None
+    students: dict[str, Any] | None = None
 
     def given(self) -> list[str]:
         """The fields this output holds (not None)."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["layer_scales", "no_decay_names", "param_groups"]
+__all__ = ["layer_scales", "no_decay_names", "param_groups", "param_owners"]
 
 
 def no_decay_names(model: nn.Module) -> set[str]:
@@ -76,27 +76,46 @@ def param_groups(
     carries ``"name"``, ``"weight_decay"``, ``"lars_exclude"``, ``"apply_wd"`` (whether a weight-decay
     schedule, :func:`~sslkit.optim.set_weight_decay`, may change it: True for decay groups) and
     ``"lr_scale"``.
+
+    A model with :func:`param_owners` (several students) gets each owner's groups apart, named
+    ``<prefix><group>``, carrying ``"owner"`` and the owner's learning-rate scale multiplied into ``"lr_scale"``:
+    one optimizer over students whose losses are independent is the same as one per student (Adam's and SGD's
+    updates are per parameter), and the update clips each owner's gradients alone.
     """
     skip = no_decay_names(model) if exclude_bias_and_norm else set()
     scales = layer_scales(model, layer_decay, patch_embed_lr_mult) if (layer_decay != 1.0 or
                                                                          patch_embed_lr_mult != 1.0) else {}
-    buckets: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    owners = param_owners(model)
+    buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         decays = not (exclude_bias_and_norm and (p.ndim <= 1 or name in skip))
-        buckets.setdefault((decays, scales.get(name, 1.0)), []).append(p)
+        owner = next((prefix for prefix in owners if name.startswith(prefix)), "")
+        buckets.setdefault((owner, decays, scales.get(name, 1.0)), []).append(p)
 
     scaled = bool(scales)
     groups: list[dict[str, Any]] = []
-    for (decays, scale), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], -kv[0][1])):
+    order = list(owners) + [""]
+    for (owner, decays, scale), params in sorted(buckets.items(),
+                                                 key=lambda kv: (order.index(kv[0][0]), not kv[0][1], -kv[0][2])):
         name = "decay" if decays else "no_decay"
-        groups.append({
-            "name": f"{name}@{scale:.6g}" if scaled else name,
+        group = {
+            "name": owner + (f"{name}@{scale:.6g}" if scaled else name),
             "params": params,
             "weight_decay": float(weight_decay) if decays else 0.0,
             "lars_exclude": not decays,
             "apply_wd": decays,
-            "lr_scale": float(scale),
-        })
+            "lr_scale": float(scale) * owners.get(owner, 1.0),
+        }
+        if owners:
+            group["owner"] = owner.rstrip(".")
+        groups.append(group)
     return groups
+
+
+def param_owners(model: nn.Module) -> dict[str, float]:
+    """The parts of ``model`` that own their parameters apart (a distillation's students): ``model.param_owners()``
+    gives each one's parameter-name prefix and learning-rate scale; empty for other models."""
+    owners = getattr(model, "param_owners", None)
+    return dict(owners()) if callable(owners) else {}

@@ -42,7 +42,7 @@ from sslkit.evaluation.linear import (
 )
 from sslkit.launch.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.registry import UnknownNameError
-from sslkit.tools.pretrained import Pretrained, ToolError, load_pretrained
+from sslkit.tools.pretrained import Pretrained, ToolError, load_pretrained, select_student
 
 __all__ = ["eval_split", "extract_main", "feature_encoder", "knn_main", "linear_main", "parse_tool_args", "run_tool",
            "train_crop"]
@@ -66,6 +66,10 @@ TOOL_KEYS: dict[str, dict[str, str]] = {
 }
 
 
+#: ``student=``, which every tool on a checkpoint takes.
+STUDENT_KEY = ("a distillation run's student, by name (default: the first of distill.students): the trunk the tool "
+               "reads")
+
 #: The tools that keep their state after every epoch and resume from it.
 RESUMABLE = ("linear", "finetune")
 
@@ -77,6 +81,7 @@ def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[d
     opts: dict[str, str] = {}
     overrides: list[str] = []
     top_level = set(schema().keys())
+    keys = {**keys, "student": STUDENT_KEY} if "checkpoint" in keys else keys
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
@@ -137,6 +142,7 @@ def tool_pretrained(tool: str, opts: dict[str, str], overrides: list[str]) -> Pr
         raise ToolError(f"sslkit {tool} needs checkpoint=RUN_DIR (a run's output_dir: its latest checkpoint) or "
                         "checkpoint=FILE.pt")
     pre = load_pretrained(opts["checkpoint"], overrides)
+    select_student(pre, opts.get("student"))
     logger.info("%s: checkpoint %s (step %d, %s, trunk %s) on %s", tool, pre.path, pre.step,
                 pre.config.method.name, pre.config.model.trunk, pre.device)
     return pre

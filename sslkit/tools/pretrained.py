@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
-from sslkit.checkpointing.sharded import METADATA
-from sslkit.config.compose import apply_overrides, import_modules
-from sslkit.config.schema import ConfigError, schema
-from sslkit.config.validate import validate
+from sslkit.checkpoint import CheckpointError
+from sslkit.checkpointing.runs import eval_config, in_channels, read_run_checkpoint, resolve_checkpoint
+from sslkit.config.schema import ConfigError
 from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError
 
-__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint"]
+__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint",
+           "select_student"]
 
 
 @dataclass
@@ -52,81 +50,6 @@ class Pretrained:
                           "features=projector (the head's output, the embedding the loss saw)")
 
 
-def resolve_checkpoint(spec: str) -> tuple[str, str]:
-    """``checkpoint=`` as given: a checkpoint file, a sharded checkpoint folder, or a run folder (its latest
-    checkpoint, ``latest.txt``).
-
-    Returns ``(checkpoint, run folder)``; the run folder of a checkpoint is the folder above its ``checkpoints/``
-    (or the checkpoint's own folder). Raises :class:`CheckpointError` saying what was found instead.
-    """
-    if not spec:
-        raise CheckpointError("no checkpoint given: add checkpoint=RUN_DIR (a run's output_dir: its latest "
-                              "checkpoint is used) or checkpoint=FILE.pt")
-    path = os.path.expanduser(spec)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA)):
-        pass  # a sharded checkpoint folder itself: as a file
-    elif os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("checkpoint_"):
-        raise CheckpointError(f"checkpoint={spec}: this sharded checkpoint folder has no {METADATA}: its save never "
-                              "finished, so it is not loaded. Give the run folder (its newest complete checkpoint "
-                              "is used) or an older checkpoint.")
-    elif os.path.isdir(path):
-        found = latest_checkpoint(checkpoint_dir(path))
-        if found is None:
-            found = latest_checkpoint(path)  # the checkpoints/ folder itself
-            run_dir = os.path.dirname(os.path.abspath(path)) if found else path
-        else:
-            run_dir = path
-        if found is None:
-            raise CheckpointError(f"checkpoint={spec}: the folder holds no checkpoint (no {checkpoint_dir(path)}/"
-                                  "checkpoint_*.pt). Give a run's output_dir after at least one checkpoint was "
-                                  "written, or a checkpoint file.")
-        return found, run_dir
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint={spec}: no such file or folder. Give a run's output_dir (e.g. "
-                              "runs/simclr-fashion_mnist) or a checkpoint file inside its checkpoints/ folder.")
-    parent = os.path.dirname(os.path.abspath(path))
-    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
-    return path, run_dir
-
-
-def _saved_config(state: dict[str, Any], path: str, run_dir: str) -> DictConfig:
-    """The config the checkpoint was trained with: stored in it, else the run folder's config.yaml."""
-    text = state.get("config")
-    if isinstance(text, str) and text:
-        return OmegaConf.create(text)
-    candidate = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(candidate):
-        return OmegaConf.load(candidate)  # type: ignore[return-value]
-    raise CheckpointError(f"checkpoint {path} holds no config (written before sslkit stored it) and {candidate} does "
-                          "not exist: put the run's config.yaml next to its checkpoints/ folder.")
-
-
-def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
-    """The run's config, completed with today's defaults for keys it predates, with ``overrides`` applied
-    (``eval.knn.k=20``, ``machine.device=cpu``, ...) and validated like a training config: an unknown key is an
-    error naming the closest one. ``distributed.*`` starts from the defaults (one process), not the run's."""
-    cfg = OmegaConf.merge(schema(), saved)
-    assert isinstance(cfg, DictConfig)
-    OmegaConf.set_struct(cfg, False)
-    # How the training run spread over processes says nothing of this evaluation's: one process unless an override
-    # says otherwise. (Kept, a run from 4 GPUs or 2 nodes would fail the device check on a 1-GPU machine.)
-    cfg.distributed = schema().distributed
-    cfg.launcher = "local"  # an evaluation runs here (a SLURM-trained run's config says slurm)
-    apply_overrides(cfg, overrides)
-    import_modules(cfg)
-    validate(cfg)
-    OmegaConf.set_struct(cfg, True)
-    return cfg
-
-
-def _in_channels(model_state: dict[str, torch.Tensor]) -> int:
-    """The trunk's input channels: the second dimension of its first convolution's weight."""
-    for key, value in model_state.items():
-        if key.startswith("trunk.") and value.ndim == 4:
-            return int(value.shape[1])
-    return 3
-
-
 def build_model(cfg: DictConfig, in_channels: int) -> nn.Module:
     """The SSL model the config describes (trunk, head, the method's wiring), with fresh weights on the CPU:
     :func:`sslkit.builder.build_model`, as training builds it."""
@@ -135,26 +58,10 @@ def build_model(cfg: DictConfig, in_channels: int) -> nn.Module:
     return build(cfg, in_channels)
 
 
-def _read(spec: str, overrides: list[str] | None) -> tuple[str, str, dict[str, Any], DictConfig]:
-    """The checkpoint ``spec`` names: its file, run folder, contents and validated evaluation config."""
-    path, run_dir = resolve_checkpoint(spec)
-    try:
-        state = read_checkpoint(path, map_location="cpu")
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). If the run was "
-                              "killed while writing it, its folder's latest.txt still names the last complete "
-                              "one: give the run folder instead.") from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{path} is not an sslkit checkpoint (no 'model' entry)")
-    return path, run_dir, state, eval_config(_saved_config(state, path, run_dir), list(overrides or []))
-
-
 def pretrained_config(spec: str, overrides: list[str] | None = None) -> DictConfig:
     """The validated evaluation config of the checkpoint ``spec`` names, without building its model: what a
     tool checks before it spawns processes (a bad checkpoint, key or device is then said once, up front)."""
-    return _read(spec, overrides)[3]
+    return read_run_checkpoint(spec, overrides)[3]
 
 
 def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained:
@@ -163,12 +70,12 @@ def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained
     ``machine.device`` and put it in eval mode."""
     from sslkit.builder import resolve_device
 
-    path, run_dir, state, cfg = _read(spec, overrides)
+    path, run_dir, state, cfg = read_run_checkpoint(spec, overrides)
     try:
         device = resolve_device(cfg.machine.device)
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from None
-    model = build_model(cfg, _in_channels(state["model"]))
+    model = build_model(cfg, in_channels(state["model"]))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not fit the model its config describes: missing "
@@ -187,6 +94,27 @@ def normalisation(cfg: DictConfig, channels: int) -> dict[str, Any]:
     size = int(t.get("image_size", cfg.data.image_size))
     return {"channels": channels, "image_size": size, "resize": eval_resize(size, t.get("resize"), t.get("crop_pct")),
             "pixel_range": [0.0, 1.0], "mean": [float(m) for m in mean], "std": [float(s) for s in std]}
+
+
+def select_student(pre: Pretrained, name: str | None) -> None:
+    """``student=NAME``: for a distillation run, make student ``name`` (default: the first) the trunk the tool reads
+    (``pre.trunk``), and the config's ``model.trunk`` / ``model.trunk_kwargs`` that student's (what the export's twin
+    and the tools' records read). Other runs have one trunk: ``student=`` is a :class:`ToolError` there."""
+    from sslkit.methods.distill import DistillModel, student_specs
+
+    if not isinstance(pre.model, DistillModel):
+        if name:
+            raise ToolError(f"student={name}: this {pre.config.method.name} run has one trunk; student= picks one of "
+                            "a distillation run's students (method.name=distill)")
+        return
+    specs = {s["name"]: s for s in student_specs(OmegaConf.to_container(pre.config.distill.students, resolve=True))}
+    chosen = name or next(iter(specs))
+    if chosen not in specs:
+        raise ToolError(f"student={chosen}: the run's students are {', '.join(specs)}")
+    pre.model.select(chosen)
+    with open_dict(pre.config):
+        pre.config.model.trunk = specs[chosen]["trunk"]
+        pre.config.model.trunk_kwargs = specs[chosen]["trunk_kwargs"]
 
 
 class ToolError(UserError):

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
+from sslkit.models.dense import dense_features, has_feature_map
 from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.pretrained import Pretrained, ToolError
 
@@ -118,28 +119,14 @@ def kept_by_mass(weights: Tensor, mass: float) -> Tensor:
 
 
 def patch_features(trunk: nn.Module, x: Tensor) -> Tensor:
-    """Features per image location ``[B, h, w, D]``: a ViT's patch tokens (after its final norm), a torchvision
-    ResNet's last feature map (before its pooling) or the small CNN's (before its grid pooling). Raises
-    :class:`ToolError` for another trunk."""
+    """Features per image location ``[B, h, w, D]``, without gradient: a ViT's patch tokens (after its final norm), a
+    torchvision ResNet's last feature map (before its pooling) or the small CNN's (before its grid pooling)
+    (:func:`~sslkit.models.dense.dense_features`). Raises :class:`ToolError` for another trunk."""
+    if not has_feature_map(trunk):
+        raise ToolError(f"pca needs features per image location: a ViT's patch tokens or a CNN's last feature map "
+                        f"(sslkit's small_cnn, torchvision ResNets); {type(trunk).__name__} gives neither")
     with torch.no_grad():
-        if isinstance(trunk, TokenTrunk):
-            tokens = trunk.forward_tokens(x)
-            h, w = tokens.grid
-            return tokens.patches.reshape(x.shape[0], h, w, -1)
-        pool = getattr(trunk, "avgpool", None)
-        if isinstance(pool, nn.Module):  # a torchvision ResNet: the map that enters its global pooling
-            seen: dict[str, Tensor] = {}
-            handle = pool.register_forward_pre_hook(lambda _m, args: seen.__setitem__("map", args[0]))
-            try:
-                trunk(x)
-            finally:
-                handle.remove()
-            return seen["map"].permute(0, 2, 3, 1)
-        body = getattr(trunk, "features", None)
-        if isinstance(body, nn.Sequential):  # sslkit's small CNN: its convolutions, before the grid pooling
-            return body(x).permute(0, 2, 3, 1)
-    raise ToolError(f"pca needs features per image location: a ViT's patch tokens or a CNN's last feature map "
-                    f"(sslkit's small_cnn, torchvision ResNets); {type(trunk).__name__} gives neither")
+        return dense_features(trunk, x).map
 
 
 def principal_components(x: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:

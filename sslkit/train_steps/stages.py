@@ -281,29 +281,44 @@ def clip_gradients(task: SSLTask) -> torch.Tensor:
     every gradient by ``min(1, clip / total norm)`` (``torch.nn.utils.clip_grad_norm_``: fairseq, MAE,
     DINOv2); ``per_parameter`` scales each parameter's gradient by ``min(1, clip / (its norm + 1e-6))``
     (DINO's ``utils.clip_gradients``). The logged norm is the global one before clipping, either way. No
-    host-device synchronisation."""
+    host-device synchronisation. With several students (optimizer groups with an ``owner``) each student's
+    gradients are clipped by their own norm (as separate optimizers would), each logged as ``grad_norm_<name>``."""
     unscale_gradients(task)
-    params = [p for group in task.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    owners: dict[str, list[torch.nn.Parameter]] = {}
+    for group in task.optimizer.param_groups:
+        owners.setdefault(str(group.get("owner", "")), []).extend(p for p in group["params"] if p.grad is not None)
     clip = task.training.clip_grad
     with task.perf_stats.timer("clip_grad"):
-        if not params:
+        norms = {owner: _clip(params, clip, task.training.clip_grad_mode, is_sharded(task.model))
+                 for owner, params in owners.items() if params}
+        if not norms:
             return torch.zeros((), device=task.device)
-        grads = [p.grad for p in params]
-        if task.training.clip_grad_mode == "per_parameter":
-            norms = [full_tensor(n) for n in torch._foreach_norm(grads)]  # sharded: each norm over all shards
-            total = torch.linalg.vector_norm(torch.stack(norms))
-            factors = [(clip / (n + 1e-6)).clamp(max=1.0) for n in norms]
-            if is_sharded(task.model):
-                for g, f in zip(grads, factors, strict=True):
-                    g.mul_(f)
-            else:
-                torch._foreach_mul_(grads, factors)
-        else:
-            # the norm over every rank's shards under fsdp (a DTensor made whole), the plain norm otherwise
-            total = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
-            torch.nn.utils.clip_grads_with_norm_(params, clip, total, foreach=True)
+        total = next(iter(norms.values())) if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(list(
+            norms.values())))
     if task.last_batch is not None:
         task.last_batch.metrics["grad_norm"] = total.detach()
+        if len(norms) > 1:  # several students: each one's norm, each clipped alone
+            task.last_batch.metrics.update({f"grad_norm_{owner.rsplit('.', 1)[-1]}": n.detach()
+                                            for owner, n in norms.items()})
+    return total
+
+
+def _clip(params: list[torch.nn.Parameter], clip: float, mode: str, sharded: bool) -> torch.Tensor:
+    """Clip the gradients of ``params`` (one owner's) as :func:`clip_gradients` says; their norm before it."""
+    grads = [p.grad for p in params]
+    if mode == "per_parameter":
+        norms = [full_tensor(n) for n in torch._foreach_norm(grads)]  # sharded: each norm over all shards
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        factors = [(clip / (n + 1e-6)).clamp(max=1.0) for n in norms]
+        if sharded:
+            for g, f in zip(grads, factors, strict=True):
+                g.mul_(f)
+        else:
+            torch._foreach_mul_(grads, factors)
+        return total
+    # the norm over every rank's shards under fsdp (a DTensor made whole), the plain norm otherwise
+    total = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+    torch.nn.utils.clip_grads_with_norm_(params, clip, total, foreach=True)
     return total
 
 

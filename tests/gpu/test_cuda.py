@@ -32,7 +32,7 @@ def test_recipe_trains_and_evaluates_on_cuda(tmp_path: Path, recipe: str) -> Non
     assert "GPU time per section (CUDA events)" in (out / "log.txt").read_text()
 
 
-@pytest.mark.parametrize("recipe", ["simclr", "dino"])
+@pytest.mark.parametrize("recipe", ["simclr", "dino", "distill"])
 def test_resume_on_cuda_restores_the_state_onto_the_gpu(tmp_path: Path, recipe: str) -> None:
     """A run killed after step 10 resumes from step 8 on the GPU (the RNG states must come back as CPU tensors,
     the model, loss buffers and optimizer state on the GPU) and finishes."""
@@ -265,3 +265,22 @@ def test_the_dino_family_centre_moves_on_the_device_without_a_sync() -> None:
         centres[device] = (cls.value.cpu(), patches.value.cpu())
     for got, want in zip(centres["cuda"], centres["cpu"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_distillation_keeps_its_teacher_on_the_gpu_frozen_and_bitwise_unchanged(tmp_path: Path) -> None:
+    """Two students (a CNN, a ViT) in bf16 on one teacher forward a step: the teacher, outside the model's
+    parameters, was moved to the GPU with it, stays in eval mode and ends every tensor as it began."""
+    from sslkit.builder import build_task
+    from sslkit.config.compose import compose_config
+    from sslkit.train_steps.standard import standard_train_step
+    from sslkit.trainer import train
+
+    task = build_task(compose_config(["config=distill", *SMALL, *RECIPE_ARGS["distill"], *GPU, "optim.max_steps=3",
+                                      "eval.knn.enabled=false", f"output_dir={tmp_path / 'run'}"]))
+    teacher = task.base_model.teacher
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    train(task, standard_train_step)
+    assert {p.device.type for p in teacher.parameters()} == {"cuda"} and not teacher.training
+    assert all(torch.equal(v, before[k]) for k, v in teacher.state_dict().items())
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in metrics(tmp_path / "run") if "loss" in r)

@@ -109,7 +109,7 @@ def test_every_methods_model_is_an_ssl_model_with_its_teachers_named() -> None:
 
     for recipe in RECIPES:
         cfg = compose_config([f"config={recipe}", *SMALL, *RECIPES[recipe]])
-        model = build_model(cfg, in_channels=1)
+        model = build_model(cfg, in_channels=3 if recipe == "distill" else 1)  # (the distillation's teacher: RGB)
         assert isinstance(model, SSLModel), recipe
         teachers = {id(t) for _, t in model.momentum_pairs()}
         frozen = {id(m) for m in model.children() if not any(p.requires_grad for p in m.parameters())

@@ -86,3 +86,11 @@ def test_dinov3_resumes_bit_identically_across_the_start_of_a_high_resolution_ph
     _run_killed_and_resumed(tmp_path, "dinov3", 1, [
         "hires.start_update=9", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
         "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"])
+
+
+@pytest.mark.slow
+def test_a_distillation_resumes_every_student_bit_identically_after_sigkill(tmp_path: Path) -> None:
+    """Two students trained on one teacher forward a step: the killed run's checkpoint holds both students, their
+    optimizer groups and the teacher's digest (not the teacher); the resumed run reads the teacher from its file
+    again and ends bit-identical, both students."""
+    _run_killed_and_resumed(tmp_path, "distill", 1, [])
