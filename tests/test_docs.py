@@ -306,6 +306,33 @@ DOC_RUN = "runs/simclr-fashion_mnist"
 _TINY_RUN: list[Path] = []
 
 
+#: The distillation teacher the docs' distill commands name, and the distillation run their export reads: the test
+#: puts a tiny run of each there (a one-channel CNN teacher for Fashion-MNIST; a small distillation).
+DOC_TEACHER = "runs/dinov3-fashion_mnist"
+DOC_DISTILL = "runs/distill-fashion_mnist"
+_TINY_OTHERS: dict[str, Path] = {}
+
+
+def _tiny_other(factory: pytest.TempPathFactory, which: str) -> Path:
+    """A tiny finished run for :data:`DOC_TEACHER` (SimCLR's small CNN on one-channel images: a teacher for
+    Fashion-MNIST) or :data:`DOC_DISTILL` (the small distillation), trained once."""
+    if which not in _TINY_OTHERS:
+        from helpers import RECIPES, run_main
+
+        out = factory.mktemp("doc_tiny_other") / "run"
+        args = (["config=simclr", *SMALL, "data.train.kwargs.channels=1", "data.test.kwargs.channels=1"]
+                if which == DOC_TEACHER else ["config=distill", *SMALL, *RECIPES["distill"]])
+        run_main(*args, "optim.max_steps=2", "log.tensorboard=false", f"output_dir={out}")
+        _TINY_OTHERS[which] = out
+    return _TINY_OTHERS[which]
+
+
+def _others(factory: pytest.TempPathFactory, command: str, tool: bool) -> dict[str, Path]:
+    """The tiny runs ``command`` names: the teacher of a distillation; the distillation run of a tool."""
+    names = [DOC_TEACHER] + ([DOC_DISTILL] if tool else [])
+    return {name: _tiny_other(factory, name) for name in names if re.search(rf"={re.escape(name)}(\s|/|$)", command)}
+
+
 def _tiny_run(factory: pytest.TempPathFactory) -> Path:
     """A tiny finished SimCLR run (small CNN, synthetic data, 2 steps), trained once for the tool commands."""
     if not _TINY_RUN:
@@ -363,13 +390,16 @@ def _argv(command: str) -> list[str]:
     return [found, *argv[1:]]
 
 
-def _workdir(tmp_path: Path, command: str, run: Path | None = None) -> Path:
+def _workdir(tmp_path: Path, command: str, run: Path | None = None, others: dict[str, Path] | None = None) -> Path:
     """A folder to run ``command`` in: links to the repo's tools/, benchmarks/ and configs/ (so runs/ lands
-    here), and my_ssl/ with the docs' example when the command imports it."""
+    here), the tiny runs it names (``others``: folder -> run), and my_ssl/ with the docs' example when the command
+    imports it."""
     for name in ("tools", "benchmarks", "configs"):
         (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
     if run is not None and DOC_RUN in command:
         shutil.copytree(run, tmp_path / DOC_RUN)
+    for folder, other in (others or {}).items():
+        shutil.copytree(other, tmp_path / folder)
     for module, (file, doc) in MY_SSL.items():
         if f"imports=[{module}]" in command:
             (tmp_path / "my_ssl").mkdir(exist_ok=True)
@@ -530,7 +560,8 @@ def _start_all(request: pytest.FixtureRequest, factory: pytest.TempPathFactory) 
                 and "multiprocess" not in item.keywords]  # (those run one at a time, in the multiprocess group)
     for command in sorted((c for c in selected if _runs(c)), key=_expected_seconds, reverse=True):
         tool = _tool(shlex.split(command)) is not None
-        cwd = _workdir(factory.mktemp("doc_command"), command, _tiny_run(factory) if tool else None)
+        cwd = _workdir(factory.mktemp("doc_command"), command, _tiny_run(factory) if tool else None,
+                       _others(factory, command, tool))
         _STARTED[command] = _POOL.submit(_execute, command, cwd, plan(command))
 
 
@@ -589,7 +620,8 @@ def test_doc_command(command: str, shown: list[str], request: pytest.FixtureRequ
         got = _STARTED[command].result()
     else:  # a command of several processes: run here, in the group that runs process groups one at a time
         tool = _tool(shlex.split(command)) is not None
-        cwd = _workdir(tmp_path_factory.mktemp("doc_command"), command, _tiny_run(tmp_path_factory) if tool else None)
+        cwd = _workdir(tmp_path_factory.mktemp("doc_command"), command, _tiny_run(tmp_path_factory) if tool else None,
+                       _others(tmp_path_factory, command, tool))
         got = _execute(command, cwd, p)
     _check(command, shown, p, got)
 

@@ -220,8 +220,14 @@ def _compile_and_parallelize(cfg: DictConfig, model: torch.nn.Module, parts: tup
     """Steps 3 to 5 of :func:`build_training_model`: compile, sync BN, parallelize."""
     per_block_compile = cfg.machine.compile and fsdp  # FSDP units are blocks: compile those, inside them
     if cfg.machine.compile and not per_block_compile:
-        kinds = tuple(t for t in (type(parts[0]), type(parts[1])) if t not in (type(None), torch.nn.Identity))
+        own = getattr(model, "compiled_kinds", None)  # a model of several trunks (distillation) names its own
+        kinds = own() if callable(own) else tuple(t for t in (type(parts[0]), type(parts[1]))
+                                                  if t not in (type(None), torch.nn.Identity))
         compile_parts(model, kinds, cfg.machine.compile_backend, cfg.machine.compile_mode)
+        teacher = getattr(model, "teacher", None)  # a distillation's frozen teacher, outside the module tree
+        if teacher is not None:
+            teacher.trunk.compile(backend=cfg.machine.compile_backend,
+                                  mode=None if cfg.machine.compile_mode == "default" else cfg.machine.compile_mode)
     if cfg.distributed.sync_bn and world > 1:
         from sslkit.models.sync_batchnorm import convert_sync_batchnorm
 

@@ -79,7 +79,7 @@ def load_teacher(source: str, trunk_name: str | None, trunk_kwargs: dict[str, An
     builder = R.get(R.TRUNKS, trunk_name, "distill.teacher_trunk")
     trunk = builder(**_trunk_kwargs(builder, trunk_kwargs, in_channels, image_size, patch_size))
     try:
-        load_trunk(trunk, path, "distill.teacher")
+        load_trunk(trunk, path, "distill.teacher", "distill.teacher_trunk")
     except WeightsError as exc:
         raise DistillError(str(exc)) from None
     return FrozenTeacher(trunk, source=str(source))

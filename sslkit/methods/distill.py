@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
 __all__ = ["DISTILL", "METRICS", "OBJECTIVES", "DistillError", "DistillLoss", "DistillModel", "DistillTeacherHook",
-           "FrozenTeacher", "Student", "StudentOutput", "StudentSpec", "TeacherOutput", "build_distill",
+           "FrozenTeacher", "Projection", "Student", "StudentOutput", "StudentSpec", "TeacherOutput", "build_distill",
            "dino_distillation_loss", "feature_distillation_loss", "student_specs", "weights_digest"]
 
 logger = logging.getLogger("sslkit")
@@ -224,11 +224,19 @@ class Student(nn.Module):
         return self.patch_head is not None
 
 
-def _projection(in_dim: int, out_dim: int) -> nn.Linear:
-    layer = nn.Linear(in_dim, out_dim)
-    nn.init.trunc_normal_(layer.weight, std=0.02)
-    nn.init.zeros_(layer.bias)
-    return layer
+class Projection(nn.Linear):
+    """A student's linear map onto the teacher's width (its own type, so that ``machine.compile`` finds the
+    projections and not every linear layer inside the trunks), initialised as LightlyTrain's: truncated normal
+    weights of std 0.02, zero bias."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__(in_dim, out_dim)
+        nn.init.trunc_normal_(self.weight, std=0.02)
+        nn.init.zeros_(self.bias)
+
+
+def _projection(in_dim: int, out_dim: int) -> Projection:
+    return Projection(in_dim, out_dim)
 
 
 class DistillModel(SSLModel):
@@ -275,6 +283,13 @@ class DistillModel(SSLModel):
         """Each student's parameter prefix and its learning-rate scale: the optimizer gives every student its own
         parameter groups (:func:`~sslkit.optim.param_groups`) and the update clips each student's gradients alone."""
         return {f"students.{name}.": float(self.lr_scales.get(name, 1.0)) for name in self.students}
+
+    def compiled_kinds(self) -> tuple[type, ...]:
+        """What ``machine.compile`` compiles: every student's trunk and heads (the teacher's trunk is compiled by the
+        builder beside them)."""
+        kinds = {type(s.trunk) for s in self.students.values()} | {Projection}
+        kinds |= {type(h) for s in self.students.values() for h in (s.head, s.patch_head) if h is not None}
+        return tuple(sorted(kinds, key=lambda t: t.__name__))
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistillModel:
         super()._apply(fn, recurse)

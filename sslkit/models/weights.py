@@ -139,12 +139,13 @@ def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
     return missing
 
 
-def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained") -> list[str]:
+def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained",
+               trunk_key: str = "model.trunk") -> list[str]:
     """Load a backbone file (:func:`read_weights`: timm's layout, Meta's DINOv2/DINOv3 one, an sslkit model state)
     into the ViT ``trunk``. The file's network must be the trunk's (width, depth, patch size, register tokens); the
     mask token is loaded when the file has one (Meta's releases) and the trunk uses one, else it starts fresh.
     Returns the trunk's parameters that kept their fresh values. Raises :class:`WeightsError` naming what differs
-    (``key``: the config key of the path)."""
+    (``key``: the config key of the path; ``trunk_key``: that of the trunk's name)."""
     if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
         raise WeightsError(f"{key} loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the trunk is "
                            f"{type(trunk).__name__}")
@@ -152,8 +153,8 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
     state = read_weights(path, key)
     differences = _shape_differences(state, trunk)
     if differences:
-        raise WeightsError(f"{key}={path} is another network than model.trunk={arch}: {'; '.join(differences)}. "
-                           "Pick the trunk and model.trunk_kwargs of the released model")
+        raise WeightsError(f"{key}={path} is another network than {trunk_key}={arch}: {'; '.join(differences)}. "
+                           f"Pick the trunk and {trunk_key}_kwargs of the released model")
     mask = state.get("mask_token")
     own = trunk.state_dict()
     # the trunk's own layout (an sslkit checkpoint, timm's class itself) loads as it is; others through timm's filter
@@ -165,11 +166,11 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
     try:
         missing, unexpected = trunk.load_state_dict(converted, strict=False)
     except RuntimeError as exc:
-        raise WeightsError(f"{key}={path} does not fit model.trunk={arch}: "
+        raise WeightsError(f"{key}={path} does not fit {trunk_key}={arch}: "
                            f"{str(exc).splitlines()[-1].strip()[:300]}") from None
     fresh = [k for k in missing if k != "mask_token"]
     if unexpected or len(fresh) == len(trunk.state_dict()):
-        raise WeightsError(f"{key}={path}: its keys do not fit model.trunk={arch} (not in the trunk: "
+        raise WeightsError(f"{key}={path}: its keys do not fit {trunk_key}={arch} (not in the trunk: "
                            f"{', '.join(sorted(unexpected)[:6]) or 'none'}; not in the file: "
                            f"{', '.join(sorted(missing)[:6]) or 'none'})")
     if fresh:

@@ -257,6 +257,11 @@ def test_any_student_exports_by_name_and_loads_into_its_own_trunk(tmp_path: Path
     assert load_file(str(tmp_path / "first.safetensors"))["features.0.weight"].shape[0] == 32  # the first student
     code, _, err = run_sslkit("export", f"checkpoint={out}", "student=wide")
     assert code != 0 and "student=wide: the run's students are small_cnn, narrow" in err
+    code, _, err = run_sslkit("knn", f"checkpoint={out}", "student=narrow", f"output={tmp_path / 'knn.json'}")
+    assert code == 0, err
+    import json
+
+    assert json.loads((tmp_path / "knn.json").read_text())["feature_dim"] == 64 * 16  # narrow: 8 x 8 wide, 4 x 4 grid
 
 
 def test_a_timm_architecture_with_a_local_weights_file_is_a_teacher(tmp_path: Path) -> None:
@@ -281,6 +286,9 @@ def test_a_timm_architecture_with_a_local_weights_file_is_a_teacher(tmp_path: Pa
     with pytest.raises(DistillError, match="cannot be read as weights"):
         build_model(compose_config([*DISTILL, f"distill.teacher={tmp_path / 'bad.safetensors'}",
                                     "distill.teacher_trunk=timm:resnet18", "distill.teacher_trunk_kwargs={}"]), 3)
+    with pytest.raises(DistillError, match=re.escape("is another network than distill.teacher_trunk=vit_tiny")):
+        build_model(compose_config([*DISTILL, "distill.teacher_trunk_kwargs={patch_size: 8, depth: 3, num_heads: 2}"]),
+                    3)
     with pytest.raises(DistillError, match="timm cannot build it"):
         build_model(compose_config([*DISTILL, "distill.teacher_trunk=timm:resnet_of_nowhere",
                                     "distill.teacher_trunk_kwargs={}"]), 3)
