@@ -329,8 +329,9 @@ def _tiny_other(factory: pytest.TempPathFactory, which: str) -> Path:
 
 def _others(factory: pytest.TempPathFactory, command: str, tool: bool) -> dict[str, Path]:
     """The tiny runs ``command`` names: the teacher of a distillation; the distillation run of a tool."""
-    names = [DOC_TEACHER] + ([DOC_DISTILL] if tool else [])
-    return {name: _tiny_other(factory, name) for name in names if re.search(rf"={re.escape(name)}(\s|/|$)", command)}
+    keys = {DOC_TEACHER: "distill.teacher", **({DOC_DISTILL: "checkpoint"} if tool else {})}
+    return {name: _tiny_other(factory, name) for name, key in keys.items()
+            if re.search(rf"(?<!\S){re.escape(key)}={re.escape(name)}(\s|/|$)", command)}
 
 
 def _tiny_run(factory: pytest.TempPathFactory) -> Path:

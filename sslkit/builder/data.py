@@ -47,6 +47,11 @@ def _subset(ds: Dataset, indices: Any) -> Dataset:
     return sub
 
 
+def source_channels(cfg: DictConfig) -> int:
+    """The channels of the training images (``data.train``'s source opened, nothing read through the loader)."""
+    return int(getattr(_source(cfg, "train"), "channels", 3))
+
+
 def _source(cfg: DictConfig, split: str) -> Dataset:
     spec = cfg.data[split]
     name = spec.source or cfg.data.train.source

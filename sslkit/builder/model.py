@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
 from sslkit.builder.common import section_kwargs
-from sslkit.builder.data import TrainData
+from sslkit.builder.data import TrainData, source_channels
 from sslkit.builder.teacher import build_students, load_teacher
 from sslkit.config.schema import ConfigError
 from sslkit.config.validate import freeze_entries
@@ -26,8 +26,8 @@ from sslkit.models.weights import load_backbone
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize
 
-__all__ = ["ModelParts", "build_model", "build_training_model", "check_freeze", "compile_parts", "freeze_parameters",
-           "mask_plan", "trunk_arguments"]
+__all__ = ["ModelParts", "build_model", "build_training_model", "check_external_parts", "check_freeze",
+           "compile_parts", "freeze_parameters", "mask_plan", "trunk_arguments"]
 
 logger = logging.getLogger("sslkit")
 
@@ -129,6 +129,16 @@ def check_freeze(cfg: DictConfig, in_channels: int = 3) -> None:
     except Exception:
         return
     freeze_parameters(model, entries)
+
+
+def check_external_parts(cfg: DictConfig) -> None:
+    """A model with parts read from elsewhere (a distillation's teacher) built once on the CPU before a run writes
+    anything (the launcher calls this after validation): what cannot be read or does not fit (the teacher's file,
+    its architecture and channels, a student without a feature map, patches that cannot match) is said with
+    nothing written. The teacher is read twice on a fresh start (here, then by the run)."""
+    model_builder = R.get(R.MODELS, cfg.model.name, "model.name")
+    if "teacher" in inspect.signature(model_builder).parameters:
+        build_model(cfg, source_channels(cfg))
 
 
 def mask_plan(cfg: DictConfig, trunk: torch.nn.Module) -> MaskPlan | None:

@@ -73,7 +73,13 @@ def load_teacher(source: str, trunk_name: str | None, trunk_kwargs: dict[str, An
         raise DistillError(f"distill.teacher={source}: no such file or folder. Give a run folder (its latest "
                            "checkpoint), a checkpoint file, or a .pth / .safetensors weights file")
     if trunk_name is None:
-        return _teacher_from_run(str(source), rebuild)
+        teacher = _teacher_from_run(str(source), rebuild)
+        convs = [m for m in teacher.trunk.modules() if isinstance(m, nn.Conv2d)]
+        if convs and convs[0].in_channels != in_channels:
+            raise DistillError(f"distill.teacher={source} takes {convs[0].in_channels}-channel images and the data "
+                               f"has {in_channels}: train the students on the teacher's kind of images (a "
+                               f"{convs[0].in_channels}-channel dataset) or distill a teacher of this data")
+        return teacher
     if trunk_name.startswith(TIMM_PREFIX):
         return _teacher_from_timm(path, trunk_name[len(TIMM_PREFIX):], trunk_kwargs, in_channels)
     builder = R.get(R.TRUNKS, trunk_name, "distill.teacher_trunk")

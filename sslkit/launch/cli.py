@@ -189,6 +189,10 @@ def _main(args: list[str]) -> int:
         from sslkit.builder.model import check_freeze
 
         check_freeze(cfg)
+    if not launched_by_torchrun() and not in_slurm_task() and not _resuming(cfg):
+        from sslkit.builder.model import check_external_parts
+
+        check_external_parts(cfg)  # a distillation's teacher read and fitted to the students, before the folder
     if cfg.launcher == "slurm" and not in_slurm_task():
         return submit(cfg, args, main)  # (in the job's tasks the same command trains)
     import torchvision  # noqa: F401  (one that does not load with this torch stops here, before the run folder)
@@ -208,6 +212,13 @@ def _main(args: list[str]) -> int:
     else:
         run(cfg, plan, summary, args)
     return 0
+
+
+def _resuming(cfg: DictConfig) -> bool:
+    """The run folder holds a checkpoint to resume (its start checked what :func:`check_external_parts` checks)."""
+    from sslkit.checkpoint import checkpoint_dir, latest_checkpoint
+
+    return bool(cfg.output_dir) and latest_checkpoint(checkpoint_dir(str(cfg.output_dir))) is not None
 
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:

@@ -225,6 +225,8 @@ def test_the_dino_objective_distills_a_sharded_dinov2_run_into_a_vit_and_a_cnn(d
                                                                                tmp_path: Path) -> None:
     folders = [p for p in (dino_teacher_run / "checkpoints").iterdir() if p.is_dir()]
     assert folders and (folders[0] / ".metadata").exists()  # a sharded checkpoint folder
+    with pytest.raises(DistillError, match="takes 3-channel images and the data has 1"):  # (an RGB teacher)
+        build_model(compose_config([*DISTILL, f"distill.teacher={folders[0]}", "distill.teacher_trunk=null"]), 1)
     out = tmp_path / "run"
     run_main(*DISTILL, *QUIET, f"distill.teacher={folders[0]}", "distill.teacher_trunk=null", "distill.objective=dino",
              "distill.students=[{trunk: vit_tiny, name: vit, trunk_kwargs: {patch_size: 8, depth: 1, num_heads: 2}}, "
@@ -330,6 +332,16 @@ def test_what_cannot_be_matched_is_said_when_the_model_is_built(tmp_path: Path) 
     assert model([torch.randn(2, 3, 32, 32)])["students"]["mlp"].patch_pred is None
     with pytest.raises(DistillError, match=re.escape("distill.students names a twice")):
         student_specs(["a", {"trunk": "small_cnn", "name": "a"}])
+
+
+def test_what_does_not_fit_stops_the_cli_before_the_run_folder_is_written(tmp_path: Path) -> None:
+    """The launcher builds the distillation once before it writes anything: a teacher file of another architecture
+    (3 blocks where the trunk has 2) is exit 2 with the message, and no run folder."""
+    out = tmp_path / "run"
+    proc = run_main(*DISTILL, "distill.teacher_trunk_kwargs={patch_size: 8, depth: 3, num_heads: 2}",
+                    f"output_dir={out}", check=False)
+    assert proc.returncode == 2 and "is another network than distill.teacher_trunk" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
 
 
 def test_a_vit_student_takes_the_data_presets_image_size_and_its_own_kwargs() -> None:
