@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sslkit.events import Event, Slot, in_order
 
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
-__all__ = ["Event", "SSLHook", "Slot", "in_order"]
+__all__ = ["Event", "SSLHook", "Slot", "in_order", "method_model"]
+
+#: The model class a method's hook works on.
+M = TypeVar("M")
+
+
+def method_model(task: SSLTask, kind: type[M], hook: str, method: str, error: type[Exception] = ValueError) -> M:
+    """``task``'s model (unwrapped from DDP) when it is a ``kind``; else ``error`` saying that hook ``hook`` belongs to
+    ``method.name=<method>``: what a method's own hook asks of the model it moves or watches."""
+    model = task.base_model
+    if not isinstance(model, kind):
+        raise error(f"method.hooks.{hook} works on method.name={method}'s model, and the model is "
+                    f"{type(model).__name__}: use it with method.name={method}")
+    return model
 
 
 class SSLHook:

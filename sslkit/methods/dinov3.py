@@ -24,7 +24,7 @@ from torch import nn
 
 from sslkit.clock import StepContext, TrainClock
 from sslkit.errors import UserError
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import SSLHook, method_model
 from sslkit.methods.base import Method, RunShape, register_method
 from sslkit.methods.dinov2 import DINOv2Loss, sinkhorn_batch_rule
 from sslkit.methods.gram import (
@@ -264,11 +264,7 @@ class GramTeacherHook(SSLHook):
 
     @staticmethod
     def _model(task: SSLTask) -> DINOv3Model:
-        model = task.base_model
-        if not isinstance(model, DINOv3Model):
-            raise GramError(f"method.hooks.gram_teacher moves DINOv3's Gram teacher, and the model is "
-                            f"{type(model).__name__}: use it with method.name=dinov3")
-        return model
+        return method_model(task, DINOv3Model, "gram_teacher", "dinov3", GramError)
 
     def state_dict(self) -> dict[str, Any]:
         """The clock value handled last and the snapshots taken (the Gram teacher itself is in the model's state)."""

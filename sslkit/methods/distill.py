@@ -34,7 +34,7 @@ from torch import nn
 
 from sslkit.clock import StepContext, TrainClock
 from sslkit.errors import UserError
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.base import SSLHook, method_model
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.center import Center
 from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_temperatures, mean_entropy
@@ -605,11 +605,7 @@ class DistillTeacherHook(SSLHook):
 
     @staticmethod
     def _model(task: SSLTask) -> DistillModel:
-        model = task.base_model
-        if not isinstance(model, DistillModel):
-            raise DistillError(f"method.hooks.distill_teacher watches a distillation teacher, and the model is "
-                               f"{type(model).__name__}: use it with method.name=distill")
-        return model
+        return method_model(task, DistillModel, "distill_teacher", "distill", DistillError)
 
     def state_dict(self) -> dict[str, Any]:
         """The teacher's source and digest, as the run read it (the checkpoint is written while it runs)."""

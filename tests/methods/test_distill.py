@@ -196,6 +196,14 @@ def test_a_run_trains_two_students_and_leaves_the_teacher_bitwise_as_read(tmp_pa
     assert saved["hooks"]["distill_teacher"]["digest"] == model.teacher.digest
 
 
+def test_the_teacher_hook_on_another_methods_model_names_the_method() -> None:
+    from sslkit.methods.distill import DistillTeacherHook
+
+    with pytest.raises(DistillError, match=re.escape("method.hooks.distill_teacher works on method.name=distill's "
+                                                     "model, and the model is Linear")):
+        DistillTeacherHook().on_start(SimpleNamespace(base_model=torch.nn.Linear(1, 1)))  # type: ignore[arg-type]
+
+
 def test_a_resume_with_another_teacher_stops_and_names_it(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
