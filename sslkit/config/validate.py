@@ -708,6 +708,11 @@ def _check_distill(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> 
         return
     for spec in specs:
         _registered(errors, R.TRUNKS, spec["trunk"], f"distill.students ({spec['name']})")
+    routed = {"teacher": "distill.teacher", "students": "distill.students", "objective": "distill.objective",
+              "dense": "distill.patch_weight", "head_kwargs": "model.head", "lr_scales": "distill.students"}
+    for key in sorted(set(cfg.model.kwargs) & set(routed)):
+        errors.append(f"'model.kwargs.{key}' is the builder's to set for a distillation (from {routed[key]}): drop it "
+                      f"and set {routed[key]}")
     if cfg.model.trunk != specs[0]["trunk"]:
         errors.append(f"'model.trunk' = {cfg.model.trunk}, but a distillation's model.trunk is its first student's "
                       f"({specs[0]['trunk']}): leave model.trunk unset (null), it is filled from distill.students")

@@ -312,6 +312,9 @@ def test_a_timm_architecture_with_a_local_weights_file_is_a_teacher(tmp_path: Pa
     (["distill.objective=dinov3"], "'distill.objective' = dinov3: use one of feature, dino"),
     (["distill.teacher=/no/such/run"], "'distill.teacher' = /no/such/run: no such file or folder"),
     (["distill.teacher_trunk=vit_tiniest"], "vit_tiniest"),
+    (["+model.kwargs.objective=dino"], "'model.kwargs.objective' is the builder's to set for a distillation (from "
+                                       "distill.objective)"),
+    (["model.trunk=resnet18"], "'model.trunk' = resnet18, but a distillation's model.trunk is its first student's"),
 ])
 def test_bad_distillation_settings_are_config_errors_naming_the_key(extra: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
