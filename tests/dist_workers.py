@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import forkrun
@@ -26,6 +27,18 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     finally:
         if dist.is_initialized():  # (sslkit's CLI shuts the group down itself)
             dist.destroy_process_group()
+
+
+def recorded_steps(out: Path | str) -> dict[int, list[int]]:
+    """Every step's dataset indices over all ranks and micro-batches (sorted), from the ``record_samples`` hook's
+    files (tests/reliability/sslkit_faults.py) in the run folder ``out``."""
+    steps: dict[int, list[int]] = {}
+    for path in Path(out).glob("samples.*.txt"):
+        for line in path.read_text().split("\n"):
+            if line:
+                iteration, _micro, *indices = (int(v) for v in line.split())
+                steps.setdefault(iteration, []).extend(indices)
+    return {k: sorted(v) for k, v in steps.items()}
 
 
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:

@@ -364,7 +364,7 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
     """Sources that read a folder (``folder``, ``fashion_mnist``): a ``data.<split>.path`` that is set must be an
     existing folder (so a typo stops here, before the output folder is made, and never falls back to another
     copy), and for the ``folder`` source one that holds an image file; the ``folder`` source needs the train path.
-    The ``filelist`` source likewise, with a file."""
+    The ``filelist`` source likewise, with a file; the ``hf`` source, with a folder or file that exists."""
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
         path = cfg.data[split].path
@@ -377,6 +377,14 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
                         if Path(str(path)).expanduser().exists() else "does not exist")
                 errors.append(f"'data.{split}.path' = {path}: {what}; the filelist source needs the file listing "
                               "the images, one 'path' or 'path,label' a line")
+            continue
+        if source == "hf":
+            if path is None and split == "train":
+                errors.append("'data.train.path' must be set for the hf source: a folder written by datasets' "
+                              "save_to_disk, or Parquet / Arrow files, e.g. data.train.path=/data/my_dataset")
+            elif path is not None and not Path(str(path)).expanduser().exists():
+                errors.append(f"'data.{split}.path' = {path}: does not exist; the hf source reads a folder written "
+                              "by datasets' save_to_disk, or Parquet / Arrow files")
             continue
         if source not in _PATH_SOURCES:
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_workers import cli_main, run_ranks
+from dist_workers import cli_main, recorded_steps, run_ranks
 from helpers import RECIPES, SMALL
 
 pytestmark = pytest.mark.multiprocess
@@ -22,17 +22,6 @@ ARGS = ["config=dinov2", *SMALL, *RECIPES["dinov2"], "data.global_batch_size=32"
         "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
         "eval.knn.enabled=false", "log.tensorboard=false", "imports=[sslkit_faults]"]
 HOOKS = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
-
-
-def _steps(out: Path) -> dict[int, list[int]]:
-    """Every step's dataset indices over all ranks and micro-batches (sorted), from the record_samples files."""
-    steps: dict[int, list[int]] = {}
-    for path in out.glob("samples.*.txt"):
-        for line in path.read_text().split("\n"):
-            if line:
-                iteration, _micro, *indices = (int(v) for v in line.split())
-                steps.setdefault(iteration, []).extend(indices)
-    return {k: sorted(v) for k, v in steps.items()}
 
 
 def _model(out: Path) -> dict[str, torch.Tensor]:
@@ -61,7 +50,7 @@ def test_resume_on_one_and_on_four_processes_reads_the_same_images_and_ends_at_t
     sharded = sorted(p.name for p in (crashed / "checkpoints" / "checkpoint_000000003").glob("*")) if strategy == \
         "fsdp" else None
     assert sharded in (None, [".metadata", "__0_0.distcp", "__1_0.distcp"]), sharded
-    expected = _steps(ref)
+    expected = recorded_steps(ref)
     assert sorted(expected) == list(range(8)) and all(len(v) == 32 for v in expected.values())
     assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each image once
 
@@ -75,7 +64,7 @@ def test_resume_on_one_and_on_four_processes_reads_the_same_images_and_ends_at_t
             assert main(argv) == 0
         else:
             assert run_ranks(cli_main, world, str(tmp_path / f"w{world}"), argv) == ["0"] * world
-        got = _steps(out)
+        got = recorded_steps(out)
         assert sorted(got) == [3, 4, 5, 6, 7], sorted(got)
         for step, indices in got.items():
             assert indices == expected[step], (world, step)
