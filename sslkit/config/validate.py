@@ -378,6 +378,9 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
                 errors.append(f"'data.{split}.path' = {path}: {what}; the filelist source needs the file listing "
                               "the images, one 'path' or 'path,label' a line")
             continue
+        if source == "webdataset":
+            _check_shard_paths(split, path, errors)
+            continue
         if source == "hf":
             if path is None and split == "train":
                 errors.append("'data.train.path' must be set for the hf source: a folder written by datasets' "
@@ -403,6 +406,30 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
             if holds_images(folder) is False:
                 errors.append(f"'data.{split}.path' = {path}: no image files in the folder or below it (extensions "
                               f"{', '.join(IMAGE_EXTENSIONS)}, any case); {_PATH_SOURCES[source]}")
+
+
+def _check_shard_paths(split: str, path: Any, errors: list[str]) -> None:
+    """``data=webdataset``: a train path, and shards that are all there (the first missing ones named)."""
+    if path is None:
+        if split == "train":
+            errors.append("'data.train.path' must be set for the webdataset source: a folder of .tar shards, a brace "
+                          "pattern (/data/train-{000000..000099}.tar) or a list file")
+        return
+    from sslkit.data.shards import expand_shards
+    from sslkit.data.sources import DataSourceError
+
+    try:
+        shards = expand_shards(str(path))
+    except DataSourceError as exc:
+        errors.append(f"'data.{split}.path' = {path}: {exc}")
+        return
+    missing = [str(s) for s in shards if not s.is_file()]
+    if not shards:
+        errors.append(f"'data.{split}.path' = {path}: names no .tar shard (an empty folder or list)")
+    elif missing:
+        errors.append(f"'data.{split}.path' = {path}: {len(missing)} of its {len(shards)} shard(s) do not exist "
+                      f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): check the pattern, or leave "
+                      "them out")
 
 
 def per_process_batch(cfg: DictConfig, world: int) -> int:

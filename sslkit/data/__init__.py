@@ -1,6 +1,6 @@
 """Data: sources, augmentations, the seeded dataset wrapper, the resumable sampler and the loader."""
 
-from sslkit.data import health, hf, sources, transforms  # noqa: F401  (hf: registers data=hf)
+from sslkit.data import health, hf, shards, sources, transforms  # noqa: F401  (hf, shards: register sources)
 from sslkit.data.dataset import SSLDataset
 from sslkit.data.health import SkippedSamples, SkipTotals
 from sslkit.data.loader import build_loader, collate_views

@@ -280,6 +280,8 @@ COMMANDS = {
     "viz": "look at what the model learned: attention maps, patch PCA, an embedding map, nearest neighbours "
            "(= tools/visualize.py): sslkit viz checkpoint=RUN_DIR [kind=attention,pca,embedding,neighbors]",
     "report": "a finished run's summary and plots: sslkit report RUN_DIR",
+    "data": "pack a folder of images into tar shards, or say what a source holds: sslkit data pack input=FOLDER "
+            "output=SHARDS | sslkit data info path=SOURCE",
     "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
     "doctor": "is this machine ready? versions, GPUs, a collective, every recipe a few steps, determinism: "
               "sslkit doctor [--device cuda] [--recipes simclr,dino_vit]",
@@ -321,6 +323,10 @@ def _command(name: str) -> Any:
         from sslkit.tools.dense import dense_main
 
         return dense_main
+    if name == "data":
+        from sslkit.tools.data import data_main
+
+        return data_main
     from sslkit.tools import common as tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]

@@ -1,0 +1,237 @@
+"""Tar shards in WebDataset's layout as a source (``data=webdataset``): an index of member offsets built once per
+shard and cached beside it, so every sample is read by its global index (the sampler, resume, elastic resume and
+per-sample seeds work as for folders); and ``pack``, which writes a folder of images into such shards."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, is_jpeg
+from sslkit.registry import register_dataset
+
+__all__ = ["INDEX_SUFFIX", "ShardDataset", "build_webdataset", "expand_shards", "pack_images", "shard_index"]
+
+logger = logging.getLogger("sslkit")
+
+#: The index cached beside each shard: ``<shard>.tar`` -> ``<shard>.tar.sslkit-idx.npz``.
+INDEX_SUFFIX = ".sslkit-idx.npz"
+#: Bumped when the index's layout changes (an index of another version is rebuilt).
+INDEX_VERSION = 1
+#: A sample's image members, by extension (WebDataset's convention: ``<key>.<ext>``), and its label member.
+IMAGE_EXTS = tuple(e.lstrip(".").lower() for e in IMAGE_EXTENSIONS)
+LABEL_EXT = "cls"
+
+
+def expand_shards(spec: str) -> list[Path]:
+    """The shard files ``spec`` names: a brace pattern (``/data/train-{000000..000099}.tar``), a folder (its
+    ``*.tar``, sorted), a text file listing one shard a line (relative paths from its folder), or one ``.tar``."""
+    path = Path(spec).expanduser()
+    if "{" in spec:
+        try:
+            from braceexpand import braceexpand
+        except ImportError:
+            raise DataSourceError(f"{spec} is a brace pattern, expanded by webdataset's braceexpand, which is not "
+                                  "installed: pip install 'sslkit[webdataset]' (or give a folder of shards or a "
+                                  "list file)") from None
+        return [Path(p).expanduser() for p in braceexpand(spec)]
+    if path.is_dir():
+        return sorted(path.glob("*.tar"))
+    if path.is_file() and path.suffix != ".tar":
+        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        return [Path(ln) if Path(ln).is_absolute() else path.parent / ln for ln in lines]
+    return [path]
+
+
+def _scan(shard: Path) -> dict[str, np.ndarray]:
+    """Read ``shard``'s tar headers once: per sample (members grouped by the name before the first dot), the offset
+    and size of its image member, its extension and its label (-1 without a ``.cls`` member)."""
+    samples: dict[str, dict[str, object]] = {}
+    order: list[str] = []
+    try:
+        with tarfile.open(shard, "r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                name = os.path.basename(member.name)
+                key, _, ext = name.partition(".")
+                prefix = os.path.dirname(member.name)
+                key = f"{prefix}/{key}" if prefix else key
+                ext = ext.lower()
+                entry = samples.get(key)
+                if entry is None:
+                    entry = samples[key] = {}
+                    order.append(key)
+                if ext in IMAGE_EXTS and "offset" not in entry:
+                    entry.update(offset=member.offset_data, size=member.size, ext=ext)
+                elif ext == LABEL_EXT:
+                    text = tar.extractfile(member).read().decode(errors="replace").strip()  # type: ignore[union-attr]
+                    if not text.lstrip("-").isdigit():
+                        raise DataSourceError(f"shard {shard}: {member.name} holds {text[:20]!r}, not an integer "
+                                              "class label")
+                    entry["label"] = int(text)
+    except (tarfile.TarError, OSError, ValueError, EOFError) as e:
+        raise DataSourceError(f"shard {shard} cannot be read as a tar file ({type(e).__name__}: {e}): it is "
+                              "truncated or damaged; copy it again or leave it out of the pattern") from None
+    keys = [k for k in order if "offset" in samples[k]]
+    if not keys:
+        raise DataSourceError(f"shard {shard} holds no image member (<key>.{'/'.join(IMAGE_EXTS[:4])}...): not a "
+                              "shard of images")
+    stat = shard.stat()
+    return {"version": np.array(INDEX_VERSION), "size": np.array(stat.st_size), "mtime_ns": np.array(stat.st_mtime_ns),
+            "offsets": np.array([samples[k]["offset"] for k in keys], dtype=np.int64),
+            "sizes": np.array([samples[k]["size"] for k in keys], dtype=np.int64),
+            "labels": np.array([samples[k].get("label", -1) for k in keys], dtype=np.int64),
+            "keys": np.array(keys)}
+
+
+def shard_index(shard: Path) -> dict[str, np.ndarray]:
+    """``shard``'s index, read from ``<shard>.sslkit-idx.npz`` when it matches the shard's size and modification time
+    (and this index version), else built (:func:`_scan`) and written there (atomically; where the folder is not
+    writable it is only kept in memory). A missing shard is a :class:`DataSourceError` naming it."""
+    if not shard.is_file():
+        raise DataSourceError(f"shard {shard} does not exist: check the pattern, or leave the shard out")
+    cached = Path(f"{shard}{INDEX_SUFFIX}")
+    stat = shard.stat()
+    if cached.is_file():
+        try:
+            with np.load(cached) as found:
+                index = {k: found[k] for k in found.files}
+            if (int(index["version"]) == INDEX_VERSION and int(index["size"]) == stat.st_size
+                    and int(index["mtime_ns"]) == stat.st_mtime_ns):
+                return index
+            logger.info("data: the index of %s is older than the shard (or of another version): rebuilt", shard)
+        except (OSError, ValueError, KeyError):
+            logger.info("data: the index of %s cannot be read: rebuilt", shard)
+    index = _scan(shard)
+    partial = Path(f"{cached}.{os.getpid()}.part.npz")
+    try:
+        np.savez(partial, **index)
+        os.replace(partial, cached)
+    except OSError as e:
+        logger.info("data: the index of %s is not cached (%s): built again by the next run", shard, e)
+    return index
+
+
+class ShardDataset(Dataset):
+    """The images of tar shards (WebDataset's layout: ``<key>.jpg`` and an optional ``<key>.cls`` label per
+    sample), addressed by a global index over the shards in order, through the index of member offsets each shard
+    has beside it (:func:`shard_index`). A read is one seek and one read of the member; a member that does not decode
+    raises :class:`UnreadableSampleError` (skipped and counted); a missing, truncated or empty shard stops the run
+    when the dataset is built, naming it."""
+
+    def __init__(self, spec: str, channels: int = 3) -> None:
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        self.shards = expand_shards(spec)
+        if not self.shards:
+            raise DataSourceError(f"{spec} names no shard: give a brace pattern (train-{{000000..000099}}.tar), a "
+                                  "folder of .tar files or a list file")
+        indexes = [shard_index(s) for s in self.shards]
+        self.offsets = [ix["offsets"] for ix in indexes]
+        self.sizes = [ix["sizes"] for ix in indexes]
+        self.labels = np.concatenate([ix["labels"] for ix in indexes])
+        self.starts = np.cumsum([0] + [len(o) for o in self.offsets])
+        self.channels, self.jpeg_bytes = channels, False
+        labelled = self.labels >= 0
+        if labelled.any() and not labelled.all():
+            raise DataSourceError(f"{spec}: {int((~labelled).sum())} of {len(self.labels)} samples have no .cls label "
+                                  "and the others have one: label every sample or none")
+        self.num_classes = int(self.labels.max()) + 1 if labelled.all() else 0
+        logger.info("data: %d shard(s) from %s: %d samples%s", len(self.shards), spec, len(self),
+                    f", {self.num_classes} classes" if self.num_classes else ", no labels")
+
+    def __len__(self) -> int:
+        """The samples over all shards."""
+        return int(self.starts[-1])
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard, member) of global sample ``i``."""
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return shard, int(i - self.starts[shard])
+
+    def raw(self, i: int) -> bytes:
+        """The encoded image of sample ``i``, as stored."""
+        shard, j = self.locate(i)
+        path = self.shards[shard]
+        try:
+            with open(path, "rb") as f:
+                f.seek(int(self.offsets[shard][j]))
+                data = f.read(int(self.sizes[shard][j]))
+        except OSError as e:
+            raise UnreadableSampleError(f"cannot read sample {j} of shard {path}: {e}", str(path)) from e
+        if len(data) != int(self.sizes[shard][j]):
+            raise UnreadableSampleError(f"sample {j} of shard {path} is cut short (the shard changed?)", str(path))
+        return data
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Sample ``i``'s image as uint8 ``[C, H, W]`` (a JPEG's bytes with :attr:`jpeg_bytes`) and its label."""
+        data, label = self.raw(i), int(self.labels[i])
+        if self.jpeg_bytes and is_jpeg(data[:3]):
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                arr = np.asarray(img.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8)
+        except Exception as e:  # PIL raises many types
+            shard, j = self.locate(i)
+            raise UnreadableSampleError(f"cannot decode sample {j} of shard {self.shards[shard]}: "
+                                        f"{type(e).__name__}: {e}", str(self.shards[shard])) from e
+        t = torch.from_numpy(arr.copy())
+        return (t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()), label
+
+
+@register_dataset("webdataset")
+def build_webdataset(split: str, path: str | None = None, channels: int = 3) -> ShardDataset:
+    """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file."""
+    if not path:
+        raise DataSourceError(f"the 'webdataset' source needs shards: set data.{split}.path to a brace pattern, a "
+                              "folder of .tar files or a list file")
+    try:
+        return ShardDataset(path, channels)
+    except DataSourceError as e:
+        raise DataSourceError(f"data.{split}.path: {e}") from None
+
+
+def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int = 256 << 20,
+                prefix: str = "shard") -> list[Path]:
+    """Write ``files`` (path, label; label -1: none) into tar shards ``<output>/<prefix>-NNNNNN.tar`` of about
+    ``shard_bytes`` each, in order: sample ``k`` is ``<k:09d>.<ext>`` with the file's bytes as they are (nothing
+    re-encoded) and ``<k:09d>.cls`` with its label; then each shard's index. Returns the shards."""
+    output.mkdir(parents=True, exist_ok=True)
+    shards: list[Path] = []
+    tar: tarfile.TarFile | None = None
+    written = 0
+
+    def add(name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        assert tar is not None
+        tar.addfile(info, io.BytesIO(data))
+
+    for k, (file, label) in enumerate(files):
+        data = Path(file).read_bytes()
+        if tar is None or written >= shard_bytes:
+            if tar is not None:
+                tar.close()
+            shards.append(output / f"{prefix}-{len(shards):06d}.tar")
+            tar, written = tarfile.open(shards[-1], "w", format=tarfile.USTAR_FORMAT), 0
+        ext = Path(file).suffix.lstrip(".").lower() or "jpg"
+        add(f"{k:09d}.{ext}", data)
+        if label >= 0:
+            add(f"{k:09d}.{LABEL_EXT}", str(label).encode())
+        written += len(data) + 1024
+    if tar is not None:
+        tar.close()
+    for shard in shards:
+        shard_index(shard)
+    return shards

@@ -1,0 +1,194 @@
+"""data=webdataset: tar shards read by global index through a cached index of member offsets; ``sslkit data pack``
+gives back every image bit for bit; a stale index is rebuilt; a missing, truncated or image-less shard stops the
+run naming it; a corrupt member is skipped and counted; through the CLI, a SIGKILLed run resumes bit-identically and
+an elastic resume on 1 and 4 processes reads the same samples at every step."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import photo_folder, run_cli, run_main, run_sslkit
+from PIL import Image
+
+from sslkit.data.shards import INDEX_SUFFIX, ShardDataset, expand_shards, pack_images, shard_index
+from sslkit.data.sources import DataSourceError, FolderDataset, UnreadableSampleError
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A class-folder tree of 96 JPEGs and PNGs of many sizes (and one corrupt JPEG), packed with ``sslkit data
+    pack`` into shards of about 40 kB: (the image folder, the shard folder)."""
+    root = tmp_path_factory.mktemp("shards")
+    photo_folder(root / "images", n=96)
+    code, out, err = run_sslkit("data", "pack", f"input={root / 'images'}", f"output={root / 'shards'}",
+                                "shard_mb=0.04")
+    assert code == 0, err
+    assert "packed 97 images (2 classes)" in out
+    return root / "images", root / "shards"
+
+
+def test_pack_then_read_gives_back_every_image_bit_for_bit_with_its_label(packed: tuple[Path, Path]) -> None:
+    images, shards = packed
+    folder = FolderDataset(images, probe=0)
+    ds = ShardDataset(str(shards))
+    assert len(ds.shards) >= 3 and len(ds) == len(folder) == 97 and ds.num_classes == 2
+    assert all(Path(f"{s}{INDEX_SUFFIX}").is_file() for s in ds.shards)  # each shard's index beside it
+    for i, (path, label) in enumerate(folder.samples):
+        assert ds.raw(i) == Path(path).read_bytes(), path
+        assert int(ds.labels[i]) == label
+    readable = [i for i, (p, _) in enumerate(folder.samples) if "broken" not in p]
+    for i in readable[::17]:
+        torch.testing.assert_close(ds[i][0], folder[i][0], rtol=0, atol=0)
+    broken = next(i for i, (p, _) in enumerate(folder.samples) if "broken" in p)
+    with pytest.raises(UnreadableSampleError, match=r"cannot decode sample \d+ of shard"):
+        ds[broken]  # skipped and counted by the dataset wrapper, as a folder's
+    ds.jpeg_bytes = True  # data.decode_on=device: a JPEG's bytes as stored, a PNG decoded here
+    jpeg = next(i for i in readable if folder.samples[i][0].endswith(".jpg"))
+    assert bytes(ds[jpeg][0].numpy()) == Path(folder.samples[jpeg][0]).read_bytes()
+
+
+def test_a_brace_pattern_a_list_file_and_a_folder_name_the_same_shards(packed: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    _, shards = packed
+    files = sorted(shards.glob("*.tar"))
+    pattern = str(shards / f"shard-{{000000..{len(files) - 1:06d}}}.tar")
+    (tmp_path / "list.txt").write_text("".join(f"{f}\n" for f in files))
+    assert expand_shards(pattern) == expand_shards(str(tmp_path / "list.txt")) == expand_shards(str(shards)) == files
+
+
+def test_an_index_older_than_its_shard_is_rebuilt(tmp_path: Path) -> None:
+    files = []
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.new("RGB", (8 + i, 8), (i * 40, 0, 0)).save(buf, format="PNG")
+        files.append(tmp_path / f"{i}.png")
+        files[-1].write_bytes(buf.getvalue())
+    (shard,) = pack_images([(str(f), -1) for f in files], tmp_path / "s")
+    assert len(shard_index(shard)["offsets"]) == 3
+    (shard2,) = pack_images([(str(f), -1) for f in files[:2]], tmp_path / "s2")
+    shutil.copy(shard2, shard)  # the shard rewritten with 2 samples; its cached index says 3
+    os.utime(shard, ns=(1, 1))
+    assert len(shard_index(shard)["offsets"]) == 2
+    assert len(ShardDataset(str(shard)).labels) == 2 and ShardDataset(str(shard)).num_classes == 0
+
+
+def test_missing_truncated_and_imageless_shards_stop_with_their_name(packed: tuple[Path, Path],
+                                                                     tmp_path: Path) -> None:
+    from sslkit.config.compose import compose_config
+    from sslkit.config.schema import ConfigError
+
+    _, shards = packed
+    first = sorted(shards.glob("*.tar"))[0]
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(first.read_bytes()[:1500])  # a header and part of a member
+    with pytest.raises(DataSourceError, match=r"shard .*cut.tar cannot be read as a tar file"):
+        ShardDataset(str(cut))
+    with tarfile.open(tmp_path / "text.tar", "w") as tar:
+        info = tarfile.TarInfo("0.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(DataSourceError, match=r"text.tar holds no image member"):
+        ShardDataset(str(tmp_path / "text.tar"))
+    shutil.copy(first, tmp_path / "x-000000.tar")
+    with pytest.raises(ConfigError, match=r"2 of its 3 shard\(s\) do not exist .*x-000001.tar"):
+        compose_config(["config=simclr", "data=webdataset", "machine.device=cpu",
+                        f"data.train.path='{tmp_path}/x-{{000000..000002}}.tar'"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"names no .tar shard"):
+        compose_config(["config=simclr", "data=webdataset", "machine.device=cpu", f"data.train.path={tmp_path}/empty"])
+    with pytest.raises(ConfigError, match=r"'data.train.path' must be set for the webdataset source"):
+        compose_config(["config=simclr", "data=webdataset", "machine.device=cpu"])
+
+
+def test_data_info_says_what_a_source_holds(packed: tuple[Path, Path]) -> None:
+    images, shards = packed
+    code, out, err = run_sslkit("data", "info", f"path={shards}", "sample=200")
+    assert code == 0, err
+    assert f"{shards} (webdataset): 97 samples, 2 classes" in out
+    assert "height 24-42" in out and "unreadable among them: 1" in out and "cannot decode sample" in out
+    code, out, _ = run_sslkit("data", "info", f"path={images}")
+    assert code == 0 and "(folder): 97 samples, 2 classes" in out
+    code, _, err = run_sslkit("data", "pack", f"input={images}", f"output={shards}")
+    assert code == 2 and "holds shards already" in err
+
+
+SMALL_WDS = ["config=simclr", "data=webdataset", "machine.device=cpu", "model.trunk=small_cnn",
+             "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16", "data.image_size=32",
+             "data.small_image_size=16", "eval.knn.k=5", "log.tensorboard=false", "log.report=false"]
+
+
+def test_a_run_trains_on_shards_through_the_cli_skipping_the_corrupt_member(packed: tuple[Path, Path],
+                                                                            tmp_path: Path) -> None:
+    _, shards = packed
+    proc = run_main(*SMALL_WDS, f"data.train.path={shards}", "data.batch_size=16", "optim.epochs=1",
+                    "data.num_workers=2", f"output_dir={tmp_path / 'run'}")
+    text = proc.stdout + proc.stderr
+    assert "97 samples, 2 classes" in text and "1 of 96 samples" in text  # the corrupt JPEG, counted
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_epoch_resumes_bit_identically(packed: tuple[Path, Path], tmp_path: Path) -> None:
+    """96 of the 97 samples in batches of 16 (6 steps an epoch, 2 epochs), a checkpoint every 4 steps, SIGKILL after
+    step 10 (a process of its own, 2 loader workers): resumed from update 8, mid-epoch, it ends bit-identical."""
+    from reliability_helpers import FAULT_ENV, assert_identical, hooks_override, latest_state
+
+    _, shards = packed
+    args = [*SMALL_WDS, f"data.train.path={shards}", "data.batch_size=16", "optim.epochs=2",
+            "checkpoint.every_n_steps=4", "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=2",
+            "imports=[sslkit_faults]"]
+    ref = tmp_path / "ref"
+    run_main(*args, hooks_override("simclr", {"name": "fault_signal", "step": 10**6}), f"output_dir={ref}")
+    out = tmp_path / "killed"
+    kill = hooks_override("simclr", {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    assert latest_state(out)["position"]["update"] == 8
+    assert "checkpoint_000000008.pt" in run_main(*args, kill, f"output_dir={out}").stdout
+    assert_identical(latest_state(out), latest_state(ref))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_every_step(
+        tmp_path: Path) -> None:
+    """128 samples in 4 shards, a 2-process run (global batch 32: 4 steps an epoch, 2 epochs) crashed after step 5
+    resumes on 1 and on 4 processes from its checkpoint of step 3: every later step reads the samples the
+    uninterrupted run read."""
+    from dist_workers import cli_main, recorded_steps, run_ranks
+
+    from sslkit.launch.cli import main
+
+    images = tmp_path / "images"
+    images.mkdir()
+    files = []
+    for i in range(128):
+        pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
+        files.append((str(images / f"{i}.png"), i % 3))
+        Image.fromarray(pixels).save(files[-1][0])
+    pack_images(files, tmp_path / "shards", shard_bytes=32 * 1400)
+    args = [*SMALL_WDS, f"data.train.path={tmp_path / 'shards'}", "data.global_batch_size=32", "optim.epochs=2",
+            "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
+            "eval.knn.enabled=false", "data.num_workers=0", "imports=[sslkit_faults]"]
+    hooks = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    assert run_ranks(cli_main, 2, str(tmp_path / "r"), [*args, hooks % 10**6, f"output_dir={ref}"]) == ["0", "0"]
+    results = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, hooks % 5, f"output_dir={crashed}"])
+    assert all("injected crash after step 5" in r for r in results), results
+    expected = recorded_steps(ref)
+    assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each sample once
+    for world in (1, 4):
+        out = tmp_path / f"on{world}"
+        shutil.copytree(crashed, out)
+        for path in out.glob("samples.*.txt"):
+            path.unlink()
+        argv = [*args, hooks % 5, f"output_dir={out}"]
+        assert (main(argv) == 0 if world == 1 else
+                run_ranks(cli_main, world, str(tmp_path / f"w{world}"), argv) == ["0"] * world)
+        got = recorded_steps(out)
+        assert sorted(got) == [3, 4, 5, 6, 7] and all(got[s] == expected[s] for s in got), world
