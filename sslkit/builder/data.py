@@ -75,12 +75,26 @@ def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train
     sampler = StatefulDistributedSampler(
         len(ds), num_replicas=get_world_size(), rank=get_rank(), shuffle=train, seed=cfg.seed,
         drop_last=train and cfg.data.drop_last, track_updates=phase is not None,
+        groups=_shard_groups(cfg, source) if train else None, group_span=int(cfg.data.shard_span),
     )
     ignores = tuple(int(getattr(signal, name)) for name in preemption_signals(cfg))
     collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,
                         drop_last=train and cfg.data.drop_last, persistent_workers=train, worker_ignores=ignores,
                         collate_fn=collate)
+
+
+def _shard_groups(cfg: DictConfig, source: Dataset) -> list[int] | None:
+    """``data.order=shards``: the first sample of each of the source's shards (a sharded source's ``starts``), for
+    the sampler's shard-local order; None for ``data.order=random``."""
+    if cfg.data.order != "shards":
+        return None
+    starts = getattr(source, "starts", None)
+    if starts is None or cfg.data.limit:
+        raise ConfigError(f"data.order=shards reads a sharded source shard by shard, and data.train.source="
+                          f"{cfg.data.train.source}{' with data.limit' if cfg.data.limit else ''} has no shards to "
+                          "follow: use data.order=random")
+    return [int(s) for s in starts[:-1]]
 
 
 def high_res_phase(cfg: DictConfig) -> HighResPhase | None:

@@ -184,6 +184,8 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                          "auto or an integer >= 0"),
     "data.pin_memory": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "data.augment_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
+    "data.order": (lambda v: v in ("random", "shards"), "random or shards"),
+    "data.shard_span": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "data.decode_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
@@ -632,6 +634,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
         updates = _check_steps(cfg, errors)
     _check_folder_paths(cfg, errors)
+    if cfg.data.order == "shards" and (cfg.data.train.source != "webdataset" or cfg.data.limit):
+        errors.append(f"'data.order' = shards reads a sharded source shard by shard, and data.train.source="
+                      f"{cfg.data.train.source}{' with data.limit' if cfg.data.limit else ''} has no shards to follow: "
+                      "use data.order=random (or data=webdataset)")
 
     import sslkit.data
     import sslkit.hooks

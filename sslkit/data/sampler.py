@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["StatefulDistributedSampler"]
+__all__ = ["StatefulDistributedSampler", "grouped_order"]
 
 logger = logging.getLogger("sslkit.data")
 
@@ -33,9 +33,12 @@ class StatefulDistributedSampler(Sampler[tuple[int, ...]]):
         seed: int = 0,
         drop_last: bool = True,
         track_updates: bool = False,
+        groups: list[int] | None = None,
+        group_span: int = 1,
     ) -> None:
         """Sample ``dataset_len`` indices for ``rank`` of ``num_replicas``; with ``track_updates``, yield
-        ``(epoch, index, update)`` (:meth:`updates_from`)."""
+        ``(epoch, index, update)`` (:meth:`updates_from`). ``groups`` (the first index of each group of
+        consecutive samples: a source's shards) makes each epoch's order shard-local (:func:`grouped_order`)."""
         if dataset_len < 0:
             raise ValueError(f"dataset_len must be >= 0, got {dataset_len}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -49,6 +52,12 @@ class StatefulDistributedSampler(Sampler[tuple[int, ...]]):
         self.epoch = 0
         self.start = 0
         self.track_updates = bool(track_updates)
+        if groups is not None and (not groups or groups[0] != 0 or list(groups) != sorted(groups)
+                                   or groups[-1] > dataset_len or group_span < 1):
+            raise ValueError(f"groups must be ascending group starts from 0 within {dataset_len}, and group_span "
+                             f">= 1; got {groups[:5]}..., {group_span}")
+        self.groups = [int(g) for g in groups] if groups is not None else None
+        self.group_span = int(group_span)
         #: the update the first sample of the next iteration trains, and the samples of this rank per update
         self.first_update, self.per_update = 0, 1
 
@@ -95,7 +104,9 @@ class StatefulDistributedSampler(Sampler[tuple[int, ...]]):
         """All of this rank's indices for ``epoch`` (default: the current one), ignoring the start."""
         epoch = self.epoch if epoch is None else epoch
         n = self.dataset_len
-        if self.shuffle:
+        if self.shuffle and self.groups is not None:
+            order = grouped_order(n, self.groups, self.group_span, self.seed + epoch)
+        elif self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(n)
@@ -153,3 +164,20 @@ class StatefulDistributedSampler(Sampler[tuple[int, ...]]):
         elif old_replicas != self.num_replicas:
             start = start * old_replicas // self.num_replicas
         self.start = min(start, self.num_samples)
+
+
+def grouped_order(n: int, starts: list[int], span: int, seed: int) -> torch.Tensor:
+    """A permutation of ``range(n)`` that reads groups of consecutive samples (a source's shards, starting at
+    ``starts``) ``span`` at a time: the groups are shuffled, taken ``span`` by ``span`` in that order, and the samples
+    of each such window shuffled among themselves (all from ``seed``). An epoch then visits each shard in one window,
+    so its reads stay within ``span`` shards at a time (their pages in the cache, read ahead), at the price of
+    batches mixing ``span`` shards instead of the whole dataset. A function of the seed alone: every rank, any number
+    of processes and a resumed run compute the same order."""
+    g = torch.Generator().manual_seed(seed)
+    bounds = list(starts) + [n]
+    shards = torch.randperm(len(starts), generator=g).tolist()
+    pieces = []
+    for w in range(0, len(shards), span):
+        window = torch.cat([torch.arange(bounds[k], bounds[k + 1]) for k in shards[w:w + span]])
+        pieces.append(window[torch.randperm(len(window), generator=g)])
+    return torch.cat(pieces) if pieces else torch.arange(0)

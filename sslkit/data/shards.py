@@ -8,7 +8,7 @@ import io
 import logging
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, is_jpeg
 from sslkit.registry import register_dataset
 
-__all__ = ["INDEX_SUFFIX", "ShardDataset", "build_webdataset", "expand_shards", "pack_images", "shard_index"]
+__all__ = ["INDEX_SUFFIX", "ShardDataset", "build_webdataset", "expand_shards", "pack_images", "shard_index",
+           "write_shards"]
 
 logger = logging.getLogger("sslkit")
 
@@ -202,11 +203,11 @@ def build_webdataset(split: str, path: str | None = None, channels: int = 3) -> 
         raise DataSourceError(f"data.{split}.path: {e}") from None
 
 
-def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int = 256 << 20,
-                prefix: str = "shard") -> list[Path]:
-    """Write ``files`` (path, label; label -1: none) into tar shards ``<output>/<prefix>-NNNNNN.tar`` of about
-    ``shard_bytes`` each, in order: sample ``k`` is ``<k:09d>.<ext>`` with the file's bytes as they are (nothing
-    re-encoded) and ``<k:09d>.cls`` with its label; then each shard's index. Returns the shards."""
+def write_shards(items: Iterable[tuple[str, bytes, int]], output: Path, shard_bytes: int = 256 << 20,
+                 prefix: str = "shard") -> list[Path]:
+    """Write ``items`` (extension, encoded image, label; label -1: none) into tar shards
+    ``<output>/<prefix>-NNNNNN.tar`` of about ``shard_bytes`` each, in order: item ``k`` is ``<k:09d>.<ext>`` with the
+    bytes as they are and ``<k:09d>.cls`` with its label; then each shard's index. Returns the shards."""
     output.mkdir(parents=True, exist_ok=True)
     shards: list[Path] = []
     tar: tarfile.TarFile | None = None
@@ -218,14 +219,12 @@ def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int
         assert tar is not None
         tar.addfile(info, io.BytesIO(data))
 
-    for k, (file, label) in enumerate(files):
-        data = Path(file).read_bytes()
+    for k, (ext, data, label) in enumerate(items):
         if tar is None or written >= shard_bytes:
             if tar is not None:
                 tar.close()
             shards.append(output / f"{prefix}-{len(shards):06d}.tar")
             tar, written = tarfile.open(shards[-1], "w", format=tarfile.USTAR_FORMAT), 0
-        ext = Path(file).suffix.lstrip(".").lower() or "jpg"
         add(f"{k:09d}.{ext}", data)
         if label >= 0:
             add(f"{k:09d}.{LABEL_EXT}", str(label).encode())
@@ -235,3 +234,11 @@ def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int
     for shard in shards:
         shard_index(shard)
     return shards
+
+
+def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int = 256 << 20,
+                prefix: str = "shard") -> list[Path]:
+    """Write the image files ``files`` (path, label) into shards with :func:`write_shards`, each file's bytes as they
+    are (nothing re-encoded) under its own extension. Returns the shards."""
+    items = ((Path(f).suffix.lstrip(".").lower() or "jpg", Path(f).read_bytes(), label) for f, label in files)
+    return write_shards(items, output, shard_bytes, prefix)

@@ -107,6 +107,29 @@ def test_missing_truncated_and_imageless_shards_stop_with_their_name(packed: tup
         compose_config(["config=simclr", "data=webdataset", "machine.device=cpu"])
 
 
+def test_the_shard_order_is_a_permutation_that_reads_span_shards_at_a_time_from_the_seed_alone() -> None:
+    from sslkit.data.sampler import StatefulDistributedSampler, grouped_order
+
+    starts = [0, 10, 25, 30, 47]  # 5 shards of 10, 15, 5, 17 and 13 samples: 60
+    order = grouped_order(60, starts, 2, seed=3)
+    assert sorted(order.tolist()) == list(range(60)) and torch.equal(order, grouped_order(60, starts, 2, seed=3))
+    assert not torch.equal(order, grouped_order(60, starts, 2, seed=4))
+    shard_of = np.searchsorted(starts, np.arange(60), side="right") - 1
+    sizes = np.diff([*starts, 60])
+    windows, seen = [], set()
+    for position, index in enumerate(order.tolist()):  # cut the order where the shards seen so far are complete
+        seen.add(int(shard_of[index]))
+        if position + 1 == sum(int(sizes[k]) for k in {*seen, *(w for ws in windows for w in ws)}):
+            windows.append(seen)
+            seen = set()
+    assert not seen and all(len(w) <= 2 for w in windows) and len(windows) == 3  # 5 shards, 2 at a time
+    a = StatefulDistributedSampler(60, 2, 0, seed=3, groups=starts, group_span=2)
+    b = StatefulDistributedSampler(60, 2, 1, seed=3, groups=starts, group_span=2)
+    assert sorted(a.epoch_indices() + b.epoch_indices()) == list(range(60))
+    with pytest.raises(ValueError, match="groups must be ascending"):
+        StatefulDistributedSampler(60, groups=[5, 10])
+
+
 def test_data_info_says_what_a_source_holds(packed: tuple[Path, Path]) -> None:
     images, shards = packed
     code, out, err = run_sslkit("data", "info", f"path={shards}", "sample=200")
@@ -134,13 +157,17 @@ def test_a_run_trains_on_shards_through_the_cli_skipping_the_corrupt_member(pack
 
 
 @pytest.mark.slow
-def test_a_run_killed_mid_epoch_resumes_bit_identically(packed: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("order", ["random", "shards"])
+def test_a_run_killed_mid_epoch_resumes_bit_identically(packed: tuple[Path, Path], tmp_path: Path,
+                                                        order: str) -> None:
     """96 of the 97 samples in batches of 16 (6 steps an epoch, 2 epochs), a checkpoint every 4 steps, SIGKILL after
-    step 10 (a process of its own, 2 loader workers): resumed from update 8, mid-epoch, it ends bit-identical."""
+    step 10 (a process of its own, 2 loader workers): resumed from update 8, mid-epoch, it ends bit-identical, in
+    either order (a permutation of all samples, or shard by shard)."""
     from reliability_helpers import FAULT_ENV, assert_identical, hooks_override, latest_state
 
     _, shards = packed
-    args = [*SMALL_WDS, f"data.train.path={shards}", "data.batch_size=16", "optim.epochs=2",
+    args = [*SMALL_WDS, f"data.train.path={shards}", f"data.order={order}", "data.shard_span=2",
+            "data.batch_size=16", "optim.epochs=2",
             "checkpoint.every_n_steps=4", "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=2",
             "imports=[sslkit_faults]"]
     ref = tmp_path / "ref"
@@ -157,9 +184,10 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(packed: tuple[Path, Path
 @pytest.mark.multiprocess
 def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_every_step(
         tmp_path: Path) -> None:
-    """128 samples in 4 shards, a 2-process run (global batch 32: 4 steps an epoch, 2 epochs) crashed after step 5
-    resumes on 1 and on 4 processes from its checkpoint of step 3: every later step reads the samples the
-    uninterrupted run read."""
+    """128 samples in 4 shards read shard by shard (data.order=shards, 2 at a time), a 2-process run (global batch 32:
+    4 steps an epoch, 2 epochs) crashed after step 5 resumes on 1 and on 4 processes from its checkpoint of step 3:
+    every later step reads the samples the uninterrupted run read (the order a function of the seed and epoch
+    alone). (data.order=random, the sampler's permutation, is the folder's and hf's elastic test.)"""
     from dist_workers import cli_main, recorded_steps, run_ranks
 
     from sslkit.launch.cli import main
@@ -171,8 +199,10 @@ def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_e
         pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
         files.append((str(images / f"{i}.png"), i % 3))
         Image.fromarray(pixels).save(files[-1][0])
-    pack_images(files, tmp_path / "shards", shard_bytes=32 * 1400)
-    args = [*SMALL_WDS, f"data.train.path={tmp_path / 'shards'}", "data.global_batch_size=32", "optim.epochs=2",
+    for j in range(4):  # 4 shards of 32: a window of 2 shards is 2 global batches of 32
+        pack_images(files[32 * j:32 * (j + 1)], tmp_path / "shards", prefix=f"part{j}")
+    args = [*SMALL_WDS, f"data.train.path={tmp_path / 'shards'}", "data.order=shards", "data.shard_span=2",
+            "data.global_batch_size=32", "optim.epochs=2",
             "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
             "eval.knn.enabled=false", "data.num_workers=0", "imports=[sslkit_faults]"]
     hooks = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
@@ -182,6 +212,9 @@ def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_e
     assert all("injected crash after step 5" in r for r in results), results
     expected = recorded_steps(ref)
     assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each sample once
+    starts = ShardDataset(str(tmp_path / "shards")).starts
+    for step in range(4):  # each step's 32 samples come from the 2 shards of its window
+        assert len({int(np.searchsorted(starts, i, side="right")) for i in expected[step]}) <= 2, step
     for world in (1, 4):
         out = tmp_path / f"on{world}"
         shutil.copytree(crashed, out)
