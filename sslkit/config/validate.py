@@ -410,6 +410,15 @@ def _check_folder_paths(cfg: DictConfig, errors: list[str]) -> None:
                               f"{', '.join(IMAGE_EXTENSIONS)}, any case); {_PATH_SOURCES[source]}")
 
 
+def _check_sources(cfg: DictConfig, errors: list[str]) -> None:
+    """The sources' paths (:func:`_check_folder_paths`) and ``data.order=shards`` on a source with shards."""
+    _check_folder_paths(cfg, errors)
+    if cfg.data.order == "shards" and (cfg.data.train.source != "webdataset" or cfg.data.limit):
+        errors.append(f"'data.order' = shards reads a sharded source shard by shard, and data.train.source="
+                      f"{cfg.data.train.source}{' with data.limit' if cfg.data.limit else ''} has no shards to follow: "
+                      "use data.order=random (or data=webdataset)")
+
+
 def _check_shard_paths(split: str, path: Any, errors: list[str]) -> None:
     """``data=webdataset``: a train path, and shards that are all there (the first missing ones named)."""
     if path is None:
@@ -633,11 +642,7 @@ def validate(cfg: DictConfig) -> None:
     updates = None
     if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
         updates = _check_steps(cfg, errors)
-    _check_folder_paths(cfg, errors)
-    if cfg.data.order == "shards" and (cfg.data.train.source != "webdataset" or cfg.data.limit):
-        errors.append(f"'data.order' = shards reads a sharded source shard by shard, and data.train.source="
-                      f"{cfg.data.train.source}{' with data.limit' if cfg.data.limit else ''} has no shards to follow: "
-                      "use data.order=random (or data=webdataset)")
+    _check_sources(cfg, errors)
 
     import sslkit.data
     import sslkit.hooks

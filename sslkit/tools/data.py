@@ -130,4 +130,4 @@ def data_main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2
     body = _pack if args[0] == "pack" else _info
-    return run_tool(f"data {args[0]}", body, args[1:], USAGE)
+    return run_tool("data", body, args[1:], USAGE)  # (its messages: "sslkit data: error: ...")
