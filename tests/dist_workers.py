@@ -41,6 +41,32 @@ def recorded_steps(out: Path | str) -> dict[int, list[int]]:
     return {k: sorted(v) for k, v in steps.items()}
 
 
+def elastic_steps(args: list[str], tmp: Path) -> tuple[dict[int, list[int]], dict[int, dict[int, list[int]]]]:
+    """The elastic-resume experiment of the sharded sources' tests: ``args`` (a run of 2 epochs of 4 steps, a
+    checkpoint every 3, ``imports=[sslkit_faults]``) on 2 processes uninterrupted, and crashed after step 5 then
+    resumed on 1 and on 4 processes; the steps' samples of the uninterrupted run and of each resumed one (by world)."""
+    import shutil
+
+    from sslkit.launch.cli import main
+
+    hooks = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
+    ref, crashed = tmp / "ref", tmp / "crashed"
+    assert run_ranks(cli_main, 2, str(tmp / "r"), [*args, hooks % 10**6, f"output_dir={ref}"]) == ["0", "0"]
+    results = run_ranks(cli_main, 2, str(tmp / "c"), [*args, hooks % 5, f"output_dir={crashed}"])
+    assert all("injected crash after step 5" in r for r in results), results
+    resumed = {}
+    for world in (1, 4):
+        out = tmp / f"on{world}"
+        shutil.copytree(crashed, out)
+        for path in out.glob("samples.*.txt"):
+            path.unlink()  # keep only what the resumed run reads
+        argv = [*args, hooks % 5, f"output_dir={out}"]
+        assert (main(argv) == 0 if world == 1 else
+                run_ranks(cli_main, world, str(tmp / f"w{world}"), argv) == ["0"] * world)
+        resumed[world] = recorded_steps(out)
+    return recorded_steps(ref), resumed
+
+
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
     forkrun.ensure_server()  # (sslkit's own fork server, started as a run's: with its malloc thresholds)

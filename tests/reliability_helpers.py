@@ -104,3 +104,19 @@ def run_ranks_main(nproc: int, scratch: Path, *args: str) -> Any:
     log = out / "log.txt"
     return SimpleNamespace(returncode=int(codes[0]) if codes[0].lstrip("-").isdigit() else codes[0],
                            stdout=log.read_text() if log.exists() else "")
+
+
+def killed_at_10_resumes_identically(args: list[str], recipe: str, tmp: Path) -> None:
+    """``args`` (a run of 2 epochs of 6 steps, a checkpoint every 4, ``imports=[sslkit_faults]``) SIGKILLed after step
+    10 in a process of its own, then resumed from update 8 in this process: its end state equals an uninterrupted
+    run's, bit for bit."""
+    from helpers import run_cli, run_main
+
+    ref, out = tmp / "ref", tmp / "killed"
+    run_main(*args, hooks_override(recipe, {"name": "fault_signal", "step": 10**6}), f"output_dir={ref}")
+    kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
+    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
+    assert latest_state(out)["position"]["update"] == 8
+    assert "checkpoint_000000008.pt" in run_main(*args, kill, f"output_dir={out}").stdout
+    assert_identical(latest_state(out), latest_state(ref))
+

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.data.sources import DataSourceError, UnreadableSampleError, is_jpeg
+from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
 __all__ = ["HFDataset", "build_hf"]
@@ -119,18 +117,9 @@ class HFDataset(Dataset):
         row = self.ds[int(i)]
         label = int(row[self.label_column]) if self.label_column else -1
         data = self._bytes(row[self.image_column], i)
-        if self.jpeg_bytes and is_jpeg(data[:3]):
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
-        from PIL import Image
-
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                arr = np.asarray(img.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8)
-        except Exception as e:  # PIL raises many types
-            raise UnreadableSampleError(f"cannot read the image of row {i} of {self.root}: {type(e).__name__}: {e}",
-                                        f"{self.root}[{i}]") from e
-        t = torch.from_numpy(arr.copy())
-        return (t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()), label
+        image = decode_image(data, self.channels, self.jpeg_bytes, f"the image of row {i} of {self.root}",
+                             f"{self.root}[{i}]")
+        return image, label
 
     def _bytes(self, value: Any, i: int) -> bytes:
         """The encoded image of a cell: an Image feature's ``{bytes, path}``, raw bytes, or a file path."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, is_jpeg
+from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
 __all__ = ["INDEX_SUFFIX", "ShardDataset", "build_webdataset", "expand_shards", "pack_images", "shard_index",
@@ -176,19 +176,9 @@ class ShardDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         """Sample ``i``'s image as uint8 ``[C, H, W]`` (a JPEG's bytes with :attr:`jpeg_bytes`) and its label."""
         data, label = self.raw(i), int(self.labels[i])
-        if self.jpeg_bytes and is_jpeg(data[:3]):
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
-        from PIL import Image
-
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                arr = np.asarray(img.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8)
-        except Exception as e:  # PIL raises many types
-            shard, j = self.locate(i)
-            raise UnreadableSampleError(f"cannot decode sample {j} of shard {self.shards[shard]}: "
-                                        f"{type(e).__name__}: {e}", str(self.shards[shard])) from e
-        t = torch.from_numpy(arr.copy())
-        return (t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()), label
+        shard, j = self.locate(i)
+        where = f"sample {j} of shard {self.shards[shard]}"
+        return decode_image(data, self.channels, self.jpeg_bytes, where, str(self.shards[shard])), label
 
 
 @register_dataset("webdataset")

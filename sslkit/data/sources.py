@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import inspect
+import io
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -270,6 +271,23 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 def is_jpeg(head: bytes) -> bool:
     """Whether a file starting with ``head`` is a JPEG (by its bytes, not its name)."""
     return head[:3] == JPEG_MAGIC
+
+
+def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name: str) -> torch.Tensor:
+    """Encoded image ``data`` as uint8 ``[C, H, W]`` (PIL; ``channels`` 1 or 3), or, with ``jpeg_bytes`` and a JPEG, its
+    bytes as they are (1-D, for the device decoder). An image PIL cannot decode raises :class:`UnreadableSampleError`
+    saying ``where`` it was (``name``: the file or sample the skip count names)."""
+    if jpeg_bytes and is_jpeg(data[:3]):
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            arr = np.asarray(img.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)
+    except Exception as e:  # PIL raises many types
+        raise UnreadableSampleError(f"cannot decode {where}: {type(e).__name__}: {e}", name) from e
+    t = torch.from_numpy(arr.copy())
+    return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
 
 
 def _has_image_ext(name: str) -> bool:

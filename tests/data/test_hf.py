@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import HANG_S, run_cli, run_main
+from helpers import run_main
 from PIL import Image
 
 datasets = pytest.importorskip("datasets")
@@ -152,20 +152,12 @@ def test_a_run_trains_on_a_saved_dataset_through_the_cli_with_its_labels_for_knn
 def test_a_run_killed_mid_epoch_resumes_bit_identically(saved: Path, tmp_path: Path) -> None:
     """96 rows in batches of 16 (6 steps an epoch, 2 epochs), a checkpoint every 4 steps, SIGKILL after step 10 (a
     process of its own, 2 loader workers): resumed from update 8, mid-epoch, it ends bit-identical."""
-    from reliability_helpers import FAULT_ENV, assert_identical, hooks_override, latest_state
+    from reliability_helpers import killed_at_10_resumes_identically
 
     args = [*SMALL_HF, f"data.train.path={saved}", "data.batch_size=16", "optim.epochs=2",
             "checkpoint.every_n_steps=4", "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=2",
             "imports=[sslkit_faults]"]
-    ref = tmp_path / "ref"
-    run_main(*args, hooks_override("simclr", {"name": "fault_signal", "step": 10**6}), f"output_dir={ref}")
-    out = tmp_path / "killed"
-    kill = hooks_override("simclr", {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
-    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
-    assert latest_state(out)["position"]["update"] == 8
-    resumed = run_main(*args, kill, f"output_dir={out}")
-    assert "checkpoint_000000008.pt" in resumed.stdout
-    assert_identical(latest_state(out), latest_state(ref))
+    killed_at_10_resumes_identically(args, "simclr", tmp_path)
 
 
 @pytest.mark.slow
@@ -173,29 +165,13 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(saved: Path, tmp_path: P
 def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_rows_at_every_step(tmp_path: Path) -> None:
     """A 2-process run (global batch 32 over 128 rows: 4 steps an epoch, 2 epochs) crashed after step 5 resumes on 1
     and on 4 processes from its checkpoint of step 3: every later step reads the rows the uninterrupted run read."""
-    from dist_workers import cli_main, recorded_steps, run_ranks
-
-    from sslkit.launch.cli import main
+    from dist_workers import elastic_steps
 
     data = _saved(tmp_path / "ds", n=128, split_dict=False)
     args = [*SMALL_HF, f"data.train.path={data}", "data.global_batch_size=32", "optim.epochs=2",
             "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
             "eval.knn.enabled=false", "data.num_workers=0", "imports=[sslkit_faults]"]
-    hooks = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    assert run_ranks(cli_main, 2, str(tmp_path / "r"), [*args, hooks % 10**6, f"output_dir={ref}"]) == ["0", "0"]
-    results = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, hooks % 5, f"output_dir={crashed}"])
-    assert all("injected crash after step 5" in r for r in results), results
-    expected = recorded_steps(ref)
+    expected, resumed = elastic_steps(args, tmp_path)
     assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each row once
-    for world in (1, 4):
-        out = tmp_path / f"on{world}"
-        shutil.copytree(crashed, out)
-        for path in out.glob("samples.*.txt"):
-            path.unlink()
-        argv = [*args, hooks % 5, f"output_dir={out}"]
-        assert (main(argv) == 0 if world == 1 else
-                run_ranks(cli_main, world, str(tmp_path / f"w{world}"), argv) == ["0"] * world)
-        got = recorded_steps(out)
+    for world, got in resumed.items():
         assert sorted(got) == [3, 4, 5, 6, 7] and all(got[s] == expected[s] for s in got), world
-    assert HANG_S > 0

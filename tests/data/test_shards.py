@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import photo_folder, run_cli, run_main, run_sslkit
+from helpers import photo_folder, run_main, run_sslkit
 from PIL import Image
 
 from sslkit.data.shards import INDEX_SUFFIX, ShardDataset, expand_shards, pack_images, shard_index
@@ -163,21 +163,14 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(packed: tuple[Path, Path
     """96 of the 97 samples in batches of 16 (6 steps an epoch, 2 epochs), a checkpoint every 4 steps, SIGKILL after
     step 10 (a process of its own, 2 loader workers): resumed from update 8, mid-epoch, it ends bit-identical, in
     either order (a permutation of all samples, or shard by shard)."""
-    from reliability_helpers import FAULT_ENV, assert_identical, hooks_override, latest_state
+    from reliability_helpers import killed_at_10_resumes_identically
 
     _, shards = packed
     args = [*SMALL_WDS, f"data.train.path={shards}", f"data.order={order}", "data.shard_span=2",
             "data.batch_size=16", "optim.epochs=2",
             "checkpoint.every_n_steps=4", "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=2",
             "imports=[sslkit_faults]"]
-    ref = tmp_path / "ref"
-    run_main(*args, hooks_override("simclr", {"name": "fault_signal", "step": 10**6}), f"output_dir={ref}")
-    out = tmp_path / "killed"
-    kill = hooks_override("simclr", {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
-    assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
-    assert latest_state(out)["position"]["update"] == 8
-    assert "checkpoint_000000008.pt" in run_main(*args, kill, f"output_dir={out}").stdout
-    assert_identical(latest_state(out), latest_state(ref))
+    killed_at_10_resumes_identically(args, "simclr", tmp_path)
 
 
 @pytest.mark.slow
@@ -188,9 +181,7 @@ def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_e
     4 steps an epoch, 2 epochs) crashed after step 5 resumes on 1 and on 4 processes from its checkpoint of step 3:
     every later step reads the samples the uninterrupted run read (the order a function of the seed and epoch
     alone). (data.order=random, the sampler's permutation, is the folder's and hf's elastic test.)"""
-    from dist_workers import cli_main, recorded_steps, run_ranks
-
-    from sslkit.launch.cli import main
+    from dist_workers import elastic_steps
 
     images = tmp_path / "images"
     images.mkdir()
@@ -205,23 +196,10 @@ def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_e
             "data.global_batch_size=32", "optim.epochs=2",
             "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
             "eval.knn.enabled=false", "data.num_workers=0", "imports=[sslkit_faults]"]
-    hooks = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    assert run_ranks(cli_main, 2, str(tmp_path / "r"), [*args, hooks % 10**6, f"output_dir={ref}"]) == ["0", "0"]
-    results = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, hooks % 5, f"output_dir={crashed}"])
-    assert all("injected crash after step 5" in r for r in results), results
-    expected = recorded_steps(ref)
+    expected, resumed = elastic_steps(args, tmp_path)
     assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each sample once
     starts = ShardDataset(str(tmp_path / "shards")).starts
     for step in range(4):  # each step's 32 samples come from the 2 shards of its window
         assert len({int(np.searchsorted(starts, i, side="right")) for i in expected[step]}) <= 2, step
-    for world in (1, 4):
-        out = tmp_path / f"on{world}"
-        shutil.copytree(crashed, out)
-        for path in out.glob("samples.*.txt"):
-            path.unlink()
-        argv = [*args, hooks % 5, f"output_dir={out}"]
-        assert (main(argv) == 0 if world == 1 else
-                run_ranks(cli_main, world, str(tmp_path / f"w{world}"), argv) == ["0"] * world)
-        got = recorded_steps(out)
+    for world, got in resumed.items():
         assert sorted(got) == [3, 4, 5, 6, 7] and all(got[s] == expected[s] for s in got), world

@@ -3,12 +3,11 @@ images at every step as the uninterrupted run, and ends at its weights up to the
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from dist_workers import cli_main, recorded_steps, run_ranks
+from dist_workers import elastic_steps
 from helpers import RECIPES, SMALL
 
 pytestmark = pytest.mark.multiprocess
@@ -21,7 +20,6 @@ ARGS = ["config=dinov2", *SMALL, *RECIPES["dinov2"], "data.global_batch_size=32"
         "optim.weight_decay=0.0", "optim.final_weight_decay=null", "optim.lr=0.05", "optim.lr_scaling=none",
         "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
         "eval.knn.enabled=false", "log.tensorboard=false", "imports=[sslkit_faults]"]
-HOOKS = "hooks=[{name: record_samples}, {name: fault_crash, step: %d}]"
 
 
 def _model(out: Path) -> dict[str, torch.Tensor]:
@@ -40,34 +38,19 @@ def test_resume_on_one_and_on_four_processes_reads_the_same_images_and_ends_at_t
     32, and the weights after step 8 agree with its weights within float32 reduction order: measured max difference
     1.5e-8 (1 process) and 1.9e-8 (4 processes) under ddp, tolerance 5e-6, as for 1 against 2 processes. Under fsdp
     the checkpoints are sharded folders (2 files), read back resharded into 4 processes and whole into one."""
-    from sslkit.launch.cli import main
-
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     args = [*ARGS, f"distributed.strategy={strategy}"]
-    assert run_ranks(cli_main, 2, str(tmp_path / "r"), [*args, HOOKS % 10**6, f"output_dir={ref}"]) == ["0", "0"]
-    results = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, HOOKS % 5, f"output_dir={crashed}"])
-    assert all("injected crash after step 5" in r for r in results), results
+    expected, resumed = elastic_steps(args, tmp_path)
+    crashed, ref = tmp_path / "crashed", tmp_path / "ref"
     sharded = sorted(p.name for p in (crashed / "checkpoints" / "checkpoint_000000003").glob("*")) if strategy == \
         "fsdp" else None
     assert sharded in (None, [".metadata", "__0_0.distcp", "__1_0.distcp"]), sharded
-    expected = recorded_steps(ref)
     assert sorted(expected) == list(range(8)) and all(len(v) == 32 for v in expected.values())
     assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each image once
-
-    for world in (1, 4):
-        out = tmp_path / f"on{world}"
-        shutil.copytree(crashed, out)
-        for path in out.glob("samples.*.txt"):
-            path.unlink()  # keep only what the resumed run reads
-        argv = [*args, HOOKS % 5, f"output_dir={out}"]
-        if world == 1:
-            assert main(argv) == 0
-        else:
-            assert run_ranks(cli_main, world, str(tmp_path / f"w{world}"), argv) == ["0"] * world
-        got = recorded_steps(out)
+    for world, got in resumed.items():
         assert sorted(got) == [3, 4, 5, 6, 7], sorted(got)
         for step, indices in got.items():
             assert indices == expected[step], (world, step)
+        out = tmp_path / f"on{world}"
         worst = max((a.double() - b.double()).abs().max().item()
                     for a, b in zip(_model(out).values(), _model(ref).values(), strict=True))
         print(f"resumed on {world} process(es): max |weights - uninterrupted 2-process run's| = {worst:.2e}")
