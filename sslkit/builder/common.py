@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["preemption_signals", "section_kwargs"]
+__all__ = ["preemption_signals", "section_kwargs", "trunk_kwargs"]
 
 
 def section_kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> dict[str, Any]:
@@ -14,6 +15,19 @@ def section_kwargs(section: DictConfig, skip: tuple[str, ...] = ("name",)) -> di
     plain = OmegaConf.to_container(section, resolve=True)
     assert isinstance(plain, dict)
     return {k: v for k, v in plain.items() if k not in skip}
+
+
+def trunk_kwargs(builder: Any, given: dict[str, Any], in_channels: int, image_size: int,
+                 patch_size: int) -> dict[str, Any]:
+    """A trunk builder's arguments: ``given``, the images' channels, and for a builder that takes them the data
+    preset's image and patch size unless ``given`` has its own."""
+    kwargs = {"in_channels": in_channels, **given}
+    takes = inspect.signature(builder).parameters
+    if "img_size" in takes:
+        kwargs.setdefault("img_size", image_size)
+    if "patch_size" in takes:
+        kwargs.setdefault("patch_size", patch_size)
+    return kwargs
 
 
 def preemption_signals(cfg: DictConfig) -> list[str]:

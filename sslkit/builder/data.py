@@ -85,16 +85,12 @@ def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train
 
 
 def _shard_groups(cfg: DictConfig, source: Dataset) -> list[int] | None:
-    """``data.order=shards``: the first sample of each of the source's shards (a sharded source's ``starts``), for
-    the sampler's shard-local order; None for ``data.order=random``."""
+    """``data.order=shards``: the first sample of each of the source's shards (a sharded source's ``starts``: the
+    config check refused this order for another source), for the sampler's shard-local order; None for
+    ``data.order=random``."""
     if cfg.data.order != "shards":
         return None
-    starts = getattr(source, "starts", None)
-    if starts is None or cfg.data.limit:
-        raise ConfigError(f"data.order=shards reads a sharded source shard by shard, and data.train.source="
-                          f"{cfg.data.train.source}{' with data.limit' if cfg.data.limit else ''} has no shards to "
-                          "follow: use data.order=random")
-    return [int(s) for s in starts[:-1]]
+    return [int(s) for s in source.starts[:-1]]  # type: ignore[attr-defined]
 
 
 def high_res_phase(cfg: DictConfig) -> HighResPhase | None:

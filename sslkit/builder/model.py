@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import sslkit.models  # noqa: F401  (registrations)
 from sslkit import registry as R
-from sslkit.builder.common import section_kwargs
+from sslkit.builder.common import section_kwargs, trunk_kwargs
 from sslkit.builder.data import TrainData, source_channels
 from sslkit.builder.teacher import build_students, load_teacher
 from sslkit.config.schema import ConfigError
@@ -24,7 +24,7 @@ from sslkit.methods.distill import student_specs
 from sslkit.models.masking import MaskPlan
 from sslkit.models.weights import load_backbone
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
-from sslkit.parallel import parallelize
+from sslkit.parallel import parallelize, transformer_blocks
 
 __all__ = ["ModelParts", "build_model", "build_training_model", "check_external_parts", "check_freeze",
            "compile_parts", "freeze_parameters", "mask_plan", "trunk_arguments"]
@@ -49,13 +49,13 @@ def compile_parts(model: torch.nn.Module, kinds: tuple[type, ...], backend: str,
 def trunk_arguments(cfg: DictConfig, builder: Any, in_channels: int) -> dict[str, Any]:
     """The trunk builder's arguments: ``model.trunk_kwargs``, and for a builder that takes them the image and patch
     size of the data preset (``data.image_size``, ``data.patch_size``) unless the kwargs give their own."""
-    kwargs = {"in_channels": in_channels, **section_kwargs(cfg.model.trunk_kwargs, ())}
-    takes = inspect.signature(builder).parameters
-    if "img_size" in takes:
-        kwargs.setdefault("img_size", int(cfg.data.image_size))
-    if "patch_size" in takes:
-        kwargs.setdefault("patch_size", int(cfg.data.patch_size))
-    return kwargs
+    return trunk_kwargs(builder, section_kwargs(cfg.model.trunk_kwargs, ()), in_channels, int(cfg.data.image_size),
+                        int(cfg.data.patch_size))
+
+
+def takes_teacher(model_builder: Any) -> bool:
+    """The model builder takes a teacher read from elsewhere (a distillation's): the builder reads and passes it."""
+    return "teacher" in inspect.signature(model_builder).parameters
 
 
 def build_model(cfg: DictConfig, in_channels: int) -> torch.nn.Module:
@@ -65,7 +65,7 @@ def build_model(cfg: DictConfig, in_channels: int) -> torch.nn.Module:
     import sslkit.methods  # noqa: F401  (registrations)
 
     model_builder = R.get(R.MODELS, cfg.model.name, "model.name")
-    if "teacher" in inspect.signature(model_builder).parameters:
+    if takes_teacher(model_builder):
         return _build_distill(cfg, in_channels, model_builder)
     builder = R.get(R.TRUNKS, cfg.model.trunk, "model.trunk")
     trunk = builder(**trunk_arguments(cfg, builder, in_channels))
@@ -136,8 +136,7 @@ def check_external_parts(cfg: DictConfig) -> None:
     anything (the launcher calls this after validation): what cannot be read or does not fit (the teacher's file,
     its architecture and channels, a student without a feature map, patches that cannot match) is said with
     nothing written. The teacher is read twice on a fresh start (here, then by the run)."""
-    model_builder = R.get(R.MODELS, cfg.model.name, "model.name")
-    if "teacher" in inspect.signature(model_builder).parameters:
+    if takes_teacher(R.get(R.MODELS, cfg.model.name, "model.name")):
         build_model(cfg, source_channels(cfg))
 
 
@@ -262,8 +261,8 @@ def _shard_teacher(cfg: DictConfig, model: torch.nn.Module, device: torch.device
     setting = str(cfg.distill.teacher_shard).lower()
     if teacher is None or setting == "false" or not fsdp:
         return
-    blocks = getattr(teacher.trunk, "blocks", None)
-    if blocks is None:
+    blocks = transformer_blocks(teacher.trunk)
+    if not blocks:
         if setting == "true":
             raise ConfigError(f"distill.teacher_shard=true: the teacher ({type(teacher.trunk).__name__}) has no "
                               "transformer blocks to shard; set distill.teacher_shard=auto (replicated)")

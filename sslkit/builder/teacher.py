@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sslkit import registry as R
+from sslkit.builder.common import trunk_kwargs
 from sslkit.checkpoint import CheckpointError
 from sslkit.checkpointing.runs import in_channels as checkpoint_channels
 from sslkit.checkpointing.runs import read_run_checkpoint
@@ -28,31 +28,18 @@ logger = logging.getLogger("sslkit")
 TIMM_PREFIX = "timm:"
 
 
-def _trunk_kwargs(builder: Any, given: dict[str, Any], in_channels: int, image_size: int,
-                  patch_size: int) -> dict[str, Any]:
-    """A trunk builder's arguments: ``given``, the channels, and the data preset's image and patch size where it
-    takes them (as ``model.trunk``'s)."""
-    kwargs = {"in_channels": in_channels, **given}
-    takes = inspect.signature(builder).parameters
-    if "img_size" in takes:
-        kwargs.setdefault("img_size", image_size)
-    if "patch_size" in takes:
-        kwargs.setdefault("patch_size", patch_size)
-    return kwargs
-
-
 def build_students(specs: list[StudentSpec], in_channels: int, image_size: int, patch_size: int
                    ) -> dict[str, nn.Module]:
     """The student trunks, fresh, by name, in order."""
     students = {}
     for spec in specs:
         builder = R.get(R.TRUNKS, spec["trunk"], f"distill.students ({spec['name']})")
-        students[spec["name"]] = builder(**_trunk_kwargs(builder, spec["trunk_kwargs"], in_channels, image_size,
+        students[spec["name"]] = builder(**trunk_kwargs(builder, spec["trunk_kwargs"], in_channels, image_size,
                                                           patch_size))
     return students
 
 
-def load_teacher(source: str, trunk_name: str | None, trunk_kwargs: dict[str, Any], in_channels: int,
+def load_teacher(source: str, trunk_name: str | None, arguments: dict[str, Any], in_channels: int,
                  image_size: int, patch_size: int, rebuild: Callable[[DictConfig, int], nn.Module]) -> FrozenTeacher:
     """The frozen teacher ``distill.teacher`` names:
 
@@ -61,7 +48,7 @@ def load_teacher(source: str, trunk_name: str | None, trunk_kwargs: dict[str, An
       (DINO, iBOT, DINOv2, DINOv3, BYOL, MoCo), else its trunk (and a DINO head if it has one);
     * a weights file (``.pth`` / ``.safetensors``) with ``trunk_name``: an sslkit trunk (``vit_large_patch16_dinov3``,
       ...; Meta's and timm's layouts, :func:`~sslkit.models.weights.load_trunk`) or ``timm:<model>`` (any timm
-      architecture, its own layout, loaded strictly), built with ``trunk_kwargs``.
+      architecture, its own layout, loaded strictly), built with ``arguments`` (``distill.teacher_trunk_kwargs``).
 
     ``rebuild(config, in_channels)`` builds a run's model from its config (the builder's ``build_model``).
     Raises :class:`DistillError` naming ``distill.teacher`` (or ``distill.teacher_trunk``) when it cannot be read."""
@@ -81,9 +68,9 @@ def load_teacher(source: str, trunk_name: str | None, trunk_kwargs: dict[str, An
                                f"{convs[0].in_channels}-channel dataset) or distill a teacher of this data")
         return teacher
     if trunk_name.startswith(TIMM_PREFIX):
-        return _teacher_from_timm(path, trunk_name[len(TIMM_PREFIX):], trunk_kwargs, in_channels)
+        return _teacher_from_timm(path, trunk_name[len(TIMM_PREFIX):], arguments, in_channels)
     builder = R.get(R.TRUNKS, trunk_name, "distill.teacher_trunk")
-    trunk = builder(**_trunk_kwargs(builder, trunk_kwargs, in_channels, image_size, patch_size))
+    trunk = builder(**trunk_kwargs(builder, arguments, in_channels, image_size, patch_size))
     try:
         load_trunk(trunk, path, "distill.teacher", "distill.teacher_trunk")
     except WeightsError as exc:

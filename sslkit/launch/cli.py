@@ -181,7 +181,7 @@ def _main(args: list[str]) -> int:
     from sslkit.config.compose import compose_config
     from sslkit.config.diff import format_recipe_diff
     from sslkit.distributed import init_process_group, launched_by_torchrun, shutdown
-    from sslkit.launch.runfolder import prepare_output_dir
+    from sslkit.launch.runfolder import prepare_output_dir, resumable_checkpoint
     from sslkit.launch.slurm import in_slurm_task, submit
 
     cfg = compose_config(args)
@@ -189,7 +189,7 @@ def _main(args: list[str]) -> int:
         from sslkit.builder.model import check_freeze
 
         check_freeze(cfg)
-    if not launched_by_torchrun() and not in_slurm_task() and not _resuming(cfg):
+    if not launched_by_torchrun() and not in_slurm_task() and resumable_checkpoint(cfg) is None:
         from sslkit.builder.model import check_external_parts
 
         check_external_parts(cfg)  # a distillation's teacher read and fitted to the students, before the folder
@@ -212,13 +212,6 @@ def _main(args: list[str]) -> int:
     else:
         run(cfg, plan, summary, args)
     return 0
-
-
-def _resuming(cfg: DictConfig) -> bool:
-    """The run folder holds a checkpoint to resume (its start checked what :func:`check_external_parts` checks)."""
-    from sslkit.checkpoint import checkpoint_dir, latest_checkpoint
-
-    return bool(cfg.output_dir) and latest_checkpoint(checkpoint_dir(str(cfg.output_dir))) is not None
 
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:

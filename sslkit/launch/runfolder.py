@@ -22,6 +22,7 @@ __all__ = [
     "RunFolderError",
     "config_changes",
     "prepare_output_dir",
+    "resumable_checkpoint",
     "write_command",
     "write_config",
 ]
@@ -126,6 +127,12 @@ def _move_aside(out: str) -> str | None:
     return dest
 
 
+def resumable_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint a run of ``cfg`` resumes from: its folder's latest under ``checkpoint.auto_resume``, else None."""
+    out = str(cfg.output_dir)
+    return latest_checkpoint(checkpoint_dir(out)) if cfg.checkpoint.auto_resume and out else None
+
+
 def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
     """Decide how ``cfg`` uses its ``output_dir``, before anything is built or written.
 
@@ -142,7 +149,7 @@ def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:
     out = str(cfg.output_dir)
     if primary:
         _usable_folder(out)
-    ckpt = latest_checkpoint(checkpoint_dir(out)) if cfg.checkpoint.auto_resume else None
+    ckpt = resumable_checkpoint(cfg)
     if ckpt is None:
         return FolderPlan(resume=False, moved_to=_move_aside(out) if primary else None)
     saved_path = os.path.join(out, CONFIG_FILE)

@@ -42,9 +42,9 @@ from sslkit.methods.dinov2 import CENTERING, SinkhornKnoppTeacher
 from sslkit.methods.dinov2_parts import gather_slots, koleo_loss, masked_patch_loss, masked_slots
 from sslkit.methods.ibot import CenteredTeacher
 from sslkit.models.dense import dense_features, has_feature_map, map_channels, resize_bilinear
-from sslkit.models.masking import Masks, batch_slots
+from sslkit.models.masking import Masks, crops_mask
 from sslkit.models.output import ModelOutput
-from sslkit.models.ssl_model import SSLModel, forward_views
+from sslkit.models.ssl_model import SSLModel, equal_shape_runs, forward_views
 from sslkit.models.teacher import silence
 from sslkit.models.tokens import TokenTrunk
 from sslkit.optim.schedules import TeacherTemperature
@@ -109,7 +109,8 @@ def weights_digest(module: nn.Module) -> str:
             continue
         t = value.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # (0-d: BN's counter)
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # (the buffer itself; reshape: BN's 0-d counter)
     return h.hexdigest()
 
 
@@ -188,13 +189,7 @@ class FrozenTeacher(nn.Module):
         forward."""
         pooled: list[torch.Tensor] = []
         maps: list[Any] = []
-        start = 0
-        while start < len(views):
-            end = start + 1
-            while end < len(views) and views[end].shape == views[start].shape:
-                end += 1
-            batch = torch.cat(list(views[start:end])) if end - start > 1 else views[start]
-            n = end - start
+        for n, batch in equal_shape_runs(views):
             if dense:
                 out = dense_features(self.trunk, batch)
                 pooled += list(out.pooled.chunk(n))
@@ -202,7 +197,6 @@ class FrozenTeacher(nn.Module):
             else:
                 pooled += list(self.trunk(batch).chunk(n))
                 maps += [None] * n
-            start = end
         return pooled, maps
 
 
@@ -233,10 +227,6 @@ class Projection(nn.Linear):
         super().__init__(in_dim, out_dim)
         nn.init.trunc_normal_(self.weight, std=0.02)
         nn.init.zeros_(self.bias)
-
-
-def _projection(in_dim: int, out_dim: int) -> Projection:
-    return Projection(in_dim, out_dim)
 
 
 class DistillModel(SSLModel):
@@ -317,7 +307,7 @@ class DistillModel(SSLModel):
         pooled, maps = self.teacher.encode(views, dense)
         patches = [m.flatten(1, 2) for m in maps] if dense else None
         grid = [tuple(m.shape[1:3]) for m in maps] if dense else [(1, 1)] * len(views)
-        return TeacherOutput(pooled=[p.detach() for p in pooled], patches=patches, grid=grid)
+        return TeacherOutput(pooled=pooled, patches=patches, grid=grid)
 
     @staticmethod
     def _feature_student(student: Student, views: list[torch.Tensor], teacher: TeacherOutput) -> StudentOutput:
@@ -351,10 +341,7 @@ class DistillModel(SSLModel):
             return out, None
         patches = maps[0].flatten(1, 2)  # [G B, N, D]
         n = patches.shape[1]
-        given += [None] * (g - len(given))
-        mask = torch.cat([m.mask if m is not None else torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
-                          for v, m in zip(views[:g], given)])
-        slots = max(batch_slots(m, mask.shape[0]) for m in given if m is not None)
+        mask, slots = crops_mask(views[:g], given + [None] * (g - len(given)), n)
         index, weight = masked_slots(mask.reshape(1, -1), slots)
         out.patch_logits = self.teacher.patch_head(gather_slots(patches.flatten(0, 1)[None], index)[0])
         out.patch_weights, out.patch_images, out.slots_index = weight[0], index[0] // n, index
@@ -408,8 +395,8 @@ def _student(name: str, trunk: nn.Module, teacher: FrozenTeacher, objective: str
             if teacher.patch_dim is None:
                 raise DistillError(f"distill.teacher={teacher.source}: the teacher gives no features per location "
                                    "for the dense term: set distill.patch_weight=0")
-            patch_proj = _projection(map_channels(trunk), teacher.patch_dim)
-        return Student(trunk, global_proj=_projection(int(trunk.out_dim), teacher.dim), patch_proj=patch_proj)
+            patch_proj = Projection(map_channels(trunk), teacher.patch_dim)
+        return Student(trunk, global_proj=Projection(int(trunk.out_dim), teacher.dim), patch_proj=patch_proj)
     if teacher.head is None:
         raise DistillError(f"distill.teacher={teacher.source} has no DINO head, and distill.objective=dino learns "
                            "its probabilities: give an sslkit dino_vit, ibot, dinov2 or dinov3 run, or use "
@@ -560,13 +547,11 @@ class DistillLoss(nn.Module):
         if teacher.patch_logits is not None:
             patch_probs = self.teacher_rule.patch_probs([teacher.patch_logits], [teacher.patch_weights],
                                                         self.patch_temp.at(clock))[0]
-        if self.training and torch.is_grad_enabled() and isinstance(self.teacher_rule, CenteredTeacher):
-            self.cls_center.accumulate(list(logits))
-            if teacher.patch_logits is not None:
-                self.patch_center.accumulate([teacher.patch_logits], [teacher.patch_weights])
-            if ctx is None or ctx.clock.last_micro_batch:
-                self.cls_center.update()
-                self.patch_center.update()
+        if self.training and torch.is_grad_enabled():  # the centres move (Sinkhorn-Knopp: nothing to move)
+            masked = teacher.patch_logits is not None
+            self.teacher_rule.after_train_forward({"targets": list(logits),
+                                                   "patch_targets": [teacher.patch_logits] if masked else [],
+                                                   "patch_weights": [teacher.patch_weights] if masked else []}, ctx)
         if ctx is not None:
             ctx.record("teacher_temp", temp)
         per = {}

@@ -14,7 +14,7 @@ from sslkit.methods.base import Method, register_method
 from sslkit.methods.center import Center
 from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_teacher_probs, dino_temperatures, mean_entropy
 from sslkit.methods.dinov2_parts import gather_slots, masked_patch_loss, masked_slots
-from sslkit.models.masking import Masks, batch_slots
+from sslkit.models.masking import Masks, crops_mask
 from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, encode_views
 from sslkit.models.teacher import frozen_copy
@@ -112,10 +112,7 @@ class IBOTModel(SSLModel):
         globals_ = torch.cat(views[:g]) if g > 1 else views[0]
         h, w = self.trunk.grid(globals_.shape[-2], globals_.shape[-1])
         n = h * w
-        mask = torch.cat([m.mask if m is not None else
-                          torch.zeros(v.shape[0], n, dtype=torch.bool, device=v.device)
-                          for v, m in zip(views[:g], given[:g])])
-        slots = _slots(given[:g], mask.shape[0])
+        mask, slots = crops_mask(views[:g], given[:g], n)
         student = self.trunk.forward_tokens(globals_, mask=mask)
         features = list(self.trunk.pool_tokens(student).chunk(g))
         if len(views) > g:
@@ -134,12 +131,6 @@ class IBOTModel(SSLModel):
                              masks=given[:g], patch_projections=[s_logits], patch_targets=[t_logits],
                              patch_weights=[weight[0]], patch_images=[index[0] // n])
         return output, GlobalCrops(globals_, mask, student, teacher)
-
-
-def _slots(masks: Sequence[Masks | None], images: int) -> int:
-    """The places of the masked patches of ``images`` global crops (all crops in one buffer): the masks' bound
-    (:func:`~sslkit.models.masking.batch_slots`), or one place (of weight 0) when no crop is masked."""
-    return max((batch_slots(m, images) for m in masks if m is not None), default=1)
 
 
 @register_model("ibot")

@@ -40,6 +40,7 @@ __all__ = [
     "RandomMasking",
     "SampleKeys",
     "batch_slots",
+    "crops_mask",
     "hash32",
 ]
 
@@ -171,6 +172,17 @@ def batch_slots(masks: Masks, images: int) -> int:
         return most
     mean, var = masks.count_moments
     return min(most, math.ceil(images * mean + SLOT_SIGMAS * math.sqrt(images * max(var, 0.0))) + per_image)
+
+
+def crops_mask(views: Sequence[torch.Tensor], masks: Sequence[Masks | None], patches: int
+               ) -> tuple[torch.Tensor, int]:
+    """The masks of crops ``views`` (``masks`` per crop; None: the crop left whole) as one ``[sum B, patches]`` bool
+    buffer, crop after crop, and the places a loss gives its masked patches (:func:`batch_slots` of the masks; one
+    place, of weight 0, when no crop is masked)."""
+    mask = torch.cat([m.mask if m is not None else torch.zeros(v.shape[0], patches, dtype=torch.bool, device=v.device)
+                      for v, m in zip(views, masks, strict=True)])
+    slots = max((batch_slots(m, mask.shape[0]) for m in masks if m is not None), default=1)
+    return mask, slots
 
 
 def _check_ratio(name: str, value: float) -> None:

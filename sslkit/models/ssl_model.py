@@ -12,10 +12,10 @@ from sslkit.models.output import ModelOutput
 from sslkit.models.tokens import TokenTrunk
 from sslkit.registry import register_model
 
-__all__ = ["SSLModel", "build_ssl_model", "check_two_views", "encode_views", "forward_views"]
+__all__ = ["SSLModel", "build_ssl_model", "check_two_views", "encode_views", "equal_shape_runs", "forward_views"]
 
 
-def _equal_shape_runs(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+def equal_shape_runs(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
     """``(count, batch)`` for each run of consecutive views of equal shape, the run's views concatenated."""
     runs: list[tuple[int, torch.Tensor]] = []
     start = 0
@@ -36,7 +36,7 @@ def forward_views(module: nn.Module, views: Sequence[torch.Tensor]) -> list[torc
     the views of one resolution together, as in SimCLR's and SwAV's reference code.
     """
     outputs: list[torch.Tensor] = []
-    for n, batch in _equal_shape_runs(views):
+    for n, batch in equal_shape_runs(views):
         out = module(batch)
         outputs.extend(out.chunk(n) if n > 1 else [out])
     return outputs
@@ -54,7 +54,7 @@ def encode_views(trunk: nn.Module, views: Sequence[torch.Tensor]) -> tuple[list[
         return forward_views(trunk, views), None
     features: list[torch.Tensor] = []
     tokens: list[Any] = []
-    for n, batch in _equal_shape_runs(views):
+    for n, batch in equal_shape_runs(views):
         t = trunk.forward_tokens(batch)
         pooled = trunk.pool_tokens(t)
         for c, r, p, f in zip(t.cls.chunk(n), t.registers.chunk(n), t.patches.chunk(n), pooled.chunk(n)):
