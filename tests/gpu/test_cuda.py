@@ -227,6 +227,40 @@ def test_a_folder_of_photos_is_decoded_and_augmented_on_cuda_by_default(tmp_path
     assert sum(r.get("unreadable_samples", 0) for r in records) == 1
 
 
+@pytest.mark.parametrize("source", ["webdataset", "hf"])
+def test_shards_and_an_hf_dataset_are_decoded_and_augmented_on_cuda(tmp_path: Path, source: str) -> None:
+    """The sharded sources on CUDA (data.decode_on=auto, augment_on=auto): their JPEG members / rows reach the GPU as
+    bytes and nvJPEG decodes them in one call per batch, the PNGs in the workers; the corrupt JPEG is skipped and
+    counted; the losses are finite. (On the CPU: tests/data/test_shards.py and test_hf.py.)"""
+    from helpers import photo_folder
+
+    from sslkit.data.sources import FolderDataset
+
+    photo_folder(tmp_path / "images")
+    files = FolderDataset(tmp_path / "images", probe=0).samples
+    if source == "webdataset":
+        from sslkit.data.shards import pack_images
+
+        pack_images(files, tmp_path / "data", shard_bytes=40_000)
+        extra = []
+    else:
+        datasets = pytest.importorskip("datasets")
+        rows = {"image": [{"bytes": Path(f).read_bytes(), "path": None} for f, _ in files],
+                "label": [label for _, label in files]}
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+        datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "data"))
+        extra = ["data.train.kwargs.label_column=label"]
+    out = tmp_path / "run"
+    proc = run_cli("config=simclr", f"data={source}", f"data.train.path={tmp_path / 'data'}", *extra, *GPU,
+                   "model.trunk=small_cnn", "model.trunk_kwargs={width: 8}", "data.image_size=16",
+                   "data.small_image_size=8", "data.batch_size=8", "optim.max_steps=3", "eval.knn.enabled=false",
+                   "log.every_n_steps=1", "data.num_workers=2", f"output_dir={out}")
+    assert "augmented on the training device" in proc.stdout and "decoded on the training device" in proc.stdout
+    records = metrics(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if r.get("phase") == "train" and "loss" in r)
+    assert sum(r.get("unreadable_samples", 0) for r in records) == 1
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_every_recipe_compiles_with_inductor_on_cuda(tmp_path: Path, recipe: str) -> None:
     out = tmp_path / recipe
