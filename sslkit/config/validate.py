@@ -29,7 +29,7 @@ __all__ = ["freeze_entries", "per_process_batch", "validate"]
 
 #: Keys that take values of several types; their value rule alone checks them.
 _VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
-                     "eval.monitors.enabled", "eval.knn.subsample", "distill.teacher_shard"}
+                     "eval.monitors.enabled", "eval.knn.subsample", "distill.teacher_shard", "eval.bench.num_workers"}
 
 
 def _type_name(value: Any) -> str:
@@ -251,6 +251,10 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.finetune.crop_scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
                                  "[low, high] with 0 < low <= high <= 1"),
     "eval.monitors.enabled": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "eval.bench.num_workers": (lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                               "auto or an integer >= 0"),
+    "eval.bench.level": (lambda v: isinstance(v, float) and 0.5 <= v < 1.0, "a number in [0.5, 1)"),
+    "eval.bench.linear.val_fraction": (lambda v: isinstance(v, float) and 0.0 < v < 1.0, "a number in (0, 1)"),
     "eval.monitors.rankme_samples": (lambda v: v >= 2, ">= 2"),
     "eval.monitors.online_linear_lr": (lambda v: v > 0 and _finite(v), "> 0"),
     "eval.knn.k": (lambda v: v > 0, "> 0"),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["knn_class_scores", "weighted_knn"]
+__all__ = ["knn_class_scores", "knn_predictions", "ranked_neighbours", "weighted_knn"]
 
 
 def select_neighbours(sim: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -141,3 +143,47 @@ def weighted_knn(
     if num_classes >= 5:
         result["knn_top5"] = correct5.item() / n
     return result
+
+
+def ranked_neighbours(sim: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` most similar columns of each row of ``sim``, ranked by decreasing similarity and, among equal
+    similarities, by increasing column index: a total order, so the first ``j`` of the ``k`` are the deterministic
+    top-``j`` of :func:`select_neighbours` for every ``j <= k`` (the kNN of several k and the retrieval ranks read
+    one similarity pass). Returns ``(similarities, indices)``, both ``[Q, k]``."""
+    vals, idx = select_neighbours(sim, k)
+    by_index = torch.sort(idx, dim=1, stable=True)
+    vals = torch.gather(vals, 1, by_index.indices)
+    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    return torch.gather(vals, 1, order), torch.gather(by_index.values, 1, order)
+
+
+def knn_predictions(train_features: Tensor, train_labels: Tensor, query_features: Tensor, num_classes: int,
+                    ks: Sequence[int], temperature: float = 0.1, chunk_size: int = 1024) -> dict[int, Tensor]:
+    """The weighted-kNN prediction ``[Q]`` (int64, on the CPU) of every query for each ``k`` of ``ks``, from one
+    similarity pass: the largest ``k``'s neighbours are ranked once (:func:`ranked_neighbours`) and each smaller
+    ``k`` reads their first ``k``. Each ``k`` gives exactly what :func:`weighted_knn` with that ``k`` predicts: the
+    same neighbours (ties at the k-th place to the lower train index), the same votes added in the same order
+    (most similar first, then lower index), ties between classes to the lower class index. ``k`` is clipped to the
+    train size."""
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks must be a non-empty list of k >= 1, got {list(ks)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = train_features.device
+    train = F.normalize(train_features.float(), dim=1)
+    labels = train_labels.to(device=device, dtype=torch.long)
+    top = min(max(ks), train.shape[0])
+    out: dict[int, list[Tensor]] = {int(k): [] for k in ks}
+    for start in range(0, query_features.shape[0], chunk_size):
+        query = F.normalize(query_features[start : start + chunk_size].to(device).float(), dim=1)
+        sims, idx = ranked_neighbours(query @ train.T, top)
+        weights = torch.exp((sims - sims[:, :1]) / temperature)
+        votes = labels[idx]
+        scores = torch.zeros(query.shape[0], num_classes, device=device, dtype=weights.dtype)
+        done = 0
+        for k in sorted(out):
+            for j in range(done, min(k, top)):
+                scores.scatter_add_(1, votes[:, j : j + 1], weights[:, j : j + 1])
+            done = min(k, top)
+            out[k].append(torch.sort(scores, dim=1, descending=True, stable=True).indices[:, 0].cpu())
+    return {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.long) for k, v in out.items()}

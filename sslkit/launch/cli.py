@@ -266,6 +266,8 @@ COMMANDS = {
                 "sslkit finetune checkpoint=RUN_DIR",
     "dense": "a linear segmentation probe on a ViT's frozen patch tokens, mIoU into RUN_DIR/eval/dense.json: "
              "sslkit dense checkpoint=RUN_DIR",
+    "bench": "several backbones (runs, weights files, timm models, pixels, random init) on every protocol, one "
+             "table: sslkit bench backbones=[RUN, pixels, random] data=fashion_mnist output=DIR",
     "extract": "features and labels to a file (= tools/extract_features.py): sslkit extract checkpoint=RUN_DIR "
                "split=test output=feats.npz",
     "export": "the trunk for torchvision (ResNets) or timm (ViTs), as safetensors or ONNX (= tools/export.py): "
@@ -320,6 +322,10 @@ def _command(name: str) -> Any:
         from sslkit.tools.data import data_main
 
         return data_main
+    if name == "bench":
+        from sslkit.tools.bench import bench_main
+
+        return bench_main
     from sslkit.tools import common as tools
 
     return {"knn": tools.knn_main, "linear": tools.linear_main, "extract": tools.extract_main}[name]

@@ -1,0 +1,218 @@
+"""Probes on cached features: a grid of linear classifiers trained together (DINOv2's linear evaluation), the split
+that picks among them, and multinomial logistic regression (the few-shot protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sslkit.evaluation.linear import cosine_lr
+
+__all__ = ["DINOV2_LRS", "GridSettings", "LinearProbeGrid", "fit_logistic", "logistic_predict", "shots_subset",
+           "stratified_split", "train_probe_grid"]
+
+#: DINOv2's learning rates (``dinov2/eval/linear.py``: ``--learning-rates``), before the ``batch / 256`` scaling.
+DINOV2_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+
+
+@dataclass(frozen=True)
+class GridSettings:
+    """What the grid's result depends on besides the features: DINOv2's linear evaluation (SGD, momentum 0.9,
+    cosine annealing to 0 per step, classifier weights from N(0, 0.01), bias 0), with weight decay as a second
+    axis of the grid (DINOv2 fixes it at 0)."""
+
+    lrs: tuple[float, ...] = DINOV2_LRS
+    weight_decays: tuple[float, ...] = (0.0, 1e-4)
+    epochs: int = 10
+    batch_size: int = 256
+    momentum: float = 0.9
+    init_std: float = 0.01
+    seed: int = 0
+    #: the lr of a classifier is ``lr x batch_size / 256`` (DINOv2's ``scale_lr``)
+    scale_lr: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def scaled(self, lr: float) -> float:
+        """The peak learning rate a grid value ``lr`` trains with."""
+        return lr * self.batch_size / 256 if self.scale_lr else lr
+
+
+class LinearProbeGrid(torch.nn.Module):
+    """Every (feature choice, learning rate, weight decay) linear classifier of a grid as one module: per feature
+    choice one weight ``[G, D, C]`` and bias ``[G, C]`` for its ``G = len(lrs) x len(weight_decays)``
+    classifiers, so a batch is one batched matrix product per choice and one update for all (DINOv2's
+    ``AllClassifiers``, whose classifiers are separate modules, trained on the same batches with one optimizer).
+    Every classifier of a choice starts from the same weights, drawn from N(0, ``init_std``) by ``seed``: a probe
+    trained alone from that seed starts where its twin in the grid does."""
+
+    def __init__(self, dims: Mapping[str, int], num_classes: int, settings: GridSettings,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.choices = list(dims)
+        self.cells = [(lr, wd) for lr in settings.lrs for wd in settings.weight_decays]
+        g = len(self.cells)
+        self.weight = torch.nn.ParameterDict()
+        self.bias = torch.nn.ParameterDict()
+        for name, dim in dims.items():
+            gen = torch.Generator().manual_seed(int(settings.seed))
+            w = torch.randn(num_classes, dim, generator=gen, dtype=torch.float32) * settings.init_std
+            self.weight[_key(name)] = torch.nn.Parameter(w.T.contiguous()[None].repeat(g, 1, 1).to(device))
+            self.bias[_key(name)] = torch.nn.Parameter(torch.zeros(g, num_classes, device=device))
+        lr = torch.tensor([settings.scaled(c[0]) for c in self.cells], dtype=torch.float32, device=device)
+        wd = torch.tensor([c[1] for c in self.cells], dtype=torch.float32, device=device)
+        self.register_buffer("base_lr", lr, persistent=False)
+        self.register_buffer("decay", wd, persistent=False)
+
+    def forward(self, features: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Logits ``[G, B, C]`` of every classifier of each feature choice, from ``features[choice]`` ``[B, D]``."""
+        out = {}
+        for name in self.choices:
+            x = features[name].float()
+            w, b = self.weight[_key(name)], self.bias[_key(name)]
+            out[name] = torch.baddbmm(b[:, None, :], x[None].expand(w.shape[0], -1, -1), w)
+        return out
+
+    def classifier(self, choice: str, cell: int) -> tuple[Tensor, Tensor]:
+        """The weight ``[C, D]`` and bias ``[C]`` of one classifier, as an ``nn.Linear`` holds them."""
+        return self.weight[_key(choice)][cell].T.detach(), self.bias[_key(choice)][cell].detach()
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "_").replace("+", "_plus_")
+
+
+def _sgd_step(grid: LinearProbeGrid, buffers: dict[str, Tensor], scale: float, first: bool) -> None:
+    """``torch.optim.SGD``'s update (momentum, no dampening, no Nesterov, decoupled from nothing: ``g + wd p``) for
+    every classifier at once, each with its own lr (``base_lr x scale``) and weight decay."""
+    m = grid.settings.momentum
+    with torch.no_grad():
+        for _name, p in [*grid.weight.items(), *grid.bias.items()]:
+            shape = (-1,) + (1,) * (p.ndim - 1)
+            assert p.grad is not None
+            d = p.grad.add(p * grid.decay.view(shape))
+            key = f"{id(p)}"
+            if m:
+                if first or key not in buffers:
+                    buffers[key] = d.clone()
+                else:
+                    buffers[key].mul_(m).add_(d)
+                d = buffers[key]
+            p.sub_(d * (grid.base_lr.view(shape) * scale))
+            p.grad = None
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
+    order = torch.randperm(n, generator=generator)
+    for start in range(0, n, batch_size):
+        yield order[start : start + batch_size]
+
+
+def train_probe_grid(features: Mapping[str, Tensor], labels: Tensor, num_classes: int, settings: GridSettings,
+                     progress: Callable[[int], None] | None = None) -> LinearProbeGrid:
+    """Train every classifier of the grid together on the cached ``features`` (``{choice: [N, D]}``, one row per
+    image, on the device they will train on) and ``labels`` ``[N]``: ``epochs`` passes, each over one shuffled
+    order (drawn on the CPU from ``seed`` and the epoch) in batches of ``batch_size``, the last one kept; the loss
+    of each classifier is its own mean cross-entropy, so the summed loss gives each its own gradient. The lr
+    follows a cosine from the peak to 0 over all steps (DINOv2: ``CosineAnnealingLR(max_iter, eta_min=0)``).
+    ``progress(steps)`` is told after every batch."""
+    device = labels.device
+    grid = LinearProbeGrid({k: v.shape[1] for k, v in features.items()}, num_classes, settings, device)
+    n = labels.shape[0]
+    steps_per_epoch = -(-n // settings.batch_size)
+    total = steps_per_epoch * settings.epochs
+    buffers: dict[str, Tensor] = {}
+    step = 0
+    for epoch in range(settings.epochs):
+        g = torch.Generator().manual_seed(int(settings.seed) * 100_003 + epoch)
+        for idx in _batches(n, settings.batch_size, g):
+            idx = idx.to(device)
+            y = labels[idx]
+            logits = grid({k: v[idx] for k, v in features.items()})
+            loss = sum(F.cross_entropy(z.reshape(-1, num_classes), y.repeat(z.shape[0]), reduction="sum")
+                       / y.shape[0] for z in logits.values())
+            loss.backward()  # type: ignore[union-attr]
+            _sgd_step(grid, buffers, cosine_lr(1.0, step, total), first=step == 0)
+            step += 1
+            if progress is not None:
+                progress(1)
+    return grid
+
+
+def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """Indices ``(train, validation)`` of a seeded split that puts ``round(fraction x n_c)`` images of each class
+    ``c`` (at least one when the class has two or more) in the validation part: what the grid is chosen on, never
+    the test split. Both sorted."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the validation fraction must be in (0, 1), got {fraction}")
+    g = torch.Generator().manual_seed(int(seed))
+    labels = labels.cpu().long()
+    val: list[Tensor] = []
+    for c in torch.unique(labels).tolist():
+        members = (labels == c).nonzero(as_tuple=True)[0]
+        take = round(fraction * members.numel())
+        if members.numel() >= 2:
+            take = min(max(take, 1), members.numel() - 1)
+        else:
+            take = 0
+        val.append(members[torch.randperm(members.numel(), generator=g)[:take]])
+    v = torch.sort(torch.cat(val)).values if val else torch.zeros(0, dtype=torch.long)
+    keep = torch.ones(labels.numel(), dtype=torch.bool)
+    keep[v] = False
+    return keep.nonzero(as_tuple=True)[0], v
+
+
+def shots_subset(labels: Tensor, shots: int, seed: int) -> Tensor:
+    """Sorted indices of ``shots`` images of each class drawn by ``seed`` (all of a class that has fewer)."""
+    g = torch.Generator().manual_seed(int(seed))
+    labels = labels.cpu().long()
+    picked = []
+    for c in torch.unique(labels).tolist():
+        members = (labels == c).nonzero(as_tuple=True)[0]
+        picked.append(members[torch.randperm(members.numel(), generator=g)[:shots]])
+    return torch.sort(torch.cat(picked)).values
+
+
+def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 1.0, max_iter: int = 1000,
+                 tol: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Multinomial logistic regression with an L2 penalty, scikit-learn's ``LogisticRegression(C=c)`` objective
+    (``0.5 ||W||^2 + C sum_i CE_i``, the intercept not penalised), minimised in float64 by L-BFGS with a strong
+    Wolfe line search from zero weights until the gradient's largest entry is below ``tol`` (scaled by the sample
+    count). Returns ``(weight [C, D], bias [C])`` in float64 on the features' device."""
+    x = features.double()
+    y = labels.to(x.device).long()
+    n, d = x.shape
+    w = torch.zeros(num_classes, d, dtype=torch.float64, device=x.device, requires_grad=True)
+    b = torch.zeros(num_classes, dtype=torch.float64, device=x.device, requires_grad=True)
+    scale = 1.0 / (c * n)  # the objective divided by C n: the same minimum, gradients of order 1
+
+    def objective() -> Tensor:
+        return F.cross_entropy(x @ w.T + b, y, reduction="mean") + 0.5 * scale * (w * w).sum()
+
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=tol * scale, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = objective()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def logistic_predict(weight: Tensor, bias: Tensor, features: Tensor) -> Tensor:
+    """The predicted class ``[N]`` (ties to the lower class index)."""
+    logits = features.to(weight.device).double() @ weight.T + bias
+    return torch.sort(logits, dim=1, descending=True, stable=True).indices[:, 0]
+
+
+def grid_cells(settings: GridSettings) -> Sequence[tuple[float, float]]:
+    """The (lr, weight decay) of each classifier of a feature choice, in the grid's order."""
+    return [(lr, wd) for lr in settings.lrs for wd in settings.weight_decays]

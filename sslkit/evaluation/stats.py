@@ -1,0 +1,82 @@
+"""Spreads of evaluation figures: bootstrap intervals over test images, paired differences, the spread of draws."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["bootstrap_indices", "bootstrap_interval", "draws_summary", "paired_difference", "per_class_mean"]
+
+#: Resamples of the bootstrap unless told otherwise (Efron and Tibshirani recommend 1000 or more for percentile
+#: intervals).
+RESAMPLES = 1000
+
+
+def bootstrap_indices(n: int, resamples: int = RESAMPLES, seed: int = 0) -> Tensor:
+    """``[resamples, n]`` indices, each row ``n`` draws with replacement from ``range(n)``, from a CPU generator
+    seeded by ``seed``: every protocol and every backbone resample the same test images the same way, so two
+    backbones' intervals and their paired difference see the same resamples."""
+    if n < 1:
+        raise ValueError("the bootstrap needs at least one test sample")
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, n, (int(resamples), n), generator=g)
+
+
+def bootstrap_interval(values: Tensor, statistic: Callable[[Tensor], Tensor] | None = None,
+                       resamples: int = RESAMPLES, level: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """The percentile bootstrap (Efron 1979; Efron and Tibshirani 1993, ch. 13) of a statistic of per-test-image
+    ``values`` ``[N, ...]``: the statistic of the whole set, and the ``(1 - level) / 2`` and ``(1 + level) / 2``
+    quantiles of the statistic over ``resamples`` sets of ``N`` images drawn with replacement
+    (:func:`bootstrap_indices`). ``statistic`` maps ``[R, N, ...]`` resampled values to ``[R]`` (default: the mean
+    over images, e.g. of 0/1 hits: the accuracy). Returns ``value``, ``low``, ``high`` and ``se`` (the standard
+    deviation of the resampled statistics)."""
+    stat = statistic or (lambda v: v.double().mean(dim=1))
+    idx = bootstrap_indices(values.shape[0], resamples, seed)
+    boot = stat(values.cpu()[idx]).double()
+    whole = float(stat(values.cpu()[None]).double()[0])
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(boot, q).tolist()
+    return {"value": whole, "low": low, "high": high, "se": float(boot.std(unbiased=True))}
+
+
+def paired_difference(a: Tensor, b: Tensor, statistic: Callable[[Tensor], Tensor] | None = None,
+                      resamples: int = RESAMPLES, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Is backbone A's figure different from B's on the same test images? The paired percentile bootstrap of
+    ``statistic(a) - statistic(b)``: both resampled with the same indices. ``supported`` is true when the interval
+    of the difference excludes 0 (the difference is larger than the resampling spread of the test set says can
+    happen by chance, at ``level``)."""
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"a paired difference needs the same test images: {a.shape[0]} and {b.shape[0]} values")
+    stat = statistic or (lambda v: v.double().mean(dim=1))
+    idx = bootstrap_indices(a.shape[0], resamples, seed)
+    diff = stat(a.cpu()[idx]).double() - stat(b.cpu()[idx]).double()
+    whole = float(stat(a.cpu()[None]).double()[0] - stat(b.cpu()[None]).double()[0])
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(diff, q).tolist()
+    return {"difference": whole, "low": low, "high": high, "supported": bool(low > 0 or high < 0)}
+
+
+def draws_summary(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation (n - 1), standard error of the mean and the values of repeated seeded draws
+    (few-shot): ``std`` and ``se`` are 0 for a single draw."""
+    v = [float(x) for x in values]
+    if not v:
+        raise ValueError("no draws")
+    n = len(v)
+    mean = sum(v) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1)) if n > 1 else 0.0
+    return {"value": mean, "std": std, "se": std / math.sqrt(n), "draws": v}
+
+
+def per_class_mean(hits: Tensor, labels: Tensor, num_classes: int) -> float:
+    """The mean over the classes present in ``labels`` of each class's accuracy (DINOv2's ``MEAN_ACCURACY``, the
+    metric its linear evaluation picks the best classifier by)."""
+    labels = labels.long()
+    seen = torch.bincount(labels, minlength=num_classes).double()
+    right = torch.bincount(labels, weights=hits.double(), minlength=num_classes)
+    present = seen > 0
+    return float((right[present] / seen[present]).mean())

@@ -1,0 +1,5 @@
+"""``sslkit bench``: what a backbone is worth, compared with others on every protocol, from one feature cache."""
+
+from sslkit.tools.bench.main import bench_main
+
+__all__ = ["bench_main"]

@@ -1,0 +1,270 @@
+"""The protocols of ``sslkit bench``, each a small function of one backbone's cached features: kNN, the linear
+probe grid, few-shot logistic regression, retrieval, robustness to corruptions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sslkit.evaluation.knn import knn_predictions
+from sslkit.evaluation.probes import (
+    GridSettings,
+    fit_logistic,
+    logistic_predict,
+    shots_subset,
+    stratified_split,
+    train_probe_grid,
+)
+from sslkit.evaluation.retrieval import retrieval_scores
+from sslkit.evaluation.stats import bootstrap_interval, draws_summary, per_class_mean
+
+__all__ = ["PROTOCOLS", "Features", "Outcome", "choice_features", "primary_features"]
+
+
+@dataclass
+class Features:
+    """One backbone's cached features of one split: ``pool`` ``[N, D]`` or, for a ViT, ``cls_last`` ``[N, n, D]``
+    and ``avg`` ``[N, D]``; ``labels`` ``[N]``."""
+
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def keep(self) -> np.ndarray:
+        """The rows of readable images (an unreadable one was cached with label -1)."""
+        return np.asarray(self.arrays["labels"]) >= 0
+
+    @property
+    def unreadable(self) -> list[int]:
+        """The dataset indices of the images that could not be read."""
+        return np.nonzero(~self.keep)[0].tolist()
+
+    def rows(self, name: str) -> np.ndarray:
+        """Array ``name`` without the unreadable images' rows."""
+        keep = self.keep
+        return self.arrays[name] if keep.all() else np.asarray(self.arrays[name])[keep]
+
+    @property
+    def labels(self) -> Tensor:
+        """int64 ``[N]`` of the readable images."""
+        return torch.from_numpy(np.array(self.rows("labels"), dtype=np.int64))
+
+    @property
+    def is_vit(self) -> bool:
+        """Cached from a ViT's tokens."""
+        return "cls_last" in self.arrays
+
+
+@dataclass
+class Outcome:
+    """What a protocol found for one backbone: ``metrics`` (name -> value, low, high, se: what the table shows),
+    ``per_image`` (name -> the per-test-image values the intervals and the paired comparisons resample; not
+    written), ``details`` (its settings and choices, written to the JSON)."""
+
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_image: dict[str, Tensor] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> Tensor:
+    return torch.from_numpy(np.array(a, dtype=np.float32)).to(device)  # a copy: the cache's arrays are read-only
+
+
+def choice_features(f: Features, choice: str, device: torch.device) -> Tensor:
+    """The features of one linear-probe choice: ``pool``; for a ViT ``cls`` (the last block's CLS token),
+    ``cls+avg``, ``cls_last<n>`` (the last n blocks' CLS tokens, oldest first) and ``cls_last<n>+avg``."""
+    if choice == "pool":
+        return _tensor(f.rows("pool"), device)
+    cls_last = _tensor(f.rows("cls_last"), device)
+    if choice.startswith("cls_last"):
+        n = int(choice[len("cls_last"):].split("+")[0])
+        x = cls_last[:, -n:].reshape(cls_last.shape[0], -1)
+    else:
+        x = cls_last[:, -1]
+    if choice.endswith("+avg"):
+        x = torch.cat([x, _tensor(f.rows("avg"), device)], dim=1)
+    return x
+
+
+def primary_features(f: Features, device: torch.device) -> Tensor:
+    """What kNN, few-shot, retrieval and robustness's kNN read: a ViT's last CLS token (DINO's kNN), else ``pool``."""
+    return choice_features(f, "cls" if f.is_vit else "pool", device)
+
+
+def linear_choices(f: Features) -> list[str]:
+    """DINOv2's four feature choices for a ViT (``n_last_blocks`` 1 and 4, with and without the mean patch token),
+    ``pool`` for the others."""
+    if not f.is_vit:
+        return ["pool"]
+    n = int(f.arrays["cls_last"].shape[1])
+    choices = ["cls", "cls+avg"]
+    if n > 1:
+        choices += [f"cls_last{n}", f"cls_last{n}+avg"]
+    return choices
+
+
+def _accuracy_metric(hits: Tensor, s: dict[str, Any]) -> dict[str, Any]:
+    return bootstrap_interval(hits.double(), resamples=int(s["bootstrap"]), level=float(s["level"]),
+                              seed=int(s["seed"]))
+
+
+def knn(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device) -> Outcome:
+    """Weighted kNN (Wu et al. 2018; DINO's ``eval_knn``: cosine similarity, votes ``exp(s / T)``) at every ``k`` of
+    ``knn.ks`` from one similarity pass: top-1 per k, with its bootstrap interval over the test images."""
+    ks = [int(k) for k in s["knn"]["ks"]]
+    preds = knn_predictions(primary_features(train, device), train.labels.to(device), primary_features(test, device),
+                            num_classes, ks, float(s["knn"]["temperature"]))
+    out = Outcome(details={"ks": ks, "temperature": float(s["knn"]["temperature"]), "num_train": len(train.labels)})
+    for k in ks:
+        hits = (preds[k] == test.labels).double()
+        out.per_image[f"knn_k{k}"] = hits
+        out.metrics[f"knn_k{k}"] = _accuracy_metric(hits, s)
+    return out
+
+
+@dataclass
+class LinearChoice:
+    """The grid's classifier chosen on validation, with what it needs to score other test features."""
+
+    choice: str
+    weight: Tensor
+    bias: Tensor
+
+
+def _grid_settings(s: dict[str, Any]) -> GridSettings:
+    lin = s["linear"]
+    return GridSettings(lrs=tuple(float(x) for x in lin["lrs"]), weight_decays=tuple(float(x) for x in
+                        lin["weight_decays"]), epochs=int(lin["epochs"]), batch_size=int(lin["batch_size"]),
+                        seed=int(s["seed"]))
+
+
+def fit_linear(train: Features, num_classes: int, s: dict[str, Any], device: torch.device,
+               progress: Callable[[int], None] | None = None) -> tuple[LinearChoice, dict[str, Any]]:
+    """Train the grid (feature choices x lrs x weight decays, :func:`~sslkit.evaluation.probes.train_probe_grid`)
+    on the train split less a stratified validation part (``linear.val_fraction``), score every classifier on the
+    validation part by mean per-class accuracy (DINOv2's metric) and keep the best (the first of equals, in grid
+    order). The test split is not seen."""
+    settings = _grid_settings(s)
+    labels = train.labels.to(device)
+    fit_idx, val_idx = stratified_split(train.labels, float(s["linear"]["val_fraction"]), int(s["seed"]))
+    fit_idx, val_idx = fit_idx.to(device), val_idx.to(device)
+    choices = linear_choices(train)
+    feats = {c: choice_features(train, c, device) for c in choices}
+    grid = train_probe_grid({c: v[fit_idx] for c, v in feats.items()}, labels[fit_idx], num_classes, settings,
+                            progress)
+    table = []
+    best: tuple[float, str, int] | None = None
+    with torch.no_grad():
+        logits = grid({c: v[val_idx] for c, v in feats.items()})
+        for c in choices:
+            for cell, (lr, wd) in enumerate(grid.cells):
+                pred = torch.sort(logits[c][cell], dim=1, descending=True, stable=True).indices[:, 0]
+                score = per_class_mean((pred == labels[val_idx]).cpu(), labels[val_idx].cpu(), num_classes)
+                table.append({"features": c, "lr": lr, "weight_decay": wd, "val_mean_accuracy": round(score, 6)})
+                if best is None or score > best[0]:
+                    best = (score, c, cell)
+    assert best is not None
+    weight, bias = grid.classifier(best[1], best[2])
+    lr, wd = grid.cells[best[2]]
+    chosen = LinearChoice(best[1], weight, bias)
+    details = {"chosen": {"features": best[1], "lr": lr, "scaled_lr": settings.scaled(lr), "weight_decay": wd,
+                          "val_mean_accuracy": round(best[0], 6)},
+               "grid": table, "num_fit": int(fit_idx.numel()), "num_val": int(val_idx.numel()),
+               "epochs": settings.epochs, "batch_size": settings.batch_size, "momentum": settings.momentum,
+               "classifiers": len(table)}
+    return chosen, details
+
+
+def linear_hits(chosen: LinearChoice, test: Features, device: torch.device) -> Tensor:
+    """0/1 per test image: the chosen classifier's top-1 (ties to the lower class) against the label."""
+    x = choice_features(test, chosen.choice, device)
+    logits = x @ chosen.weight.T.to(device) + chosen.bias.to(device)
+    pred = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, 0]
+    return (pred.cpu() == test.labels).double()
+
+
+def linear(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device,
+           chosen: tuple[LinearChoice, dict[str, Any]]) -> Outcome:
+    """The linear probe: the grid's classifier chosen on validation (:func:`fit_linear`), its test top-1."""
+    hits = linear_hits(chosen[0], test, device)
+    return Outcome({"linear": _accuracy_metric(hits, s)}, {"linear": hits}, chosen[1])
+
+
+def fewshot(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device) -> Outcome:
+    """Few-shot linear classification (LeJEPA's 1/10/all-shot protocol): for each ``shots`` (0: all), ``draws``
+    seeded draws of that many train images per class, a multinomial logistic regression (scikit-learn's objective,
+    ``C``) on the L2-normalised features, its test top-1; the mean and spread over draws (all-shot: one fit, its
+    bootstrap interval)."""
+    fs = s["fewshot"]
+    x_train = F.normalize(primary_features(train, device), dim=1)
+    x_test = F.normalize(primary_features(test, device), dim=1)
+    y = train.labels
+    out = Outcome(details={"c": float(fs["c"]), "draws": int(fs["draws"]), "shots": list(fs["shots"])})
+    for shots in (int(v) for v in fs["shots"]):
+        name = f"fewshot_{shots}" if shots else "fewshot_all"
+        seeds = range(int(fs["draws"])) if shots else [0]
+        accs, hits = [], None
+        for d in seeds:
+            idx = shots_subset(y, shots, int(s["seed"]) * 1000 + d) if shots else torch.arange(len(y))
+            w, b = fit_logistic(x_train[idx.to(device)], y[idx], num_classes, float(fs["c"]))
+            hits = (logistic_predict(w, b, x_test).cpu() == test.labels).double()
+            accs.append(float(hits.mean()))
+        if shots:
+            out.metrics[name] = draws_summary(accs)
+        else:
+            assert hits is not None
+            out.metrics[name] = _accuracy_metric(hits, s)
+            out.per_image[name] = hits
+    return out
+
+
+def retrieval(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device) -> Outcome:
+    """Retrieval of the train split by the test split (:func:`~sslkit.evaluation.retrieval.retrieval_scores`):
+    mAP@R and recall@k, each with its bootstrap interval over the queries."""
+    ks = [int(k) for k in s["retrieval"]["ks"]]
+    scores = retrieval_scores(primary_features(train, device), train.labels.to(device),
+                              primary_features(test, device), test.labels.to(device), ks)
+    out = Outcome(details={"ks": ks, "database": "train split", "queries": "test split"})
+    for name, values in scores.items():
+        out.per_image[name] = values
+        out.metrics[name] = bootstrap_interval(values, resamples=int(s["bootstrap"]), level=float(s["level"]),
+                                               seed=int(s["seed"]))
+    return out
+
+
+def robustness(train: Features, corrupted: dict[str, Features], clean: dict[str, float], num_classes: int,
+               s: dict[str, Any], device: torch.device, chosen: LinearChoice) -> Outcome:
+    """kNN (``robustness.k``) and the chosen linear probe on the test split under each corruption and severity
+    (``corrupted``: ``kind/severity`` -> features), relative to their clean accuracy (``clean``): per corruption
+    the mean over its severities, and ``robust_knn`` / ``robust_linear`` the mean over all (ImageNet-C's mean over
+    corruptions and severities, here of accuracy relative to clean rather than the error relative to AlexNet's)."""
+    k = int(s["robustness"]["k"])
+    train_x = primary_features(train, device)
+    out = Outcome(details={"k": k, "table": s["robustness"]["table"], "severities": list(s["robustness"]
+                                                                                        ["severities"])})
+    per: dict[str, dict[str, list[float]]] = {"knn": {}, "linear": {}}
+    for tag, feats in corrupted.items():
+        kind = tag.split("/")[0]
+        pred = knn_predictions(train_x, train.labels.to(device), primary_features(feats, device), num_classes, [k],
+                               float(s["knn"]["temperature"]))[k]
+        acc_knn = float((pred == feats.labels).double().mean())
+        acc_lin = float(linear_hits(chosen, feats, device).mean())
+        out.details[tag] = {"knn": acc_knn, "linear": acc_lin}
+        per["knn"].setdefault(kind, []).append(acc_knn / max(clean["knn"], 1e-12))
+        per["linear"].setdefault(kind, []).append(acc_lin / max(clean["linear"], 1e-12))
+    out.details["clean"] = clean
+    for probe, kinds in per.items():
+        means = {kind: sum(v) / len(v) for kind, v in kinds.items()}
+        out.details[f"relative_{probe}"] = means
+        out.metrics[f"robust_{probe}"] = {"value": sum(means.values()) / max(len(means), 1)}
+    return out
+
+
+#: The protocols that read the train and test features only (robustness also reads corrupted test features).
+PROTOCOLS: dict[str, Any] = {"knn": knn, "linear": linear, "fewshot": fewshot, "retrieval": retrieval,
+                             "robustness": robustness}
