@@ -294,7 +294,7 @@ TOOLS = {"eval_knn.py": "knn", "eval_linear.py": "linear", "extract_features.py"
 
 def _tool(argv: list[str]) -> str | None:
     """The evaluation tool ``argv`` runs (knn, linear, extract, export, report), or None."""
-    if argv[0] == "sslkit" and len(argv) > 1 and argv[1] in (*TOOLS.values(), "report"):
+    if argv[0] == "sslkit" and len(argv) > 1 and argv[1] in (*TOOLS.values(), "report", "bench"):
         return argv[1]
     if argv[0] == "python" and len(argv) > 1 and argv[1].startswith("tools/"):
         return TOOLS.get(argv[1][len("tools/"):])
@@ -373,9 +373,11 @@ def _normalise(command: str) -> str:
 
 def _run_env(cwd: Path) -> dict[str, str]:
     """The environment of a doc command run in ``cwd``: this one without PYTHONPATH (``imports=`` must find
-    modules of the working directory by itself), and TMPDIR in ``cwd`` (what a killed command leaves in its
-    temporary folder, such as benchmarks/overhead.py's run folder, goes with the test's)."""
-    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TMPDIR": str(cwd)}
+    modules of the working directory by itself), and TMPDIR and sslkit's cache (SSLKIT_CACHE_DIR: sslkit bench's
+    features) in ``cwd`` (what a command leaves in them, such as benchmarks/overhead.py's run folder, goes with the
+    test's)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TMPDIR": str(cwd),
+            "SSLKIT_CACHE_DIR": str(cwd / ".cache")}
 
 
 def _argv(command: str) -> list[str]:

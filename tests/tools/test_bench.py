@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import SMALL, VIT, photo_folder, run_main, run_sslkit
@@ -251,3 +252,32 @@ def test_weights_files_of_an_sslkit_vit_and_a_timm_model(tmp_path: Path) -> None
     code, _, stderr = bench(f"backbones=[vit_small@{tmp_path / 'vit.pth'}]", f"output={tmp_path / 'x'}",
                             f"bench.cache_dir={tmp_path / 'cache2'}")
     assert code == 2 and "vit_small@" in stderr and not (tmp_path / "cache2").exists()
+
+
+@pytest.mark.multiprocess
+def test_one_and_two_processes_give_the_same_table(cnn_run: Path, vit_run: Path, tmp_path: Path) -> None:
+    """distributed.nproc_per_node=2 (gloo): each process extracts every other image, rank 0 puts them back in order,
+    runs the protocols and writes the same figures one process does."""
+    common = (f"backbones=[{cnn_run}, {vit_run}, pixels]", "bench.robustness.corruptions=[gaussian_noise]")
+    code, _, stderr = bench(*common, f"output={tmp_path / 'one'}", f"bench.cache_dir={tmp_path / 'c1'}")
+    assert code == 0, stderr[-2000:]
+    code, _, stderr = bench(*common, "distributed.nproc_per_node=2", f"output={tmp_path / 'two'}",
+                            f"bench.cache_dir={tmp_path / 'c2'}")
+    assert code == 0, stderr[-2000:]
+    one, two = _results(tmp_path / "one"), _results(tmp_path / "two")
+    assert two["processes"] == 2
+    for name in one["backbones"]:
+        assert two["results"][name]["metrics"] == one["results"][name]["metrics"], name
+        for entry, key in one["results"][name]["cache"].items():
+            a = FeatureCache(str(tmp_path / "c1")).load(key)
+            b = FeatureCache(str(tmp_path / "c2")).load(two["results"][name]["cache"][entry])
+            assert a is not None and b is not None and set(a) == set(b)
+            for array in a:
+                assert np.allclose(a[array], b[array], atol=1e-6), (name, entry, array)
+
+
+def test_a_list_the_shell_split_at_its_spaces_is_one_argument(cnn_run: Path, tmp_path: Path) -> None:
+    code, _, stderr = bench("backbones=[pixels,", f"{cnn_run}]", "protocols=[knn]", f"output={tmp_path / 'out'}",
+                            f"bench.cache_dir={tmp_path / 'cache'}")
+    assert code == 0, stderr[-2000:]
+    assert _results(tmp_path / "out")["backbones"] == ["pixels", str(cnn_run)]

@@ -8,16 +8,21 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Subset
+from tqdm import tqdm
 
-from sslkit.errors import did_you_mean
+from sslkit.data.sources import cache_dir
+from sslkit.errors import UserError, did_you_mean
 from sslkit.tools.bench.backbones import Backbone, BenchError, load_backbones, parse_list
 from sslkit.tools.bench.cache import BenchImages, FeatureCache, data_fingerprint, extract_arrays
 from sslkit.tools.bench.protocols import PROTOCOLS as RUNNERS
-from sslkit.tools.bench.protocols import Features, Outcome, fit_linear, linear_hits
+from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_hits
 from sslkit.tools.bench.report import compare_folders, comparisons, write_results
 from sslkit.tools.common import run_tool
 
@@ -62,7 +67,7 @@ def _split_args(args: list[str]) -> tuple[dict[str, str], list[str], bool]:
     overrides: list[str] = []
     dry = False
     top = set(schema().keys()) | {"config"}
-    for arg in args:
+    for arg in _rejoin(args):
         if arg == "--dry-run":
             dry = True
             continue
@@ -80,6 +85,17 @@ def _split_args(args: list[str]) -> tuple[dict[str, str], list[str], bool]:
             raise BenchError(f"unknown argument '{key}'.{did_you_mean(key, [*BENCH_KEYS, *top])} sslkit bench takes "
                              f"{', '.join(f'{k}=' for k in BENCH_KEYS)}, data=PRESET and config keys (bench.X=...)")
     return opts, overrides, dry
+
+
+def _rejoin(args: list[str]) -> list[str]:
+    """A list the shell split at its spaces (``backbones=[a,`` ``b]``) joined back into one argument."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].count("[") > out[-1].count("]"):
+            out[-1] += " " + arg
+        else:
+            out.append(arg)
+    return out
 
 
 def _settings(cfg: DictConfig, opts: dict[str, str]) -> tuple[list[str], list[str], dict[str, Any]]:
@@ -145,57 +161,93 @@ def _entries(b: Backbone, data: dict[str, Any], settings: dict[str, Any], protoc
     return entries
 
 
-def _features(cache: FeatureCache, b: Backbone, name: str, parts: dict[str, Any], source: Any,
-              settings: dict[str, Any], device: torch.device, workers: int) -> Features:
-    """An entry from the cache, or extracted (with a progress bar) and stored first."""
-    from tqdm import tqdm
+def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Features:
+    """An entry from the cache, or extracted (with a progress bar) and stored first. Over several processes each
+    extracts every world-th image, rank 0 puts the shares together in dataset order and stores them; a failure on
+    any rank fails the entry on all of them (no rank is left waiting)."""
+    from sslkit.distributed import all_gather_object, barrier, get_rank, get_world_size, is_distributed
 
+    cache = bench.cache
     key = cache.key(parts)
-    arrays = cache.load(key)
-    if arrays is not None:
+    world, rank = (get_world_size(), get_rank()) if is_distributed() else (1, 0)
+    held = cache.load(key) is not None
+    if world > 1:
+        held = bool(all_gather_object(held)[0])  # rank 0's view of the cache decides for all
+    if held:
+        arrays = cache.load(key)
+        assert arrays is not None
         return Features(arrays)
     corruption = tuple(parts["corruption"]) if parts["corruption"] else None
-    images = BenchImages(source, b.transform, corruption, int(settings["seed"]))  # type: ignore[arg-type]
-    with tqdm(total=len(images), desc=f"{b.name}: {name}", unit="img", disable=None, leave=False) as bar:
-        fresh = extract_arrays(b.module, images, device, int(settings["batch_size"]), workers,
-                               int(settings["vit_last_n"]), bar.update)
-    cache.store(key, fresh, {"backbone": b.name, "entry": name, **{k: v for k, v in parts.items() if k != "data"},
-                             "data": parts["data"][:16]})
-    return Features(cache.load(key) or fresh)
+    images: Any = BenchImages(bench.sets["train" if name == "train" else "test"], b.transform, corruption,
+                              int(bench.settings["seed"]))  # type: ignore[arg-type]
+    total = len(images)
+    if world > 1:
+        images = Subset(images, range(rank, total, world))
+    error, mine = None, None
+    try:
+        with tqdm(total=len(images), desc=f"{b.name}: {name}", unit="img", disable=None, leave=False) as bar:
+            mine = extract_arrays(b.module, images, bench.device, int(bench.settings["batch_size"]), bench.workers,
+                                  int(bench.settings["vit_last_n"]), bar.update)
+    except Exception as exc:  # (a failure of this backbone, reported in its row)
+        if world == 1:
+            raise
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    if world > 1:
+        shares = all_gather_object((mine, error))
+        errors = [e for _, e in shares if e]
+        if errors:
+            raise RuntimeError(errors[0])
+        mine = {k: _interleave([sh[k] for sh, _ in shares], total) for k in shares[0][0]}
+    assert mine is not None
+    if rank == 0:
+        cache.store(key, mine, {"backbone": b.name, "entry": name,
+                                **{k: v for k, v in parts.items() if k != "data"}, "data": parts["data"][:16]})
+    if world > 1:
+        barrier()
+    return Features(cache.load(key) or mine)
 
 
-def _run_backbone(cache: FeatureCache, b: Backbone, sets: dict[str, Any], classes: int, data: dict[str, Any],
-                  settings: dict[str, Any], protocols: list[str], device: torch.device, workers: int
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every protocol on one backbone: ``(its record, its per-image values)``."""
+def _interleave(shares: list[np.ndarray], total: int) -> np.ndarray:
+    """Rank r's rows are images r, r + world, ...: back in dataset order."""
+    out = np.empty((total, *shares[0].shape[1:]), dtype=shares[0].dtype)
+    for r, share in enumerate(shares):
+        out[r::len(shares)] = share
+    return out
+
+
+def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Every protocol on one backbone: ``(its record, its per-image values)``; None on a rank other than 0 of several
+    processes, which only helps extract."""
+    from sslkit.distributed import get_rank
+
     start = time.perf_counter()
-    entries = _entries(b, data, settings, protocols, device)
-    feats = {n: _features(cache, b, n, parts, sets["train" if n == "train" else "test"], settings, device, workers)
-             for n, parts in entries.items()}
-    extracted = time.perf_counter() - start
-    record: dict[str, Any] = {"metrics": {}, "details": {}, "time_s": {"features": round(extracted, 2)},
-                              "cache": {n: cache.key(p) for n, p in entries.items()}}
+    entries = _entries(b, bench.data, bench.settings, bench.protocols, bench.device)
+    feats = {n: _features(bench, b, n, parts) for n, parts in entries.items()}
+    if get_rank() != 0:
+        return None
+    record: dict[str, Any] = {"metrics": {}, "details": {}, "time_s": {"features": round(time.perf_counter() - start,
+                                                                                            2)},
+                              "cache": {n: bench.cache.key(p) for n, p in entries.items()}}
     per_image: dict[str, Any] = {}
     chosen = None
     train, test = feats["train"], feats["test"]
-    for protocol in protocols:
+    s, classes, device = bench.settings, bench.classes, bench.device
+    for protocol in bench.protocols:
         t0 = time.perf_counter()
         if protocol in ("linear", "robustness") and chosen is None:
-            chosen = fit_linear(train, classes, settings, device, _grid_bar(b, settings, train))
+            chosen = fit_linear(train, classes, s, device, _grid_bar(b, s, train))
         if protocol == "linear":
-            outcome = RUNNERS["linear"](train, test, classes, settings, device, chosen)
+            outcome = RUNNERS["linear"](train, test, classes, s, device, chosen)
         elif protocol == "robustness":
-            clean_knn = RUNNERS["knn"](train, test, classes, {**settings, "knn": {**settings["knn"], "ks":
-                                                                                   [settings["robustness"]["k"]]}},
-                                       device)
-            clean = {"knn": next(iter(clean_knn.metrics.values()))["value"],
-                     "linear": float(linear_hits(chosen[0], test, device).mean())}  # type: ignore[index]
+            assert chosen is not None
             corrupted = {n.split("/", 1)[1]: f for n, f in feats.items() if n.startswith("test/")}
-            outcome = RUNNERS["robustness"](train, corrupted, clean, classes, settings, device,
-                                            chosen[0])  # type: ignore[index]
+            outcome = RUNNERS["robustness"](train, corrupted, _clean(train, test, classes, s, device, chosen[0]),
+                                            classes, s, device, chosen[0])
         else:
-            outcome = RUNNERS[protocol](train, test, classes, settings, device)
-        _merge(record, per_image, protocol, outcome)
+            outcome = RUNNERS[protocol](train, test, classes, s, device)
+        record["metrics"].update(outcome.metrics)
+        record["details"][protocol] = outcome.details
+        per_image.update(outcome.per_image)
         record["time_s"][protocol] = round(time.perf_counter() - t0, 2)
     record["unreadable"] = {"train": train.unreadable, "test": test.unreadable}
     record["backbone"] = {"kind": b.kind, "arch": b.arch, "weights_sha256": b.weights_id, "transform": b.transform,
@@ -203,9 +255,15 @@ def _run_backbone(cache: FeatureCache, b: Backbone, sets: dict[str, Any], classe
     return record, per_image
 
 
-def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
-    from tqdm import tqdm
+def _clean(train: Features, test: Features, classes: int, s: dict[str, Any], device: torch.device,
+           chosen: LinearChoice) -> dict[str, float]:
+    """The clean test accuracies robustness is relative to: kNN at ``robustness.k`` and the chosen classifier."""
+    k = int(s["robustness"]["k"])
+    knn = RUNNERS["knn"](train, test, classes, {**s, "knn": {**s["knn"], "ks": [k]}}, device)
+    return {"knn": knn.metrics[f"knn_k{k}"]["value"], "linear": float(linear_hits(chosen, test, device).mean())}
 
+
+def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
     n = int(len(train.labels) * (1 - float(settings["linear"]["val_fraction"])))
     steps = -(-n // int(settings["linear"]["batch_size"])) * int(settings["linear"]["epochs"])
     bar = tqdm(total=steps, desc=f"{b.name}: linear grid", unit="step", disable=None, leave=False)
@@ -215,12 +273,6 @@ def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callabl
         if bar.n >= steps:
             bar.close()
     return update
-
-
-def _merge(record: dict[str, Any], per_image: dict[str, Any], protocol: str, outcome: Outcome) -> None:
-    record["metrics"].update(outcome.metrics)
-    record["details"][protocol] = outcome.details
-    per_image.update(outcome.per_image)
 
 
 def _name_unreadable(data: dict[str, Any], found: dict[str, list[int]], sets: dict[str, Any]) -> None:
@@ -237,13 +289,13 @@ def _name_unreadable(data: dict[str, Any], found: dict[str, list[int]], sets: di
         data[split]["unreadable"] = names
 
 
-def _dry_run(cache: FeatureCache, backbones: list[Backbone], data: dict[str, Any], settings: dict[str, Any],
-             protocols: list[str], device: torch.device, output: str) -> int:
-    print(f"sslkit bench --dry-run: {len(backbones)} backbone(s) x {', '.join(protocols)} on "
+def _dry_run(bench: Bench) -> int:
+    data, cache = bench.data, bench.cache
+    print(f"sslkit bench --dry-run: {len(bench.backbones)} backbone(s) x {', '.join(bench.protocols)} on "
           f"{data['name']} ({data['train']['size']} train, {data['test']['size']} test, {data['num_classes']} classes)"
-          f"; results would go to {output}; cache {cache.root}")
-    for b in backbones:
-        entries = _entries(b, data, settings, protocols, device)
+          f"; results would go to {bench.output}; cache {cache.root}")
+    for b in bench.backbones:
+        entries = _entries(b, data, bench.settings, bench.protocols, bench.device)
         held = [n for n, p in entries.items() if cache.load(cache.key(p)) is not None]
         todo = [n for n in entries if n not in held]
         print(f"  {b.name} ({b.kind}, {b.arch}): cached {len(held)} of {len(entries)} feature sets"
@@ -252,9 +304,31 @@ def _dry_run(cache: FeatureCache, backbones: list[Backbone], data: dict[str, Any
     return 0
 
 
-def _bench(args: list[str]) -> int:
-    if args and args[0] == "compare":
-        return _compare(args[1:])
+@dataclass
+class Bench:
+    """A bench ready to run: what it compares, on which data, with which settings, and where things go."""
+
+    settings: dict[str, Any]
+    protocols: list[str]
+    backbones: list[Backbone]
+    #: the labelled ``train`` and ``test`` sets
+    sets: dict[str, Any]
+    classes: int
+    #: what the results say of the data (sources, sizes, fingerprints)
+    data: dict[str, Any]
+    cache: FeatureCache
+    device: torch.device
+    workers: int
+    output: str
+    command: str
+    #: processes (``distributed.nproc_per_node``) and how to start them (backend, timeout, device)
+    nproc: int
+    launch: dict[str, Any]
+
+
+def _prepare(args: list[str]) -> tuple[Bench, bool]:
+    """Everything checked and read before anything is extracted: the keys, the protocols, the data and its labels,
+    every backbone. Raises :class:`BenchError` (exit 2) naming what is wrong."""
     from sslkit.builder import resolve_device, resolve_num_workers
     from sslkit.config.compose import compose_config
 
@@ -264,42 +338,88 @@ def _bench(args: list[str]) -> int:
     specs, protocols, settings = _settings(cfg, opts)
     data_name = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), "fashion_mnist")
     output = opts.get("output") or settings.get("output") or os.path.join("bench", data_name)
-    device = resolve_device(str(cfg.machine.device))
+    try:
+        device = resolve_device(str(cfg.machine.device))
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
     train, test, classes, data = _data(cfg, protocols)
     data["name"] = data_name
     backbones, failures = load_backbones(specs, cfg, str(device))
     if failures:
         listed = "\n  ".join(f"{spec}: {why}" for spec, why in failures.items())
         raise BenchError(f"{len(failures)} backbone(s) cannot be read, nothing was extracted:\n  {listed}")
-    cache = FeatureCache(str(settings["cache_dir"]))
-    if dry:
-        return _dry_run(cache, backbones, data, settings, protocols, device, output)
+    cache = FeatureCache(str(settings["cache_dir"] or os.path.join(cache_dir(), "features")))
     workers, _ = resolve_num_workers(settings["num_workers"], device)
+    return Bench(settings, protocols, backbones, {"train": train, "test": test}, classes, data, cache, device, workers,
+                 output, "sslkit bench " + " ".join(args), int(cfg.distributed.nproc_per_node),
+                 {"backend": str(cfg.distributed.backend), "timeout_s": float(cfg.distributed.timeout_s),
+                  "device": str(cfg.machine.device)}), dry
+
+
+def _measure(bench: Bench) -> int:
+    """Every backbone on every protocol; rank 0 writes the results folder. Exit 1 when a backbone failed."""
+    from sslkit.distributed import get_rank
+
     start = time.perf_counter()
     results: dict[str, Any] = {}
     per_image: dict[str, Any] = {}
-    for b in backbones:
+    for b in bench.backbones:
         logger.info("bench: %s (%s, %s)", b.name, b.kind, b.arch)
         try:
-            results[b.name], per_image[b.name] = _run_backbone(cache, b, {"train": train, "test": test}, classes,
-                                                               data, settings, protocols, device, workers)
-        except (RuntimeError, ValueError, OSError, KeyError) as exc:
+            found = _run_backbone(bench, b)
+        except Exception as exc:  # one backbone's failure is its row; the others are measured
             logger.error("bench: %s failed: %s: %s (the other backbones go on)", b.name, type(exc).__name__, exc)
             results[b.name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
         finally:
             if b.module is not None:
                 b.module.cpu()
+        if found is not None:
+            results[b.name], per_image[b.name] = found
+    if get_rank() != 0:
+        return 0
     ok = {n: r for n, r in results.items() if "error" not in r}
-    _name_unreadable(data, next(iter(ok.values()), {}).get("unreadable", {}), {"train": train, "test": test})
-    record = {"data": data, "settings": settings, "protocols": protocols, "backbones": [b.name for b in backbones],
-              "results": results, "comparisons": comparisons(ok, per_image, settings),
-              "device": str(device), "time_s": round(time.perf_counter() - start, 2),
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "command": "sslkit bench " + " ".join(args)}
-    paths = write_results(output, record)
-    logger.info("bench: %d backbone(s) x %d protocol(s) in %.0f s; %s", len(backbones), len(protocols),
+    _name_unreadable(bench.data, next(iter(ok.values()), {}).get("unreadable", {}), bench.sets)
+    record = {"data": bench.data, "settings": bench.settings, "protocols": bench.protocols,
+              "backbones": [b.name for b in bench.backbones], "results": results,
+              "comparisons": comparisons(ok, per_image, bench.settings), "device": str(bench.device),
+              "processes": bench.nproc, "time_s": round(time.perf_counter() - start, 2),
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "command": bench.command}
+    paths = write_results(bench.output, record)
+    logger.info("bench: %d backbone(s) x %d protocol(s) in %.0f s; %s", len(bench.backbones), len(bench.protocols),
                 record["time_s"], paths["md"])
-    print(open(paths["md"], encoding="utf-8").read())
+    with open(paths["md"], encoding="utf-8") as f:
+        print(f.read())
     return 1 if len(ok) < len(results) else 0
+
+
+def _bench(args: list[str]) -> int:
+    if args and args[0] == "compare":
+        return _compare(args[1:])
+    bench, dry = _prepare(args)
+    if dry:
+        return _dry_run(bench)
+    if bench.nproc > 1:
+        from sslkit.launch.console import launch_workers
+
+        return launch_workers(_bench_worker, (args,), "sslkit bench", nproc_per_node=bench.nproc, **bench.launch)
+    return _measure(bench)
+
+
+def _bench_worker(args: list[str]) -> None:
+    """A spawned bench process: its share of every extraction; rank 0 also runs the protocols and writes. A user's
+    error is said once, by rank 0."""
+    from sslkit.distributed import get_rank
+    from sslkit.launch.console import end_worker, setup_logging
+
+    setup_logging(None, get_rank())
+    try:
+        bench, _ = _prepare(args)
+        code = _measure(bench)
+    except UserError as exc:
+        end_worker(exc, "sslkit bench")
+    if code:
+        sys.exit(code)
 
 
 def _compare(args: list[str]) -> int:
