@@ -241,3 +241,18 @@ def test_the_data_sources_benchmark_prints_decode_limits_start_up_and_rates_per_
         assert name in rows, out
     assert float(rows["webdataset, 1 worker(s): decode + 2 SimCLR views, per worker"].replace(",", "")) > 0
     assert len(list((tmp_path / "shards").glob("*.tar"))) == 1 and (tmp_path / "hf" / "state.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_speed_prints_both_ratios(tmp_path: Path) -> None:
+    """benchmarks/bench_speed.py: extraction against the raw forward, the grid against the probes one by one (no time
+    is asserted: the figures go to docs/results.md)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = forkrun.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_speed.py"), "--device", "cpu", "--images", "64",
+         "--rounds", "1", "--probe-samples", "300", "--probe-dim", "8", "--probe-epochs", "1"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^machine: .+ torch \S+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^extraction \(small_cnn, 64 images .*ratio \d+\.\d\d$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^linear probes \(26 of them, .*speed-up \d+\.\dx$", proc.stdout, re.M), proc.stdout

@@ -68,10 +68,25 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
         raise
     finally:
         task.close()
+    if rank == 0 and cfg.eval.bench.at_end:
+        _end_bench(cfg)
     if rank == 0 and cfg.log.report:
         _write_report(cfg.output_dir)
     finish_trackers(task, artifacts=rank == 0 and bool(cfg.log.report))  # FINISHED, with report.md and plots
     return task
+
+
+def _end_bench(cfg: DictConfig) -> None:
+    """``eval.bench.at_end``: the finished run's bench (sslkit/tools/bench); a failure there is logged, never raised:
+    the run's work is done and saved, and ``sslkit bench`` can measure it again."""
+    try:
+        from sslkit.tools.bench import bench_finished_run
+
+        table = bench_finished_run(cfg, str(cfg.output_dir))
+        logger.info("bench of the finished run: %s", table)
+    except Exception as exc:
+        logger.warning("the run's bench (eval.bench.at_end) was not done (%s: %s); sslkit bench backbones=[%s] "
+                       "tries again", type(exc).__name__, exc, cfg.output_dir)
 
 
 def _write_report(output_dir: str) -> None:

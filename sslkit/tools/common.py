@@ -74,32 +74,39 @@ STUDENT_KEY = ("a distillation run's student, by name (default: the first of dis
 RESUMABLE = ("linear", "finetune")
 
 
-def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+def parse_tool_args(tool: str, argv: list[str], keys: dict[str, str], prefixes: dict[str, str] | None = None,
+                    groups: tuple[str, ...] = ()) -> tuple[dict[str, str], list[str]]:
     """Split ``key=value`` arguments into the tool's own (``keys``) and config overrides (the rest, applied to the
     run's config: ``eval.knn.k=20``, ``machine.device=cpu``). A key that is neither is an error naming the
-    closest of both."""
+    closest of both. ``prefixes`` shortens config sections (``{"bench.": "eval.bench."}``: ``bench.seed=1`` is
+    ``eval.bench.seed=1``); ``groups`` are config groups passed on as they are (``data=folder``)."""
     opts: dict[str, str] = {}
     overrides: list[str] = []
-    top_level = set(schema().keys())
+    top_level = set(schema().keys()) | set(groups)
     keys = {**keys, "student": STUDENT_KEY} if "checkpoint" in keys else keys
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
-            raise ToolError(f"'{arg}' is not of the form key=value (e.g. checkpoint=runs/simclr-fashion_mnist)")
+            example = "checkpoint=runs/simclr-fashion_mnist" if "checkpoint" in keys else f"{next(iter(keys))}=..."
+            raise ToolError(f"'{arg}' is not of the form key=value (e.g. {example})")
         bare = key.lstrip("+~")
+        short = next((p for p in prefixes or {} if bare.startswith(p)), None)
         if bare in keys:
             opts[bare] = value
+        elif short is not None:
+            overrides.append(arg.replace(short, (prefixes or {})[short], 1))
         elif "." in bare or bare in top_level:
             overrides.append(arg)
         else:
             raise ToolError(f"sslkit {tool}: unknown argument '{key}'.{did_you_mean(key, [*keys, *top_level])} "
                             f"It takes {', '.join(f'{k}=' for k in keys)} and config overrides (a.b=c).")
-    if overrides:  # a mistyped key is said before the checkpoint is read (values are checked with the run's config)
+    probed = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in groups]
+    if probed:  # a mistyped key is said before the checkpoint is read (values are checked with the run's config)
         from sslkit.config.compose import apply_overrides
 
         probe = schema()
         OmegaConf.set_struct(probe, False)
-        apply_overrides(probe, overrides)
+        apply_overrides(probe, probed)
     return opts, overrides
 
 

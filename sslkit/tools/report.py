@@ -120,6 +120,12 @@ def summarize(run_dir: str) -> dict[str, Any]:
                 info["knn"]["tool"] = entry  # the same checkpoint evaluated again
             else:
                 info[name if name not in info else f"{name}_tool"] = entry
+    bench = _read_json(os.path.join(run_dir, "bench", "results.json"))
+    if bench is not None and bench.get("backbones"):
+        own = bench["results"].get(bench["backbones"][0], {})
+        info["bench"] = {"from": "bench/results.md", "error": own.get("error"),
+                         "figures": {k: v["value"] for k, v in own.get("metrics", {}).items()},
+                         "others": bench["backbones"][1:]}
     monitors: dict[str, float] = {}
     for r in records:
         for key, value in r.items():
@@ -214,6 +220,10 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
         best_step, best = max(points, key=lambda p: p[1])
         lines.append(f"- kNN curve ({len(points)} points{', the last 8' if len(points) > 8 else ''}): {shown}; best "
                      f"{best:.4f} at step {best_step}")
+    if "bench" in info:
+        b = info["bench"]
+        shown = ", ".join(f"{k} {_fmt(v)}" for k, v in b["figures"].items()) or f"failed: {b['error']}"
+        lines.append(f"- bench ([{b['from']}]({b['from']}), beside {', '.join(b['others']) or 'nothing'}): {shown}")
     if "linear" not in info:
         lines.append(f"- linear probe: not run (sslkit linear checkpoint={info['run_dir']})")
     if info["monitors"]:

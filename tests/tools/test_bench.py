@@ -161,6 +161,8 @@ def test_a_changed_image_is_a_new_feature_set_and_unreadable_ones_are_left_out(t
     (["backbones=[pixels]", "protocols=[attentive]"], "attentive probe"),
     (["backbones=[vit_tiny@/no/file.pth]"], "vit_tiny@/no/file.pth"),
     (["backbones=[]"], "no backbones"),
+    (["backbones=[pixels,pixels]"], "listed twice"),
+    (["backbones=[pixels,random]"], "none is listed"),
 ])
 def test_bad_input_is_a_message_and_exit_2_before_any_extraction(args: list[str], words: str, tmp_path: Path) -> None:
     code, _, stderr = bench(*args, f"output={tmp_path / 'out'}", f"bench.cache_dir={tmp_path / 'cache'}")
@@ -281,3 +283,15 @@ def test_a_list_the_shell_split_at_its_spaces_is_one_argument(cnn_run: Path, tmp
                             f"bench.cache_dir={tmp_path / 'cache'}")
     assert code == 0, stderr[-2000:]
     assert _results(tmp_path / "out")["backbones"] == ["pixels", str(cnn_run)]
+
+
+def test_a_training_run_ends_with_its_bench_and_its_report_links_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_main("config=simclr", *TINY, "log.report=true", "eval.bench.at_end=[knn,retrieval]",
+             "eval.bench.backbones=[pixels]", f"eval.bench.cache_dir={tmp_path / 'cache'}", "eval.bench.knn.ks=[5]",
+             "eval.bench.bootstrap=50", "eval.bench.num_workers=0", f"output_dir={out}")
+    r = _results(out / "bench")
+    assert r["backbones"] == [str(out), "pixels"] and r["protocols"] == ["knn", "retrieval"]
+    assert {"knn_k5", "map_at_r"} <= set(r["results"][str(out)]["metrics"])
+    report = (out / "report.md").read_text()
+    assert "[bench/results.md](bench/results.md)" in report and "knn_k5" in report and "beside pixels" in report

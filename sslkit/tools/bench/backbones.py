@@ -53,11 +53,6 @@ class Backbone:
     #: builds the architecture with fresh weights (what ``random`` draws); None for pixels and random
     fresh: Callable[[], nn.Module] | None = None
 
-    @property
-    def is_vit(self) -> bool:
-        """A trunk with tokens: its CLS tokens of the last blocks and its mean patch token are cached."""
-        return isinstance(self.module, TokenTrunk)
-
 
 def parse_list(value: str) -> list[str]:
     """``[a, b:c, d@e]`` (or ``a,b``) as a list of strings; quotes around an item are dropped."""
@@ -219,5 +214,9 @@ def load_backbones(specs: list[str], cfg: DictConfig, device: str) -> tuple[list
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             failures[spec] = f"{type(exc).__name__}: {exc}"
     if want_random:
-        loaded.extend(random_twins(loaded, int(cfg.eval.bench.seed)))
+        twins = random_twins(loaded, int(cfg.eval.bench.seed))
+        if not twins and not failures:
+            failures["random"] = ("random is the random init of the other backbones' architectures, and none is "
+                                  "listed: add a run, ARCH@WEIGHTS or timm:NAME@WEIGHTS beside it")
+        loaded.extend(twins)
     return loaded, failures

@@ -3,6 +3,7 @@ compare``."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Subset
 from tqdm import tqdm
 
@@ -24,9 +25,9 @@ from sslkit.tools.bench.cache import BenchImages, FeatureCache, data_fingerprint
 from sslkit.tools.bench.protocols import PROTOCOLS as RUNNERS
 from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_hits
 from sslkit.tools.bench.report import compare_folders, comparisons, write_results
-from sslkit.tools.common import run_tool
+from sslkit.tools.common import parse_tool_args, run_tool
 
-__all__ = ["BENCH_KEYS", "PROTOCOLS", "bench_main"]
+__all__ = ["BENCH_KEYS", "PROTOCOLS", "bench_finished_run", "bench_main"]
 
 logger = logging.getLogger("sslkit")
 
@@ -61,30 +62,9 @@ docs/evaluation.md, "Comparing backbones", has the protocols and what the figure
 
 def _split_args(args: list[str]) -> tuple[dict[str, str], list[str], bool]:
     """The command's keys, the config overrides (``bench.`` made ``eval.bench.``) and ``--dry-run``."""
-    from sslkit.config.schema import schema
-
-    opts: dict[str, str] = {}
-    overrides: list[str] = []
-    dry = False
-    top = set(schema().keys()) | {"config"}
-    for arg in _rejoin(args):
-        if arg == "--dry-run":
-            dry = True
-            continue
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise BenchError(f"'{arg}' is not of the form key=value (e.g. backbones=[runs/simclr, pixels, random])")
-        bare = key.lstrip("+~")
-        if bare in BENCH_KEYS:
-            opts[bare] = value
-        elif bare.startswith("bench."):
-            overrides.append(f"eval.{arg}")
-        elif "." in bare or bare in top:
-            overrides.append(arg)
-        else:
-            raise BenchError(f"unknown argument '{key}'.{did_you_mean(key, [*BENCH_KEYS, *top])} sslkit bench takes "
-                             f"{', '.join(f'{k}=' for k in BENCH_KEYS)}, data=PRESET and config keys (bench.X=...)")
-    return opts, overrides, dry
+    rest = [a for a in _rejoin(args) if a != "--dry-run"]
+    opts, overrides = parse_tool_args("bench", rest, BENCH_KEYS, {"bench.": "eval.bench."}, ("data", "config"))
+    return opts, overrides, "--dry-run" in args
 
 
 def _rejoin(args: list[str]) -> list[str]:
@@ -165,11 +145,11 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
     """An entry from the cache, or extracted (with a progress bar) and stored first. Over several processes each
     extracts every world-th image, rank 0 puts the shares together in dataset order and stores them; a failure on
     any rank fails the entry on all of them (no rank is left waiting)."""
-    from sslkit.distributed import all_gather_object, barrier, get_rank, get_world_size, is_distributed
+    from sslkit.distributed import all_gather_object, barrier
 
     cache = bench.cache
     key = cache.key(parts)
-    world, rank = (get_world_size(), get_rank()) if is_distributed() else (1, 0)
+    world, rank = bench.world, bench.rank
     held = cache.load(key) is not None
     if world > 1:
         held = bool(all_gather_object(held)[0])  # rank 0's view of the cache decides for all
@@ -218,12 +198,10 @@ def _interleave(shares: list[np.ndarray], total: int) -> np.ndarray:
 def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """Every protocol on one backbone: ``(its record, its per-image values)``; None on a rank other than 0 of several
     processes, which only helps extract."""
-    from sslkit.distributed import get_rank
-
     start = time.perf_counter()
     entries = _entries(b, bench.data, bench.settings, bench.protocols, bench.device)
     feats = {n: _features(bench, b, n, parts) for n, parts in entries.items()}
-    if get_rank() != 0:
+    if bench.rank != 0:
         return None
     record: dict[str, Any] = {"metrics": {}, "details": {}, "time_s": {"features": round(time.perf_counter() - start,
                                                                                             2)},
@@ -324,19 +302,32 @@ class Bench:
     #: processes (``distributed.nproc_per_node``) and how to start them (backend, timeout, device)
     nproc: int
     launch: dict[str, Any]
+    #: this process's place among the bench's processes
+    rank: int = 0
+    world: int = 1
 
 
 def _prepare(args: list[str]) -> tuple[Bench, bool]:
     """Everything checked and read before anything is extracted: the keys, the protocols, the data and its labels,
     every backbone. Raises :class:`BenchError` (exit 2) naming what is wrong."""
-    from sslkit.builder import resolve_device, resolve_num_workers
     from sslkit.config.compose import compose_config
 
     opts, overrides, dry = _split_args(args)
     # the bench trains nothing on data.train's batches: drop_last=false keeps the training-size check quiet
     cfg = compose_config(["data.drop_last=false", *overrides])
-    specs, protocols, settings = _settings(cfg, opts)
     data_name = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), "fashion_mnist")
+    return _ready(cfg, opts, data_name, "sslkit bench " + " ".join(args)), dry
+
+
+def _ready(cfg: DictConfig, opts: dict[str, str], data_name: str, command: str, alone: bool = False) -> Bench:
+    """:class:`Bench` of a composed config and the command's own keys (``backbones``, ``protocols``, ``output``);
+    ``alone``: one process, whatever process group this one belongs to (a training run's rank 0)."""
+    from sslkit.builder import resolve_device, resolve_num_workers
+    from sslkit.distributed import get_rank, get_world_size, is_distributed
+
+    specs, protocols, settings = _settings(cfg, opts)
+    if len(set(specs)) < len(specs):
+        raise BenchError(f"backbones: {', '.join(sorted({s for s in specs if specs.count(s) > 1}))} listed twice")
     output = opts.get("output") or settings.get("output") or os.path.join("bench", data_name)
     try:
         device = resolve_device(str(cfg.machine.device))
@@ -351,15 +342,30 @@ def _prepare(args: list[str]) -> tuple[Bench, bool]:
     cache = FeatureCache(str(settings["cache_dir"] or os.path.join(cache_dir(), "features")))
     workers, _ = resolve_num_workers(settings["num_workers"], device)
     return Bench(settings, protocols, backbones, {"train": train, "test": test}, classes, data, cache, device, workers,
-                 output, "sslkit bench " + " ".join(args), int(cfg.distributed.nproc_per_node),
+                 output, command, int(cfg.distributed.nproc_per_node),
                  {"backend": str(cfg.distributed.backend), "timeout_s": float(cfg.distributed.timeout_s),
-                  "device": str(cfg.machine.device)}), dry
+                  "device": str(cfg.machine.device)},
+                 *((0, 1) if alone or not is_distributed() else (get_rank(), get_world_size())))
+
+
+def bench_finished_run(cfg: DictConfig, output_dir: str) -> str:
+    """The bench a training run ends with (``eval.bench.at_end``: its protocols), in this process, on the run's own
+    data and evaluation sets: the run's latest checkpoint beside ``eval.bench.backbones`` (``[pixels, random]``
+    say), into ``<output_dir>/bench/``. Returns the table's path."""
+    extra = [str(b) for b in cfg.eval.bench.backbones if str(b) != output_dir]
+    opts = {"backbones": "[" + ",".join([output_dir, *extra]) + "]",
+            "protocols": "[" + ",".join(str(p) for p in cfg.eval.bench.at_end) + "]",
+            "output": os.path.join(output_dir, "bench")}
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.distributed.nproc_per_node = 1
+    bench = _ready(cfg, opts, str(cfg.name), f"eval.bench.at_end of {output_dir}", alone=True)
+    _measure(bench)
+    return os.path.join(bench.output, "results.md")
 
 
 def _measure(bench: Bench) -> int:
     """Every backbone on every protocol; rank 0 writes the results folder. Exit 1 when a backbone failed."""
-    from sslkit.distributed import get_rank
-
     start = time.perf_counter()
     results: dict[str, Any] = {}
     per_image: dict[str, Any] = {}
@@ -376,7 +382,7 @@ def _measure(bench: Bench) -> int:
                 b.module.cpu()
         if found is not None:
             results[b.name], per_image[b.name] = found
-    if get_rank() != 0:
+    if bench.rank != 0:
         return 0
     ok = {n: r for n, r in results.items() if "error" not in r}
     _name_unreadable(bench.data, next(iter(ok.values()), {}).get("unreadable", {}), bench.sets)
