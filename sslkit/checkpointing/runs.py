@@ -3,11 +3,12 @@ an evaluation config (what the tools after training and a distillation teacher r
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
 from sslkit.checkpointing.sharded import METADATA
@@ -71,6 +72,10 @@ def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's config, completed with today's defaults for keys it predates, with ``overrides`` applied
     (``eval.knn.k=20``, ``machine.device=cpu``, ...) and validated like a training config: an unknown key is an
     error naming the closest one. ``distributed.*`` starts from the defaults (one process), not the run's."""
+    saved = copy.deepcopy(saved)
+    if "bench" in saved.get("eval", {}):  # the run's own bench settings say nothing of this evaluation (and a key
+        with open_dict(saved):            # the bench has since renamed would stop it)
+            del saved.eval["bench"]
     cfg = OmegaConf.merge(schema(), saved)
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, False)

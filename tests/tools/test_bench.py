@@ -23,7 +23,8 @@ TINY = [*SMALL, "optim.max_steps=2", "log.tensorboard=false"]
 QUICK = ["data=synthetic", "data.train.kwargs.num_samples=60", "+data.test.kwargs.num_samples=40",
          "machine.device=cpu", "bench.num_workers=0", "bench.bootstrap=200", "bench.batch_size=32",
          "bench.knn.ks=[5,20]", "bench.linear.epochs=2", "bench.linear.lrs=[0.01,0.1]", "bench.fewshot.draws=2",
-         "bench.fewshot.shots=[1,0]", "bench.robustness.corruptions=[contrast,jpeg]", "bench.robustness.severities=[1]",
+         "bench.fewshot.shots=[1,0]", "bench.fewshot.val_fraction=0.2",
+         "bench.robustness.corruptions=[contrast,jpeg]", "bench.robustness.severities=[1]",
          "bench.robustness.k=5"]
 
 
@@ -91,6 +92,9 @@ def test_bench_writes_one_table_for_runs_pixels_and_random_init(cnn_run: Path, v
     m = r["results"]["pixels"]["metrics"]
     assert m["knn_k20"]["low"] <= m["knn_k20"]["value"] <= m["knn_k20"]["high"]
     assert len(m["fewshot_1"]["draws"]) == 2
+    few = r["results"]["pixels"]["details"]["fewshot"]
+    assert few["num_val"] == 10 and len(few["chosen_c"]["fewshot_1"]) == 2  # C chosen on validation, per draw
+    assert set(few["chosen_c"]["fewshot_1"] + few["chosen_c"]["fewshot_all"]) <= {0.1, 1.0, 10.0}
     # a ViT's grid covers DINOv2's feature choices, chosen on validation
     lin = r["results"][str(vit_run)]["details"]["linear"]
     assert {g["features"] for g in lin["grid"]} == {"cls", "cls+avg", "cls_last2", "cls_last2+avg"}
@@ -295,3 +299,21 @@ def test_a_training_run_ends_with_its_bench_and_its_report_links_it(tmp_path: Pa
     assert {"knn_k5", "map_at_r"} <= set(r["results"][str(out)]["metrics"])
     report = (out / "report.md").read_text()
     assert "[bench/results.md](bench/results.md)" in report and "knn_k5" in report and "beside pixels" in report
+
+
+def test_a_runs_own_bench_settings_do_not_stop_its_evaluation(cnn_run: Path, tmp_path: Path) -> None:
+    """A run trained with bench keys since renamed (its stored config has eval.bench.fewshot.c) is still read."""
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    shutil.copytree(cnn_run, run)
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest.txt").read_text().strip()
+    state = torch.load(ckpt, weights_only=True)
+    cfg = OmegaConf.create(state["config"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.eval.bench = {"fewshot": {"c": 1.0}}
+    state["config"] = OmegaConf.to_yaml(cfg)
+    torch.save(state, ckpt)
+    code, _, stderr = bench(f"backbones=[{run}]", "protocols=[knn]", f"output={tmp_path / 'out'}",
+                            f"bench.cache_dir={tmp_path / 'cache'}")
+    assert code == 0, stderr[-2000:]

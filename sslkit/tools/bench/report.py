@@ -21,8 +21,8 @@ __all__ = ["compare_folders", "comparisons", "markdown_table", "write_results"]
 LEGEND = {
     "knn_k": "weighted kNN top-1 at k",
     "linear": "linear probe top-1 (the grid's best on validation)",
+    "fewshot_all": "logistic regression top-1 on the whole train split (less its validation part)",
     "fewshot_": "logistic regression top-1 with n images per class (mean of draws)",
-    "fewshot_all": "logistic regression top-1 on the whole train split",
     "map_at_r": "retrieval mAP@R",
     "recall_at_": "retrieval recall@k",
     "robust_": "accuracy under corruptions relative to clean (mean over corruptions and severities)",
