@@ -106,3 +106,26 @@ def test_viz_on_cuda_draws_what_the_cpu_draws(tmp_path: Path) -> None:
     for a, b in zip(cpu["neighbors"]["queries"], cuda["neighbors"]["queries"]):
         assert a["similarities"] == pytest.approx(b["similarities"], abs=1e-3)
     assert cpu["pca"]["explained_variance_ratio"] == pytest.approx(cuda["pca"]["explained_variance_ratio"], abs=1e-3)
+
+
+def test_bench_on_cuda_gives_the_cpus_table(gpu_run: Path, tmp_path: Path) -> None:
+    """sslkit bench of a GPU-trained run, the pixels and random init on CUDA: every protocol runs there (features,
+    kNN, the probe grid, logistic regression, retrieval, corruptions) and its figures are the CPU's within float
+    noise (kNN and retrieval identical but for near-ties, the probes within a point)."""
+    from helpers import run_sslkit
+
+    quick = ["data=synthetic", "data.train.kwargs.num_samples=200", "+data.test.kwargs.num_samples=100",
+             "bench.num_workers=0", "bench.bootstrap=100", "bench.knn.ks=[5,20]", "bench.linear.epochs=2",
+             "bench.fewshot.draws=2", "bench.fewshot.shots=[1,0]", "bench.fewshot.val_fraction=0.1",
+             "bench.robustness.severities=[1]", "bench.robustness.k=5", f"backbones=[{gpu_run},pixels,random]"]
+    figures = {}
+    for device in ("cuda", "cpu"):
+        code, _, stderr = run_sslkit("bench", *quick, f"machine.device={device}", f"output={tmp_path / device}",
+                                     f"bench.cache_dir={tmp_path / 'cache'}")
+        assert code == 0, stderr[-3000:]
+        r = json.loads((tmp_path / device / "results.json").read_text())
+        assert r["device"].startswith(device)
+        figures[device] = {(n, m): v["value"] for n in r["backbones"] for m, v in r["results"][n]["metrics"].items()}
+    assert figures["cuda"].keys() == figures["cpu"].keys()
+    for key, value in figures["cuda"].items():
+        assert value == pytest.approx(figures["cpu"][key], abs=0.03), key
