@@ -12,9 +12,19 @@ from torch.utils.data import Dataset, Subset
 from sslkit.data.seeding import mix_seed
 from sslkit.data.sources import DataSourceError, UnreadableSampleError
 
-__all__ = ["SSLDataset"]
+__all__ = ["SSLDataset", "sample_file"]
 
 logger = logging.getLogger("sslkit.data")
+
+
+def sample_file(source: Dataset, index: int) -> str | None:
+    """The file sample ``index`` of ``source`` is read from (through any subsets of it), or None for a source
+    without files."""
+    i = index
+    while isinstance(source, Subset):
+        source, i = source.dataset, source.indices[i]
+    samples = getattr(source, "samples", None)
+    return str(samples[i][0]) if samples else None
 
 
 class SSLDataset(Dataset):
@@ -54,11 +64,7 @@ class SSLDataset(Dataset):
 
     def describe(self, index: int) -> str:
         """Sample ``index`` named for a message: its file where the source has files."""
-        source, i = self.source, index
-        if isinstance(source, Subset):
-            source, i = source.dataset, source.indices[i]
-        samples = getattr(source, "samples", None)
-        return f"{samples[i][0]}" if samples else f"sample {index}"
+        return sample_file(self.source, index) or f"sample {index}"
 
     def _warn_once(self, err: UnreadableSampleError) -> None:
         key = err.path or str(err)

@@ -3,9 +3,8 @@ that picks among them, and multinomial logistic regression (the few-shot protoco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,6 @@ class GridSettings:
     seed: int = 0
     #: the lr of a classifier is ``lr x batch_size / 256`` (DINOv2's ``scale_lr``)
     scale_lr: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def scaled(self, lr: float) -> float:
         """The peak learning rate a grid value ``lr`` trains with."""
@@ -90,18 +88,17 @@ def _key(name: str) -> str:
     return name.replace(".", "_").replace("+", "_plus_")
 
 
-def _sgd_step(grid: LinearProbeGrid, buffers: dict[str, Tensor], scale: float, first: bool) -> None:
+def _sgd_step(grid: LinearProbeGrid, buffers: dict[str, Tensor], scale: float) -> None:
     """``torch.optim.SGD``'s update (momentum, no dampening, no Nesterov, decoupled from nothing: ``g + wd p``) for
     every classifier at once, each with its own lr (``base_lr x scale``) and weight decay."""
     m = grid.settings.momentum
     with torch.no_grad():
-        for _name, p in [*grid.weight.items(), *grid.bias.items()]:
+        for key, p in grid.named_parameters():
             shape = (-1,) + (1,) * (p.ndim - 1)
             assert p.grad is not None
             d = p.grad.add(p * grid.decay.view(shape))
-            key = f"{id(p)}"
             if m:
-                if first or key not in buffers:
+                if key not in buffers:  # torch's SGD: the first step's buffer is the gradient itself
                     buffers[key] = d.clone()
                 else:
                     buffers[key].mul_(m).add_(d)
@@ -140,7 +137,7 @@ def train_probe_grid(features: Mapping[str, Tensor], labels: Tensor, num_classes
             loss = sum(F.cross_entropy(z.reshape(-1, num_classes), y.repeat(z.shape[0]), reduction="sum")
                        / y.shape[0] for z in logits.values())
             loss.backward()  # type: ignore[union-attr]
-            _sgd_step(grid, buffers, cosine_lr(1.0, step, total), first=step == 0)
+            _sgd_step(grid, buffers, cosine_lr(1.0, step, total))
             step += 1
             if progress is not None:
                 progress(1)
@@ -214,8 +211,3 @@ def logistic_predict(weight: Tensor, bias: Tensor, features: Tensor) -> Tensor:
     """The predicted class ``[N]`` (ties to the lower class index)."""
     logits = features.to(weight.device).double() @ weight.T + bias
     return torch.sort(logits, dim=1, descending=True, stable=True).indices[:, 0]
-
-
-def grid_cells(settings: GridSettings) -> Sequence[tuple[float, float]]:
-    """The (lr, weight decay) of each classifier of a feature choice, in the grid's order."""
-    return [(lr, wd) for lr in settings.lrs for wd in settings.weight_decays]

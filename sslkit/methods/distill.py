@@ -22,7 +22,6 @@ from there again. The builder (:mod:`sslkit.builder.teacher`) reads the teacher 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from sslkit.models.output import ModelOutput
 from sslkit.models.ssl_model import SSLModel, equal_shape_runs, forward_views
 from sslkit.models.teacher import silence
 from sslkit.models.tokens import TokenTrunk
+from sslkit.models.weights import weights_digest
 from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_hook, register_loss, register_model
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DISTILL", "METRICS", "OBJECTIVES", "DistillError", "DistillLoss", "DistillModel", "DistillTeacherHook",
            "FrozenTeacher", "Projection", "Student", "StudentOutput", "StudentSpec", "TeacherOutput", "build_distill",
-           "dino_distillation_loss", "feature_distillation_loss", "student_specs", "weights_digest"]
+           "dino_distillation_loss", "feature_distillation_loss", "student_specs"]
 
 logger = logging.getLogger("sslkit")
 
@@ -98,20 +98,6 @@ def student_specs(entries: Any) -> list[StudentSpec]:
                                f"({{trunk: {spec['trunk']}, name: {spec['name']}_2}})")
         specs.append(spec)
     return specs
-
-
-def weights_digest(module: nn.Module) -> str:
-    """A SHA-256 of ``module``'s state (names, dtypes, shapes and bytes, in order): what a checkpoint keeps of a
-    teacher it does not store, so that a resume knows it reads the same one."""
-    h = hashlib.sha256()
-    for name, value in module.state_dict().items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        t = value.detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())  # (the buffer itself; reshape: BN's 0-d counter)
-    return h.hexdigest()
 
 
 @dataclass

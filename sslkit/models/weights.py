@@ -3,6 +3,7 @@ timm's or Meta's layout, convert it with timm's own converter, and say what diff
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from sslkit.errors import UserError
 from sslkit.models.ssl_model import SSLModel
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["WeightsError", "load_backbone", "load_trunk", "read_weights"]
+__all__ = ["WeightsError", "load_backbone", "load_trunk", "read_weights", "weights_digest"]
 
 logger = logging.getLogger("sslkit")
 
@@ -177,3 +178,18 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
         raise WeightsError(f"{key}={path} lacks {len(fresh)} of the trunk's tensors ({', '.join(sorted(fresh)[:6])}): "
                            "it is not a whole backbone of this architecture")
     return list(missing)
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A SHA-256 of ``module``'s state (names, dtypes, shapes and bytes, in order): what identifies the weights a
+    network holds, whatever file they came from (a distillation's checkpoint keeps it of the teacher it does not
+    store; sslkit bench keys its feature cache by it)."""
+    h = hashlib.sha256()
+    for name, value in module.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        t = value.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # (the buffer itself; reshape: BN's 0-d counter)
+    return h.hexdigest()

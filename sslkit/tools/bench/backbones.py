@@ -3,7 +3,6 @@ the raw pixels and random init, each read once, up front, with what identifies i
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -16,8 +15,9 @@ from torch import nn
 
 from sslkit.errors import UserError
 from sslkit.models.tokens import TokenTrunk
+from sslkit.models.weights import weights_digest
 
-__all__ = ["Backbone", "BenchError", "file_digest", "load_backbones", "parse_list", "random_twins"]
+__all__ = ["Backbone", "BenchError", "load_backbones", "parse_list", "random_twins"]
 
 logger = logging.getLogger("sslkit")
 
@@ -44,7 +44,7 @@ class Backbone:
     arch: str
     #: the network (None for pixels)
     module: nn.Module | None
-    #: what the weights are: a digest of the file read (run, weights) or how they were drawn (random)
+    #: what the weights are: the SHA-256 of the network's state as read or drawn (:func:`weights_digest`); ``pixels``
     weights_id: str
     #: the evaluation transform: image_size, mean, std, resize, crop_pct, channels
     transform: dict[str, Any]
@@ -60,20 +60,6 @@ def parse_list(value: str) -> list[str]:
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
     return [item.strip().strip("'\"") for item in text.split(",") if item.strip()]
-
-
-def file_digest(path: str) -> str:
-    """SHA-256 of a file's bytes, or of a folder's files (names and bytes, in sorted order): a changed weight is
-    a changed key, whatever its name or date."""
-    h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
-    for name in files:
-        h.update(os.path.relpath(name, path).encode() if name != path else b"")
-        with open(name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def _run_backbone(spec: str, cfg: DictConfig, device: str) -> Backbone:
@@ -98,7 +84,7 @@ def _run_backbone(spec: str, cfg: DictConfig, device: str) -> Backbone:
                  "channels": channels}
     builder = get(TRUNKS, str(pre.config.model.trunk), "model.trunk")
     arguments = trunk_arguments(pre.config, builder, channels)
-    return Backbone(spec, "run", str(pre.config.model.trunk), module.cpu().eval(), file_digest(pre.path), transform,
+    return Backbone(spec, "run", str(pre.config.model.trunk), module.cpu().eval(), weights_digest(module), transform,
                     {"checkpoint": pre.path, "step": pre.step, "part": "teacher" if part == "teacher" else "trunk",
                      "student": student, "method": str(pre.config.method.name), "arch_kwargs": arguments},
                     fresh=lambda: builder(**arguments))
@@ -164,7 +150,7 @@ def _weights_backbone(spec: str, cfg: DictConfig) -> Backbone:
         mean, std, kind = IMAGENET_MEAN, IMAGENET_STD, "weights"
     transform = {"image_size": size, "mean": [float(m) for m in mean], "std": [float(s) for s in std],
                  "resize": None, "crop_pct": None, "channels": _channels(module)}
-    return Backbone(spec, kind, arch, module.eval(), file_digest(path), transform,
+    return Backbone(spec, kind, arch, module.eval(), weights_digest(module), transform,
                     {"file": path, "arch_kwargs": arguments}, fresh=fresh)
 
 
@@ -188,10 +174,8 @@ def random_twins(backbones: list[Backbone], seed: int) -> list[Backbone]:
         seen.add(b.arch)
         torch.manual_seed(int(seed))
         module = b.fresh()
-        ident = f"random init, seed {seed}, {b.arch} {b.details.get('arch_kwargs')}, torch {torch.__version__}"
-        twins.append(Backbone(f"random ({b.arch})", "random", b.arch, module.eval(),
-                              hashlib.sha256(ident.encode()).hexdigest(), dict(b.transform),
-                              {"seed": int(seed), "like": b.name}))
+        twins.append(Backbone(f"random ({b.arch})", "random", b.arch, module.eval(), weights_digest(module),
+                              dict(b.transform), {"seed": int(seed), "like": b.name}))
     return twins
 
 

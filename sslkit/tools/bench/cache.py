@@ -129,13 +129,6 @@ def _files(path: str | None) -> Iterator[str]:
             yield os.path.join(root, n)
 
 
-def _channels(source: Dataset) -> int:
-    base: Any = source
-    while isinstance(base, Subset):
-        base = base.dataset
-    return int(getattr(base, "channels", 3))
-
-
 class BenchImages(Dataset):
     """A labelled source's images as a backbone reads them: optionally corrupted (``corruption`` = (kind, severity,
     table), each image's noise seeded by its index), gray repeated to the backbone's 3 channels, then the
@@ -157,7 +150,7 @@ class BenchImages(Dataset):
             image, label = self.source[i]
         except UnreadableSampleError:  # left out of every protocol, for every backbone alike (label -1)
             size = self.transform.image_size
-            return torch.zeros(self.channels or _channels(self.source), size, size), -1, i
+            return torch.zeros(self.channels or int(getattr(self.source, "channels", 3)), size, size), -1, i
         if self.corruption is not None:
             kind, severity, table = self.corruption
             image = corrupt(image, kind, severity, table, seed=self.seed * 1_000_003 + i)

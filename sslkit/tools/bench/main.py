@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Subset
 from tqdm import tqdm
 
+from sslkit.data.dataset import sample_file
 from sslkit.data.sources import cache_dir
 from sslkit.errors import UserError, did_you_mean
 from sslkit.tools.bench.backbones import Backbone, BenchError, load_backbones, parse_list
@@ -150,12 +151,10 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
     cache = bench.cache
     key = cache.key(parts)
     world, rank = bench.world, bench.rank
-    held = cache.load(key) is not None
-    if world > 1:
-        held = bool(all_gather_object(held)[0])  # rank 0's view of the cache decides for all
-    if held:
-        arrays = cache.load(key)
-        assert arrays is not None
+    arrays = cache.load(key)
+    if world > 1 and bool(all_gather_object(arrays is not None)[0]):  # rank 0's view of the cache decides for all
+        arrays = arrays or cache.load(key)
+    if arrays is not None:
         return Features(arrays)
     corruption = tuple(parts["corruption"]) if parts["corruption"] else None
     images: Any = BenchImages(bench.sets["train" if name == "train" else "test"], b.transform, corruption,
@@ -219,8 +218,8 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
         elif protocol == "robustness":
             assert chosen is not None
             corrupted = {n.split("/", 1)[1]: f for n, f in feats.items() if n.startswith("test/")}
-            outcome = RUNNERS["robustness"](train, corrupted, _clean(train, test, classes, s, device, chosen[0]),
-                                            classes, s, device, chosen[0])
+            clean = _clean(record["metrics"], train, test, classes, s, device, chosen[0])
+            outcome = RUNNERS["robustness"](train, corrupted, clean, classes, s, device, chosen[0])
         else:
             outcome = RUNNERS[protocol](train, test, classes, s, device)
         record["metrics"].update(outcome.metrics)
@@ -233,12 +232,15 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
     return record, per_image
 
 
-def _clean(train: Features, test: Features, classes: int, s: dict[str, Any], device: torch.device,
-           chosen: LinearChoice) -> dict[str, float]:
-    """The clean test accuracies robustness is relative to: kNN at ``robustness.k`` and the chosen classifier."""
+def _clean(found: dict[str, Any], train: Features, test: Features, classes: int, s: dict[str, Any],
+           device: torch.device, chosen: LinearChoice) -> dict[str, float]:
+    """The clean test accuracies robustness is relative to: kNN at ``robustness.k`` and the chosen classifier, read
+    from the figures the knn and linear protocols ``found`` when they ran (with that k), else computed."""
     k = int(s["robustness"]["k"])
-    knn = RUNNERS["knn"](train, test, classes, {**s, "knn": {**s["knn"], "ks": [k]}}, device)
-    return {"knn": knn.metrics[f"knn_k{k}"]["value"], "linear": float(linear_hits(chosen, test, device).mean())}
+    if f"knn_k{k}" not in found:
+        found = {**found, **RUNNERS["knn"](train, test, classes, {**s, "knn": {**s["knn"], "ks": [k]}}, device).metrics}
+    linear = found["linear"]["value"] if "linear" in found else float(linear_hits(chosen, test, device).mean())
+    return {"knn": found[f"knn_k{k}"]["value"], "linear": linear}
 
 
 def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
@@ -256,15 +258,10 @@ def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callabl
 def _name_unreadable(data: dict[str, Any], found: dict[str, list[int]], sets: dict[str, Any]) -> None:
     """``data[split]["unreadable"]``: the images left out, by path below the split's folder where it has files."""
     for split, indices in found.items():
-        base = sets[split]
-        while hasattr(base, "dataset") and hasattr(base, "indices"):
-            indices = [int(base.indices[i]) for i in indices]
-            base = base.dataset
-        samples = getattr(base, "samples", None)
         root = data[split].get("path")
-        names = [os.path.relpath(str(samples[i][0]), root) if samples is not None and root else str(i)
-                 for i in indices]
-        data[split]["unreadable"] = names
+        names = [sample_file(sets[split], i) for i in indices]
+        data[split]["unreadable"] = [os.path.relpath(n, root) if n and root else (n or str(i))
+                                     for n, i in zip(names, indices)]
 
 
 def _dry_run(bench: Bench) -> int:
