@@ -12,8 +12,9 @@ from torch.utils.data import Dataset
 
 from sslkit.data.transforms import Normalize
 
-__all__ = ["IGNORE_INDEX", "IMAGE_SUFFIXES", "FashionMNISTSegmentation", "SegmentationFolder", "SegmentationTransform",
-           "TransformedSegmentation"]
+__all__ = ["FASHION_CLASSES", "IGNORE_INDEX", "IMAGE_SUFFIXES", "FashionMNISTScenes", "FashionMNISTSegmentation",
+           "SegmentationFolder", "SegmentationTransform", "TransformedSegmentation", "folder_classes",
+           "split_scenes", "write_segmentation_folder"]
 
 #: The label of pixels no class is scored on (ADE20K's "other" after ``reduce_zero_label``, mmseg's convention).
 IGNORE_INDEX = 255
@@ -21,6 +22,11 @@ IGNORE_INDEX = 255
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 #: A folder split's sub-folder name in the ADE20K layout.
 ADE_SPLITS = {"train": "training", "test": "validation"}
+#: What a segmentation folder written by sslkit says of itself (its classes), beside images/ and annotations/.
+FOLDER_META = "dataset.json"
+#: Fashion-MNIST's classes, in label order.
+FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                   "Ankle boot")
 
 
 class FashionMNISTSegmentation(Dataset):
@@ -78,6 +84,18 @@ class SegmentationFolder(Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def mismatched(self) -> list[str]:
+        """The images whose class map is not of their size (read from the files' headers, nothing decoded), as
+        ``NAME (image WxH, map WxH)``."""
+        from PIL import Image
+
+        bad = []
+        for image, mask in self.pairs:
+            with Image.open(image) as a, Image.open(mask) as b:
+                if a.size != b.size:
+                    bad.append(f"{image.name} (image {a.size[0]}x{a.size[1]}, map {b.size[0]}x{b.size[1]})")
+        return bad
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 RGB image ``[3, H, W]`` and its class map ``[H, W]`` (int64, :data:`IGNORE_INDEX` where unscored)."""
         import numpy as np
@@ -85,7 +103,7 @@ class SegmentationFolder(Dataset):
 
         image_path, mask_path = self.pairs[i]
         with Image.open(image_path) as im:
-            image = torch.from_numpy(np.asarray(im.convert("RGB"))).permute(2, 0, 1).contiguous()
+            image = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous()
         with Image.open(mask_path) as im:
             mask = torch.from_numpy(np.asarray(im).astype(np.int64))
         if mask.ndim != 2 or mask.shape != image.shape[1:]:
@@ -132,3 +150,125 @@ class TransformedSegmentation(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.transform(*self.dataset[i])
+
+
+class FashionMNISTScenes(Dataset):
+    """Scenes composed from Fashion-MNIST, a dense task that needs patch semantics: on a black ``canvas`` x
+    ``canvas`` image, ``min_garments`` to ``max_garments`` garments of different classes, each a 28 x 28 image of the
+    split drawn at random, each in its own cell of a 2 x 2 (or larger) grid of 28-pixel cells, shifted by up to
+    ``jitter`` pixels. A pixel above ``threshold`` (of 1.0) of a garment takes that garment's class + 1 (the one
+    pasted last where two meet), a pixel nothing covers is background (class 0), and a faint pixel (lit, at most
+    the threshold: a garment's soft edge) is :data:`IGNORE_INDEX`. One class per garment, several classes per
+    image and the same outline for several classes: a threshold cannot tell them apart, the patches must know what
+    they belong to. Scene ``i`` is drawn from ``seed`` and ``i`` alone (the same on every machine and in any
+    order), so nothing is stored; ``sslkit data scenes`` writes them in ADE20K's layout."""
+
+    num_classes = 11
+    #: the side of a Fashion-MNIST image and of a cell of the scene's grid
+    cell = 28
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, count: int, canvas: int = 56,
+                 min_garments: int = 2, max_garments: int = 4, jitter: int = 6, threshold: float = 0.1,
+                 seed: int = 0) -> None:
+        cells = (canvas // self.cell) ** 2
+        if canvas < self.cell or canvas % self.cell:
+            raise ValueError(f"the scene canvas must be a multiple of {self.cell} pixels, got {canvas}")
+        if not 1 <= min_garments <= max_garments <= min(cells, 10):
+            raise ValueError(f"garments per scene: need 1 <= min ({min_garments}) <= max ({max_garments}) <= "
+                             f"{min(cells, 10)} (the canvas's {cells} cells, 10 classes)")
+        if not 0.0 <= threshold < 1.0 or count < 1 or jitter < 0:
+            raise ValueError(f"scenes: count ({count}) >= 1, jitter ({jitter}) >= 0 and threshold ({threshold}) in "
+                             "[0, 1) needed")
+        self.images, self.labels = images, labels.to(torch.int64)
+        self.count, self.canvas, self.jitter, self.threshold = int(count), int(canvas), int(jitter), float(threshold)
+        self.garments, self.seed, self.channels = (int(min_garments), int(max_garments)), int(seed), 1
+        self.by_class = [torch.nonzero(self.labels == c).flatten() for c in range(10)]
+        if any(len(ix) == 0 for ix in self.by_class):
+            raise ValueError("scenes need images of each of Fashion-MNIST's 10 classes")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def layout(self, i: int) -> list[tuple[int, int, int, int]]:
+        """Scene ``i``'s garments, in pasting order: (image index, class, top, left)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        side = self.canvas // self.cell
+        n = int(torch.randint(self.garments[0], self.garments[1] + 1, (1,), generator=g))
+        classes = torch.randperm(10, generator=g)[:n].tolist()
+        cells = torch.randperm(side * side, generator=g)[:n].tolist()
+        out = []
+        for c, cell in zip(classes, cells):
+            pool = self.by_class[c]
+            index = int(pool[int(torch.randint(len(pool), (1,), generator=g))])
+            shift = torch.randint(-self.jitter, self.jitter + 1, (2,), generator=g).tolist()
+            top = min(max((cell // side) * self.cell + shift[0], 0), self.canvas - self.cell)
+            left = min(max((cell % side) * self.cell + shift[1], 0), self.canvas - self.cell)
+            out.append((index, c, top, left))
+        return out
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 image ``[1, canvas, canvas]`` and its class map ``[canvas, canvas]`` (int64)."""
+        if not 0 <= i < self.count:
+            raise IndexError(f"scene {i} of {self.count}")
+        image = torch.zeros(self.canvas, self.canvas, dtype=torch.uint8)
+        mask = torch.zeros(self.canvas, self.canvas, dtype=torch.int64)
+        cut = self.threshold * 255.0
+        for index, c, top, left in self.layout(i):
+            garment = self.images[index].reshape(self.cell, self.cell)
+            window = (slice(top, top + self.cell), slice(left, left + self.cell))
+            solid = garment.float() > cut
+            image[window] = torch.where(solid, garment, torch.maximum(image[window], garment))
+            mask[window] = torch.where(solid, c + 1, mask[window])
+        faint = (image > 0) & (image.float() <= cut) & (mask == 0)
+        return image[None], torch.where(faint, IGNORE_INDEX, mask)
+
+
+def split_scenes(images: torch.Tensor, labels: torch.Tensor, split: str, count: int, canvas: int = 56,
+                 garments: tuple[int, int] = (2, 4), jitter: int = 6, threshold: float = 0.1,
+                 seed: int = 0) -> FashionMNISTScenes:
+    """The scenes of one split (``train`` or ``test``, each drawn from its own Fashion-MNIST split's garments and
+    its own stream of ``seed``): what ``eval.dense.dataset=scenes`` reads and ``sslkit data scenes`` writes."""
+    return FashionMNISTScenes(images, labels, count, canvas, int(garments[0]), int(garments[1]), jitter, threshold,
+                              int(seed) * 2 + (split == "test"))
+
+
+def write_segmentation_folder(dataset: Dataset, root: str | Path, split: str, meta: dict[str, Any] | None = None,
+                              progress: Any = None) -> int:
+    """Write ``dataset``'s (uint8 image, class map) pairs in ADE20K's layout under ``root``: lossless PNG images in
+    ``images/<training|validation>/`` and class maps in ``annotations/...`` (same stem, ``%06d``) holding class + 1
+    with :data:`IGNORE_INDEX` as 0, ADE20K's "other": :class:`SegmentationFolder` with ``reduce_zero_label`` (the
+    default, mmsegmentation's and DINOv3's reading of ADE20K) reads back exactly the maps written. ``meta`` (the
+    classes and how the set was made) goes to ``root/dataset.json``. Returns the pairs written."""
+    from PIL import Image
+
+    root = Path(root).expanduser()
+    sub = ADE_SPLITS.get(split, split)
+    images, annotations = root / "images" / sub, root / "annotations" / sub
+    images.mkdir(parents=True, exist_ok=True)
+    annotations.mkdir(parents=True, exist_ok=True)
+    n = len(dataset)  # type: ignore[arg-type]
+    for i in range(n):
+        image, mask = dataset[i]
+        if bool((mask != IGNORE_INDEX).logical_and(mask >= IGNORE_INDEX - 1).any()):
+            raise ValueError("a class above 253 does not fit an 8-bit class map beside the ignore label")
+        pixels = image.numpy()
+        Image.fromarray(pixels[0] if pixels.shape[0] == 1 else pixels.transpose(1, 2, 0)).save(images / f"{i:06d}.png")
+        stored = torch.where(mask == IGNORE_INDEX, 0, mask + 1).to(torch.uint8).numpy()
+        Image.fromarray(stored).save(annotations / f"{i:06d}.png")
+        if progress is not None:
+            progress(1)
+    if meta is not None:
+        import json
+
+        (root / FOLDER_META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return n
+
+
+def folder_classes(root: str | Path) -> int | None:
+    """The number of classes a segmentation folder's ``dataset.json`` states (one sslkit wrote), else None."""
+    import json
+
+    meta = Path(root).expanduser() / FOLDER_META
+    if not meta.is_file():
+        return None
+    return int(json.loads(meta.read_text(encoding="utf-8")).get("num_classes") or 0) or None

@@ -76,6 +76,11 @@ class Normalize:
         mean, inv_std = self._stats(x.shape[0])
         return x.sub_(mean).mul_(inv_std)
 
+    def batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The same, in place, on a batch ``[B, C, H, W]``."""
+        mean, inv_std = self._stats(x.shape[1])
+        return x.sub_(mean).mul_(inv_std)
+
     def __getstate__(self) -> dict[str, Any]:  # the cache is rebuilt lazily after pickling
         return {**self.__dict__, "_cache": {}}
 
@@ -381,22 +386,33 @@ class EvalTransform:
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
         """A list holding the one normalised float32 view ``[C, image_size, image_size]``."""
-        x = _to_float(image)
-        _, h, w = x.shape
+        return [self.batch(image[None])[0]]
+
+    def batch(self, images: torch.Tensor) -> torch.Tensor:
+        """The views ``[B, C, image_size, image_size]`` of images ``[B, C, H, W]`` of one size (uint8, or float in
+        0..1), each exactly what :meth:`__call__` gives it, in a few batched operations."""
+        if images.ndim != 4:
+            raise ValueError(f"expected images [B,C,H,W], got shape {tuple(images.shape)}")
+        if images.dtype == torch.uint8:
+            x = images.to(torch.float32).div_(255.0)
+        elif images.is_floating_point():
+            x = images.to(torch.float32, copy=True)
+        else:
+            raise TypeError(f"expected uint8 or float images, got {images.dtype}")
+        _, _, h, w = x.shape
         short = self.resize if self.resize is not None else max(self.image_size, min(h, w))
         if min(h, w) != short:
             nh, nw = (short, max(1, round(w * short / h))) if h <= w else (max(1, round(h * short / w)), short)
             down = nh < h or nw < w
-            x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False, antialias=down)
-            x = x[0].clamp_(0.0, 1.0)
+            x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=down).clamp_(0.0, 1.0)
         s = self.image_size
-        _, h, w = x.shape
+        _, _, h, w = x.shape
         if h < s or w < s:  # only when an explicit resize is smaller than the crop
-            x = F.interpolate(x[None], size=(max(h, s), max(w, s)), mode="bilinear", align_corners=False)[0]
-            _, h, w = x.shape
+            x = F.interpolate(x, size=(max(h, s), max(w, s)), mode="bilinear", align_corners=False)
+            _, _, h, w = x.shape
         top, left = (h - s) // 2, (w - s) // 2
-        x = x[:, top : top + s, left : left + s].contiguous()
-        return [self.normalize(x)]
+        x = x[:, :, top : top + s, left : left + s].contiguous()
+        return self.normalize.batch(x)
 
     def __repr__(self) -> str:
         return f"EvalTransform(image_size={self.image_size}, resize={self.resize})"

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,8 +17,19 @@ from sslkit.data.segmentation import IGNORE_INDEX
 from sslkit.evaluation.linear import warmup_cosine_lr
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["LinearSegmentationHead", "area_stats", "dense_logits", "dense_lr", "evaluate_dense", "on_device",
-           "patch_maps", "segmentation_metrics", "train_dense_epoch"]
+__all__ = [
+    "LinearSegmentationHead",
+    "area_stats",
+    "dense_logits",
+    "dense_lr",
+    "evaluate_dense",
+    "image_area_stats",
+    "on_device",
+    "patch_maps",
+    "segmentation_metrics",
+    "train_dense_epoch",
+    "train_dense_head",
+]
 
 
 class LinearSegmentationHead(nn.Module):
@@ -132,3 +144,52 @@ def on_device(loader: Iterable[Any], device: torch.device) -> Iterator[tuple[tor
     """(images, class maps) of each batch of ``loader``, on ``device``."""
     for images, masks in loader:
         yield images.to(device, non_blocking=True), masks.to(device, non_blocking=True)
+
+
+def image_area_stats(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
+                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``[B, 2, num_classes]``: each image's per-class intersection and union pixels (:func:`area_stats`' first two
+    rows, image by image, in one ``bincount``): what a bootstrap over test images resamples for mIoU."""
+    b = pred.shape[0]
+    keep = target != ignore_index
+    image = torch.arange(b, device=pred.device).view(b, *([1] * (pred.ndim - 1))).expand_as(pred)
+    p, t, i = pred[keep].long(), target[keep].long(), image[keep]
+    size = b * num_classes
+
+    def count(cls: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(ids * num_classes + cls, minlength=size)[:size].view(b, num_classes).double()
+
+    hit = p == t
+    intersect, predicted, labelled = count(p[hit], i[hit]), count(p, i), count(t, i)
+    return torch.stack([intersect, predicted + labelled - intersect], dim=1)
+
+
+def train_dense_head(maps: Any, masks: Any, head: nn.Module, optimizer: torch.optim.Optimizer,
+                     lr_at: Any, epochs: int, batch_size: int, device: torch.device, seed: int = 0,
+                     progress: Any = None) -> list[float]:
+    """The head trained on cached feature maps (``maps`` ``[N, D, h, w]``, ``masks`` ``[N, H, W]``, NumPy or
+    memory-mapped; float16 maps read as float32), as :func:`train_dense_epoch` trains it on a frozen trunk's
+    (the trunk is frozen and the images are not augmented, so its maps are the same every epoch): a seeded shuffle
+    each epoch, cross-entropy of the upsampled logits. Returns each epoch's mean loss."""
+    g = torch.Generator().manual_seed(int(seed))
+    n, step, losses = int(maps.shape[0]), 0, []
+    head.train()
+    for _ in range(int(epochs)):
+        total, count = None, 0
+        order = torch.randperm(n, generator=g).numpy()
+        for start in range(0, n, int(batch_size)):
+            rows = np.sort(order[start:start + int(batch_size)])
+            x = torch.from_numpy(np.asarray(maps[rows], dtype=np.float32)).to(device)
+            y = torch.from_numpy(np.asarray(masks[rows], dtype=np.int64)).to(device)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            loss = F.cross_entropy(dense_logits(head, x, tuple(y.shape[-2:])), y, ignore_index=IGNORE_INDEX)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total = loss.detach() if total is None else total + loss.detach()
+            count, step = count + 1, step + 1
+            if progress is not None:
+                progress(1)
+        losses.append(float(total) / count if total is not None else math.nan)
+    return losses

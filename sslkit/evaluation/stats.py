@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["bootstrap_indices", "bootstrap_interval", "draws_summary", "paired_difference", "per_class_mean"]
+__all__ = ["Statistic", "bootstrap_indices", "bootstrap_interval", "bootstrap_weights", "draws_summary",
+           "miou_statistic", "paired_difference", "per_class_mean", "weighted_mean"]
 
 #: Resamples of the bootstrap unless told otherwise (Efron and Tibshirani recommend 1000 or more for percentile
 #: intervals).
@@ -26,37 +27,69 @@ def bootstrap_indices(n: int, resamples: int = RESAMPLES, seed: int = 0) -> Tens
     return torch.randint(0, n, (int(resamples), n), generator=g)
 
 
-def bootstrap_interval(values: Tensor, statistic: Callable[[Tensor], Tensor] | None = None,
-                       resamples: int = RESAMPLES, level: float = 0.95, seed: int = 0) -> dict[str, float]:
+def bootstrap_weights(n: int, resamples: int = RESAMPLES, seed: int = 0) -> Tensor:
+    """``[resamples, n]`` float64: how often each of ``n`` test images is drawn in each resample of
+    :func:`bootstrap_indices` (a resample's statistic is then a weighted one: a mean, or a ratio of sums such as
+    mIoU, without copying the values ``resamples`` times)."""
+    idx = bootstrap_indices(n, resamples, seed)
+    return torch.zeros(idx.shape, dtype=torch.float64).scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float64))
+
+
+def weighted_mean(weights: Tensor, values: Tensor) -> Tensor:
+    """The default statistic: ``[R]`` means of per-image ``values`` ``[N]`` under ``weights`` ``[R, N]``."""
+    return weights @ values.double() / weights.sum(dim=1)
+
+
+def miou_statistic(weights: Tensor, values: Tensor) -> Tensor:
+    """mIoU ``[R]`` of per-image ``values`` ``[N, 2, K]`` (each image's per-class intersection and union pixels,
+    :func:`~sslkit.evaluation.dense.area_stats`'s first two rows) under ``weights`` ``[R, N]``: the summed
+    intersections over the summed unions, averaged over the classes whose union is not empty (DINOv3's mIoU of
+    the resampled set)."""
+    sums = (weights @ values.double().reshape(values.shape[0], -1)).reshape(weights.shape[0], 2, -1)
+    inter, union = sums[:, 0], sums[:, 1]
+    iou = torch.where(union > 0, inter / union.clamp(min=1e-12), torch.full_like(union, math.nan))
+    return iou.nanmean(dim=1)
+
+
+Statistic = Callable[[Tensor, Tensor], Tensor]
+
+
+def _quantiles(boot: Tensor, level: float) -> list[float]:
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    return torch.quantile(boot, q).tolist()
+
+
+def bootstrap_interval(values: Tensor, statistic: Statistic | None = None, resamples: int = RESAMPLES,
+                       level: float = 0.95, seed: int = 0) -> dict[str, float]:
     """The percentile bootstrap (Efron 1979; Efron and Tibshirani 1993, ch. 13) of a statistic of per-test-image
     ``values`` ``[N, ...]``: the statistic of the whole set, and the ``(1 - level) / 2`` and ``(1 + level) / 2``
     quantiles of the statistic over ``resamples`` sets of ``N`` images drawn with replacement
-    (:func:`bootstrap_indices`). ``statistic`` maps ``[R, N, ...]`` resampled values to ``[R]`` (default: the mean
-    over images, e.g. of 0/1 hits: the accuracy). Returns ``value``, ``low``, ``high`` and ``se`` (the standard
-    deviation of the resampled statistics)."""
-    stat = statistic or (lambda v: v.double().mean(dim=1))
-    idx = bootstrap_indices(values.shape[0], resamples, seed)
-    boot = stat(values.cpu()[idx]).double()
-    whole = float(stat(values.cpu()[None]).double()[0])
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    low, high = torch.quantile(boot, q).tolist()
+    (:func:`bootstrap_weights`). ``statistic(weights [R, N], values) -> [R]`` (default :func:`weighted_mean`, e.g.
+    of 0/1 hits: the accuracy; :func:`miou_statistic` for segmentation). Returns ``value``, ``low``, ``high`` and
+    ``se`` (the standard deviation of the resampled statistics)."""
+    stat = statistic or weighted_mean
+    values = values.cpu()
+    boot = stat(bootstrap_weights(values.shape[0], resamples, seed), values).double()
+    whole = float(stat(torch.ones(1, values.shape[0], dtype=torch.float64), values)[0])
+    low, high = _quantiles(boot, level)
     return {"value": whole, "low": low, "high": high, "se": float(boot.std(unbiased=True))}
 
 
-def paired_difference(a: Tensor, b: Tensor, statistic: Callable[[Tensor], Tensor] | None = None,
-                      resamples: int = RESAMPLES, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
+def paired_difference(a: Tensor, b: Tensor, statistic: Statistic | None = None, resamples: int = RESAMPLES,
+                      level: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """Is backbone A's figure different from B's on the same test images? The paired percentile bootstrap of
-    ``statistic(a) - statistic(b)``: both resampled with the same indices. ``supported`` is true when the interval
+    ``statistic(a) - statistic(b)``: both resampled with the same draws. ``supported`` is true when the interval
     of the difference excludes 0 (the difference is larger than the resampling spread of the test set says can
     happen by chance, at ``level``)."""
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"a paired difference needs the same test images: {a.shape[0]} and {b.shape[0]} values")
-    stat = statistic or (lambda v: v.double().mean(dim=1))
-    idx = bootstrap_indices(a.shape[0], resamples, seed)
-    diff = stat(a.cpu()[idx]).double() - stat(b.cpu()[idx]).double()
-    whole = float(stat(a.cpu()[None]).double()[0] - stat(b.cpu()[None]).double()[0])
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    low, high = torch.quantile(diff, q).tolist()
+    stat = statistic or weighted_mean
+    a, b = a.cpu(), b.cpu()
+    weights = bootstrap_weights(a.shape[0], resamples, seed)
+    diff = stat(weights, a).double() - stat(weights, b).double()
+    ones = torch.ones(1, a.shape[0], dtype=torch.float64)
+    whole = float(stat(ones, a)[0] - stat(ones, b)[0])
+    low, high = _quantiles(diff, level)
     return {"difference": whole, "low": low, "high": high, "supported": bool(low > 0 or high < 0)}
 
 

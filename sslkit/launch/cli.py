@@ -290,8 +290,9 @@ COMMANDS = {
     "viz": "look at what the model learned: attention maps, patch PCA, an embedding map, nearest neighbours "
            "(= tools/visualize.py): sslkit viz checkpoint=RUN_DIR [kind=attention,pca,embedding,neighbors]",
     "report": "a finished run's summary and plots: sslkit report RUN_DIR",
-    "data": "pack a folder of images into tar shards, or say what a source holds: sslkit data pack input=FOLDER "
-            "output=SHARDS | sslkit data info path=SOURCE",
+    "data": "pack a folder of images into tar shards, say what a source holds, or write the offline dense task: "
+            "sslkit data pack input=FOLDER output=SHARDS | sslkit data info path=SOURCE | sslkit data scenes "
+            "output=FOLDER",
     "list": "what a config can name (methods, trunks, hooks, data sources, ...)",
     "doctor": "is this machine ready? versions, GPUs, a collective, every recipe a few steps, determinism: "
               "sslkit doctor [--device cuda] [--recipes simclr,dino_vit]",

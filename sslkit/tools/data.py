@@ -1,5 +1,6 @@
-"""``sslkit data pack`` (a folder or file list into tar shards with their index) and ``sslkit data info`` (what a
-source holds: samples, classes, image sizes of a sample of it, unreadable ones)."""
+"""``sslkit data pack`` (a folder or file list into tar shards with their index), ``sslkit data info`` (what a
+source holds: samples, classes, image sizes of a sample of it, unreadable ones) and ``sslkit data scenes`` (the
+offline dense task, written as a segmentation folder)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,22 @@ INFO_KEYS = {"path": "a folder of images, a file list, tar shards (a folder, a b
                      "Hugging Face dataset (a save_to_disk folder, Parquet or Arrow files)",
              "source": "folder | filelist | webdataset | hf (default: guessed from path)",
              "sample": "how many samples, spread over the source, are decoded for the sizes (default 64)"}
+SCENES_KEYS = {"output": "the folder the scenes go to, in ADE20K's layout (images/, annotations/, dataset.json)",
+               "path": "the Fashion-MNIST files (default: the system copy)",
+               "train": "training scenes (default 4000)", "test": "test scenes (default 1000)",
+               "canvas": "the side in pixels, a multiple of 28 (default 56)",
+               "garments": "fewest and most garments per scene, e.g. [2,4] (default)",
+               "jitter": "pixels a garment moves from its cell (default 6)",
+               "seed": "the scenes' seed (default 0)"}
 USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER [shard_mb=256]
        sslkit data info path=SOURCE [source=...] [sample=64]
+       sslkit data scenes output=FOLDER [train=4000] [test=1000] [canvas=56] [garments=[2,4]] [seed=0]
 
 pack: {'; '.join(f'{k}= {v}' for k, v in PACK_KEYS.items())}
 info: {'; '.join(f'{k}= {v}' for k, v in INFO_KEYS.items())}
+scenes: Fashion-MNIST garments of several classes on a larger canvas, each pixel labelled with its garment's class
+  or background (the dense probe's offline task, eval.dense.dataset=scenes); {'; '.join(f'{k}= {v}' for k, v in
+                                                                                    SCENES_KEYS.items())}
 Train on the shards with: python tools/run.py config=simclr data=webdataset data.train.path=SHARD_FOLDER"""
 
 
@@ -121,13 +133,60 @@ def _info(args: list[str]) -> int:
     return 0
 
 
+def _int_key(opts: dict[str, str], key: str, default: int) -> int:
+    try:
+        return int(opts.get(key, default))
+    except ValueError:
+        raise ToolError(f"{key}={opts[key]}: give a whole number") from None
+
+
+def _scenes(args: list[str]) -> int:
+    from tqdm import tqdm
+
+    from sslkit.data.segmentation import FASHION_CLASSES, split_scenes, write_segmentation_folder
+
+    opts, overrides = parse_tool_args("data scenes", args, SCENES_KEYS)
+    if overrides or "output" not in opts:
+        raise ToolError("sslkit data scenes needs output=FOLDER (and takes path=, train=, test=, canvas=, garments=, "
+                        "jitter=, seed=)")
+    output = Path(opts["output"]).expanduser()
+    if (output / "images").exists():
+        raise ToolError(f"output={output} holds images/ already: give an empty or new folder")
+    counts = {"train": _int_key(opts, "train", 4000), "test": _int_key(opts, "test", 1000)}
+    garments = [int(g) for g in opts.get("garments", "[2,4]").strip("[]").split(",")]
+    params = {"canvas": _int_key(opts, "canvas", 56), "garments": garments, "jitter": _int_key(opts, "jitter", 6),
+              "threshold": 0.1, "seed": _int_key(opts, "seed", 0)}
+    start = time.perf_counter()
+    sets = {}
+    for split, n in counts.items():
+        src = build_source("fashion_mnist", split, opts.get("path"))
+        try:
+            sets[split] = split_scenes(src.images, src.labels, split, n, params["canvas"], tuple(garments),
+                                       params["jitter"], params["threshold"], params["seed"])
+        except ValueError as exc:
+            raise ToolError(f"scenes: {exc}") from None
+    meta = {"num_classes": 11, "classes": ["background", *FASHION_CLASSES], "reduce_zero_label": True,
+            "made_by": "sslkit data scenes " + " ".join(args), **counts, **params,
+            "labels": "annotations hold class + 1 (1 background, 2-11 the garments), 0 for faint edge pixels "
+                      "(ignored); read with reduce_zero_label (the default)"}
+    for split, ds in sets.items():
+        with tqdm(total=len(ds), desc=f"scenes: {split}", unit="img", disable=None, leave=False) as bar:
+            write_segmentation_folder(ds, output, split, meta if split == "test" else None, bar.update)
+    print(f"wrote {counts['train']} training and {counts['test']} test scenes ({params['canvas']} px, "
+          f"{garments[0]}-{garments[-1]} garments each, 11 classes) to {output} in "
+          f"{time.perf_counter() - start:.1f} s")
+    print(f"probe a ViT on them: sslkit dense checkpoint=RUN eval.dense.dataset=folder eval.dense.path={output}")
+    return 0
+
+
 def data_main(argv: list[str] | None = None) -> int:
-    """``sslkit data pack|info ...``."""
+    """``sslkit data pack|info|scenes ...``."""
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] not in ("pack", "info"):
+    bodies = {"pack": _pack, "info": _info, "scenes": _scenes}
+    if not args or args[0] not in bodies:
         print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2
-    body = _pack if args[0] == "pack" else _info
+    body = bodies[args[0]]
     return run_tool("data", body, args[1:], USAGE)  # (its messages: "sslkit data: error: ...")

@@ -13,10 +13,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from sslkit.builder import limited
 from sslkit.data.segmentation import (
+    FashionMNISTScenes,
     FashionMNISTSegmentation,
     SegmentationFolder,
     SegmentationTransform,
     TransformedSegmentation,
+    folder_classes,
+    split_scenes,
 )
 from sslkit.evaluation.dense import (
     LinearSegmentationHead,
@@ -39,7 +42,7 @@ from sslkit.tools.common import (
 )
 from sslkit.tools.pretrained import ToolError
 
-__all__ = ["DENSE_KEYS", "dense_main", "segmentation_sets"]
+__all__ = ["DENSE_KEYS", "dense_image_size", "dense_main", "segmentation_sets"]
 
 logger = logging.getLogger("sslkit")
 
@@ -51,43 +54,78 @@ DENSE_KEYS = {
 }
 
 
-def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str, Any]]:
-    """The training and test segmentation sets ``eval.dense`` names, and their number of classes:
-    ``fashion_mnist`` (each pixel above ``eval.dense.threshold`` the image's class, else background; the run's
-    own Fashion-MNIST files) or ``folder`` (ADE20K's layout under ``eval.dense.path``, ``eval.dense.num_classes``
-    classes). ``eval.dense.train_samples`` keeps the first N training images (0: all), ``data.limit`` the first N
-    of each split (:func:`~sslkit.builder.limited`)."""
-    dense = cfg.eval.dense
-    if dense.dataset == "fashion_mnist":
-        from sslkit.data import build_source
+def _fashion_mnist(cfg: DictConfig, split: str) -> Any:
+    from sslkit.data import build_source
 
-        path = cfg.data.train.path if cfg.data.train.source == "fashion_mnist" else None
-        sets = []
-        for split in ("train", "test"):
-            source = build_source("fashion_mnist", split, path)
-            sets.append(FashionMNISTSegmentation(source.images, source.labels, float(dense.threshold)))
+    path = cfg.data.train.path if cfg.data.train.source == "fashion_mnist" else None
+    return build_source("fashion_mnist", split, path)
+
+
+def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str, Any]]:
+    """The training and test segmentation sets ``eval.dense`` names, and their number of classes: ``scenes``
+    (:class:`~sslkit.data.segmentation.FashionMNISTScenes` of ``eval.dense.scenes``, from the run's own
+    Fashion-MNIST files), ``fashion_mnist`` (each pixel above ``eval.dense.threshold`` the image's class, else
+    background) or ``folder`` (ADE20K's layout under ``eval.dense.path``; ``eval.dense.num_classes`` classes, or
+    those its ``dataset.json`` states). ``eval.dense.train_samples`` keeps the first N training images (0: all),
+    ``data.limit`` the first N of each split (:func:`~sslkit.builder.limited`). A folder whose class maps are not of
+    their images' sizes is a :class:`ToolError` naming them."""
+    dense = cfg.eval.dense
+    if dense.dataset == "scenes":
+        sc = dense.scenes
+        sets = [split_scenes(src.images, src.labels, split, int(sc[split]), int(sc.canvas), tuple(sc.garments),
+                             int(sc.jitter), float(dense.threshold), int(sc.seed))
+                for split, src in (("train", _fashion_mnist(cfg, "train")), ("test", _fashion_mnist(cfg, "test")))]
+        classes = FashionMNISTScenes.num_classes
+        scene = OmegaConf.to_container(sc, resolve=True)
+        assert isinstance(scene, dict)
+        described = {"dataset": "scenes", **scene, "threshold": float(dense.threshold),
+                     "classes": "0 background, 1 + the garment's label where its pixel is above the threshold, "
+                                "faint pixels ignored"}
+    elif dense.dataset == "fashion_mnist":
+        sets = [FashionMNISTSegmentation(src.images, src.labels, float(dense.threshold))
+                for src in (_fashion_mnist(cfg, "train"), _fashion_mnist(cfg, "test"))]
         classes = FashionMNISTSegmentation.num_classes
         described = {"dataset": "fashion_mnist", "threshold": float(dense.threshold),
                      "classes": "0 background, 1 + the image's label where the pixel is above the threshold"}
     elif dense.dataset == "folder":
-        if not dense.path:
-            raise ToolError("eval.dense.dataset=folder needs eval.dense.path: a folder in ADE20K's layout "
-                            "(images/training, annotations/training, images/validation, annotations/validation)")
-        if not dense.num_classes:
-            raise ToolError("eval.dense.dataset=folder needs eval.dense.num_classes (150 for ADE20K)")
-        try:
-            sets = [SegmentationFolder(str(dense.path), split, bool(dense.reduce_zero_label))
-                    for split in ("train", "test")]
-        except FileNotFoundError as exc:
-            raise ToolError(f"eval.dense.path={dense.path}: {exc}") from None
-        classes = int(dense.num_classes)
-        described = {"dataset": "folder", "path": str(dense.path), "reduce_zero_label": bool(dense.reduce_zero_label)}
+        sets, classes, described = _folder_sets(dense)
     else:
-        raise ToolError(f"eval.dense.dataset={dense.dataset}: use fashion_mnist or folder")
+        raise ToolError(f"eval.dense.dataset={dense.dataset}: use scenes, fashion_mnist or folder")
     train, test = sets
     limit = int(cfg.data.limit)  # as every tool reads data.limit: the first N images of each split
     train = limited(limited(train, int(dense.train_samples)), limit)
     return train, limited(test, limit), classes, described
+
+
+def _folder_sets(dense: DictConfig) -> tuple[list[Dataset], int, dict[str, Any]]:
+    if not dense.path:
+        raise ToolError("eval.dense.dataset=folder needs eval.dense.path: a folder in ADE20K's layout "
+                        "(images/training, annotations/training, images/validation, annotations/validation)")
+    try:
+        sets = [SegmentationFolder(str(dense.path), split, bool(dense.reduce_zero_label))
+                for split in ("train", "test")]
+    except FileNotFoundError as exc:
+        raise ToolError(f"eval.dense.path={dense.path}: {exc}") from None
+    classes = int(dense.num_classes or folder_classes(str(dense.path)) or 0)
+    if not classes:
+        raise ToolError(f"eval.dense.dataset=folder needs eval.dense.num_classes (150 for ADE20K): {dense.path} has "
+                        "no dataset.json that says it")
+    for split, folder in zip(("train", "test"), sets):
+        bad = folder.mismatched()
+        if bad:
+            raise ToolError(f"eval.dense.path={dense.path}: {len(bad)} class map(s) of the {split} split are not of "
+                            f"their image's size: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
+    return sets, classes, {"dataset": "folder", "path": str(dense.path),  # type: ignore[return-value]
+                           "reduce_zero_label": bool(dense.reduce_zero_label)}
+
+
+def dense_image_size(cfg: DictConfig) -> int:
+    """The side images and class maps are resized to: ``eval.dense.image_size``, else the scenes' canvas (their
+    garments at the scale the run trained on), else ``data.image_size``."""
+    dense = cfg.eval.dense
+    if dense.image_size:
+        return int(dense.image_size)
+    return int(dense.scenes.canvas) if dense.dataset == "scenes" else int(cfg.data.image_size)
 
 
 def _loader(dataset: Dataset, transform: SegmentationTransform, batch: int, shuffle: bool, seed: int) -> DataLoader:
@@ -106,7 +144,7 @@ def _dense(args: list[str]) -> int:
                         "probes ViT runs (dinov2, dinov3, ibot, mae, ...)")
     dense, device, amp = cfg.eval.dense, pre.device, amp_dtype(cfg)
     train_set, test_set, classes, described = segmentation_sets(cfg)
-    size = int(dense.image_size or cfg.data.image_size)
+    size = dense_image_size(cfg)
     if size % trunk.patch_size:
         raise ToolError(f"eval.dense.image_size={size} is not a multiple of the trunk's {trunk.patch_size} px "
                         f"patches: use {size // trunk.patch_size * trunk.patch_size} or "

@@ -258,3 +258,113 @@ def test_severities_grow_and_bad_arguments_are_refused() -> None:
         C.corrupt(x, "contrast", 6)
     with pytest.raises(ValueError, match="unknown corruption"):
         C.corrupt(x, "fog", 1)
+
+
+# ------------------------------------------------------------------------------------------------ attentive probe
+
+
+def _vjepa_pool_by_hand(p: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """V-JEPA's AttentivePooler (one query, complete block) written out with its own operations: q = query W_q;
+    k, v from the LayerNormed tokens; per head softmax(q k^T / sqrt(d_h)) v; the output projection added to the
+    query; then the query plus fc2(GELU(fc1(LayerNorm(query))))."""
+    b, _, d = x.shape
+    h = p.num_heads
+    dh = d // h
+    xn = F.layer_norm(x, (d,), p.norm1.weight, p.norm1.bias)
+    kv = xn @ p.kv.weight.T + p.kv.bias
+    k, v = kv[..., :d], kv[..., d:]
+    q = (p.query[0, 0] @ p.q.weight.T + p.q.bias).expand(b, d)
+    heads = []
+    for i in range(h):
+        s = slice(i * dh, (i + 1) * dh)
+        att = torch.softmax(torch.einsum("bd,bnd->bn", q[:, s], k[..., s]) / math.sqrt(dh), dim=1)
+        heads.append(torch.einsum("bn,bnd->bd", att, v[..., s]))
+    y = torch.cat(heads, dim=1) @ p.proj.weight.T + p.proj.bias
+    z = p.query[0, 0] + y
+    zn = F.layer_norm(z, (d,), p.norm2.weight, p.norm2.bias)
+    hidden = F.gelu(zn @ p.fc1.weight.T + p.fc1.bias)
+    return z + hidden @ p.fc2.weight.T + p.fc2.bias
+
+
+def test_the_attentive_classifier_is_vjepas_pooler_written_out() -> None:
+    from sslkit.evaluation.attentive import AttentiveClassifier
+
+    torch.manual_seed(0)
+    probe = AttentiveClassifier(12, 5, num_heads=3)
+    x = torch.randn(4, 7, 12)
+    assert torch.allclose(probe.pool(x), _vjepa_pool_by_hand(probe, x), atol=1e-5)
+    assert torch.allclose(probe(x), _vjepa_pool_by_hand(probe, x) @ probe.linear.weight.T + probe.linear.bias,
+                          atol=1e-5)
+    # V-JEPA's init: a normal of std 0.02 (its trunc_normal_ cuts at +-2 absolute: 100 std, so nothing is cut), the
+    # output projection and the MLP's second layer divided by sqrt(2), biases 0
+    torch.manual_seed(1)
+    big = AttentiveClassifier(384, 3, num_heads=6)
+    with torch.no_grad():
+        assert big.q.weight.std().item() == pytest.approx(0.02, rel=0.03)
+        assert big.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2), rel=0.03)
+        assert big.fc2.weight.std().item() == pytest.approx(0.02 / math.sqrt(2), rel=0.03)
+        assert big.query.std().item() == pytest.approx(0.02, rel=0.15)
+        assert float(big.kv.bias.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="heads"):
+        AttentiveClassifier(10, 2, num_heads=3)
+
+
+def test_the_attentive_grid_trains_each_probe_as_it_would_be_trained_alone() -> None:
+    from sslkit.evaluation.attentive import AttentiveSettings, predict_attentive, train_attentive_grid
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (40,), generator=g)
+    signal = 3 * F.one_hot(labels, 8).float()[:, None, :]  # class c lifts feature c (a LayerNorm keeps that)
+    tokens = (torch.randn(40, 5, 8, generator=g) + signal).half().numpy()
+    rows = torch.arange(3, 40)  # rows of the array, not all of them
+    grid = AttentiveSettings(lrs=(1e-3, 1e-2), weight_decays=(0.0, 0.1), epochs=3, batch_size=16, num_heads=2)
+    probes = train_attentive_grid(tokens, rows, labels[rows], 3, grid, torch.device("cpu"))
+    for cell, (lr, wd) in enumerate(grid.cells):
+        alone = train_attentive_grid(tokens, rows, labels[rows], 3, AttentiveSettings(
+            (lr,), (wd,), 3, 16, 2), torch.device("cpu"))[0]
+        for (name, a), b in zip(probes[cell].state_dict().items(), alone.state_dict().values()):
+            assert torch.equal(a, b), (cell, name)
+    # trained longer on separable tokens it beats chance; predictions come back in the order asked
+    longer = train_attentive_grid(tokens, rows, labels[rows], 3, AttentiveSettings((1e-2,), (0.0,), 30, 16, 2),
+                                  torch.device("cpu"))
+    pred = predict_attentive(longer, tokens, rows.flip(0), torch.device("cpu"), batch_size=7)[0]
+    assert float((pred == labels[rows.flip(0)]).double().mean()) > 0.8
+    assert torch.equal(pred.flip(0), predict_attentive(longer, tokens, rows, torch.device("cpu"))[0])
+
+
+def test_the_attentive_schedule_is_a_cosine_to_zero_without_warmup() -> None:
+    from sslkit.evaluation.attentive import attentive_lr
+
+    assert attentive_lr(1e-3, 0, 100) == pytest.approx(1e-3)
+    assert attentive_lr(1e-3, 50, 100) == pytest.approx(0.5e-3)
+    assert attentive_lr(1e-3, 100, 100) == pytest.approx(0.0, abs=1e-15)
+
+
+# ------------------------------------------------------------------------------------------------ mIoU's bootstrap
+
+
+def test_the_miou_bootstrap_resamples_images_and_sums_before_dividing() -> None:
+    from sslkit.evaluation.dense import area_stats, image_area_stats, segmentation_metrics
+    from sslkit.evaluation.stats import bootstrap_weights, miou_statistic
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 4, (6, 5, 5), generator=g)
+    target[0, 0, 0] = 255
+    pred = torch.where(torch.rand(6, 5, 5, generator=g) < 0.7, target.clamp(max=3), torch.randint(0, 4, (6, 5, 5),
+                                                                                                 generator=g))
+    per = image_area_stats(pred, target, 4)
+    assert per.shape == (6, 2, 4)
+    whole = area_stats(pred, target, 4)
+    assert torch.equal(per.sum(0), whole[:2])  # image by image, the same pixels
+    ones = torch.ones(1, 6, dtype=torch.float64)
+    assert float(miou_statistic(ones, per)[0]) == pytest.approx(segmentation_metrics(whole)["miou"])
+    # a resample's mIoU is that of the images it drew, counted as often as drawn (not a mean of per-image IoUs)
+    w = bootstrap_weights(6, resamples=3, seed=1)
+    idx = bootstrap_indices(6, resamples=3, seed=1)
+    for r in range(3):
+        drawn = segmentation_metrics(area_stats(pred[idx[r]], target[idx[r]], 4))["miou"]
+        assert float(miou_statistic(w[r:r + 1], per)[0]) == pytest.approx(drawn)
+    m = bootstrap_interval(per, miou_statistic, resamples=200, seed=0)
+    assert m["low"] <= m["value"] <= m["high"] and m["se"] > 0
+    same = paired_difference(per, per, miou_statistic, resamples=100)
+    assert same["difference"] == 0.0 and not same["supported"]

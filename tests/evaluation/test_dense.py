@@ -1,5 +1,6 @@
-"""The dense probe: mIoU against hand-counted pixels, the segmentation sets (Fashion-MNIST's threshold, ADE20K's
-folder layout), the head and its schedule, and ``sslkit dense`` on a trained ViT run."""
+"""The dense probe: mIoU against hand-counted pixels, the segmentation sets (the Fashion-MNIST scenes, Fashion-MNIST's
+threshold, ADE20K's folder layout, and the scenes written as one), the head and its schedule, and ``sslkit dense`` on
+a trained ViT run."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from helpers import RECIPES, SMALL, ade_folder, run_main
 
 from sslkit.data.segmentation import (
     IGNORE_INDEX,
+    FashionMNISTScenes,
     FashionMNISTSegmentation,
     SegmentationFolder,
     SegmentationTransform,
+    folder_classes,
+    split_scenes,
+    write_segmentation_folder,
 )
 from sslkit.evaluation.dense import LinearSegmentationHead, area_stats, dense_lr, segmentation_metrics
 
@@ -50,6 +55,98 @@ def test_fashion_mnist_pixels_above_the_threshold_take_the_image_class() -> None
     assert mask[3, 4] == 10 and int((mask > 0).sum()) == 1
     with pytest.raises(ValueError, match="threshold"):
         FashionMNISTSegmentation(images, torch.tensor([3, 9]), threshold=1.5)
+
+
+def _garments(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake Fashion-MNIST: image i a block of brightness 100 + i on black with a faint (10 of 255) rim, class i % 10."""
+    images = torch.zeros(n, 1, 28, 28, dtype=torch.uint8)
+    for i in range(n):
+        images[i, 0, 4:24, 4:24] = 10
+        images[i, 0, 6:22, 6:22] = 100 + i
+    return images, torch.arange(n) % 10
+
+
+def test_a_scene_labels_each_garments_pixels_with_its_class_and_nothing_else() -> None:
+    images, labels = _garments()
+    scenes = FashionMNISTScenes(images, labels, count=30, canvas=56, min_garments=2, max_garments=4, jitter=3,
+                                threshold=0.1, seed=5)
+    seen_counts = set()
+    for i in range(len(scenes)):
+        image, mask = scenes[i]
+        assert image.shape == (1, 56, 56) and image.dtype == torch.uint8 and mask.shape == (56, 56)
+        layout = scenes.layout(i)
+        seen_counts.add(len(layout))
+        assert 2 <= len(layout) <= 4 and len({c for _, c, _, _ in layout}) == len(layout)  # classes differ
+        expected = torch.zeros(56, 56, dtype=torch.int64)
+        for index, c, top, left in layout:
+            assert int(labels[index]) == c and 0 <= top <= 28 and 0 <= left <= 28
+            solid = images[index, 0] > 25  # 0.1 x 255
+            expected[top:top + 28, left:left + 28][solid] = c + 1
+            assert torch.equal(image[0, top:top + 28, left:left + 28][solid], images[index, 0][solid]) or \
+                len(layout) > 1  # (a garment pasted later may cover part of it)
+        faint = (image[0] > 0) & (image[0] <= 25) & (expected == 0)
+        expected[faint] = IGNORE_INDEX
+        assert torch.equal(mask, expected), i
+        assert int((mask == 0).sum()) > 0 and bool((image[0][mask == 0] == 0).all())  # background is black
+    assert seen_counts == {2, 3, 4}
+    again = FashionMNISTScenes(images, labels, count=30, canvas=56, jitter=3, seed=5)
+    assert all(torch.equal(again[i][1], scenes[i][1]) for i in (7, 3, 29))  # scene i from (seed, i) alone, any order
+    other = FashionMNISTScenes(images, labels, count=30, canvas=56, jitter=3, seed=6)
+    assert any(not torch.equal(other[i][1], scenes[i][1]) for i in range(5))
+    with pytest.raises(ValueError, match="multiple of 28"):
+        FashionMNISTScenes(images, labels, count=3, canvas=50)
+    with pytest.raises(ValueError, match="garments"):
+        FashionMNISTScenes(images, labels, count=3, canvas=28, min_garments=2, max_garments=2)
+
+
+def test_the_scenes_written_as_a_folder_read_back_the_same(tmp_path: Path) -> None:
+    images, labels = _garments()
+    scenes = split_scenes(images, labels, "test", 6, canvas=56, seed=2)
+    assert scenes.seed == 5  # the test split's own stream: seed x 2 + 1
+    write_segmentation_folder(scenes, tmp_path / "sc", "test", {"num_classes": 11})
+    folder = SegmentationFolder(tmp_path / "sc", "test")  # reduce_zero_label: 0 ignored, the others shifted down
+    assert len(folder) == 6 and folder_classes(tmp_path / "sc") == 11 and folder.mismatched() == []
+    for i in range(6):
+        (image, mask), (read, read_mask) = scenes[i], folder[i]
+        assert torch.equal(read, image.expand(3, -1, -1)) and torch.equal(read_mask, mask)
+
+
+def test_sslkit_data_scenes_writes_the_scenes_dense_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sslkit.data.sources import DEBIAN_FASHION_MNIST
+
+    if not Path(DEBIAN_FASHION_MNIST).is_dir():
+        pytest.skip("no Fashion-MNIST here (apt-get install dataset-fashion-mnist)")
+    from sslkit.config.compose import compose_config
+    from sslkit.launch.cli import console
+    from sslkit.tools.dense import segmentation_sets
+
+    out = tmp_path / "scenes"
+    assert console(["data", "scenes", f"output={out}", "train=12", "test=5", "seed=3"]) == 0
+    assert "sslkit dense checkpoint=RUN eval.dense.dataset=folder" in capsys.readouterr().out
+    cfg = compose_config(["eval.dense.scenes.train=12", "eval.dense.scenes.test=5", "eval.dense.scenes.seed=3"])
+    train, test, classes, described = segmentation_sets(cfg)  # eval.dense.dataset=scenes, the default
+    assert classes == 11 and described["dataset"] == "scenes" and len(train) == 12 and len(test) == 5
+    for split, scenes in (("train", train), ("test", test)):
+        folder = SegmentationFolder(out, split)
+        for i in (0, len(scenes) - 1):
+            assert torch.equal(folder[i][1], scenes[i][1]), (split, i)
+    assert console(["data", "scenes", f"output={out}"]) == 2  # never over an earlier folder
+    assert "holds images/ already" in capsys.readouterr().err
+
+
+def test_a_folder_whose_class_maps_do_not_fit_their_images_is_named(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from sslkit.config.compose import compose_config
+    from sslkit.tools.dense import segmentation_sets
+    from sslkit.tools.pretrained import ToolError
+
+    root = ade_folder(tmp_path / "ade")
+    Image.new("L", (16, 16)).save(root / "annotations" / "validation" / "ADE_0001.png")
+    assert SegmentationFolder(root, "test").mismatched() == ["ADE_0001.jpg (image 32x32, map 16x16)"]
+    cfg = compose_config(["eval.dense.dataset=folder", f"eval.dense.path={root}", "eval.dense.num_classes=2"])
+    with pytest.raises(ToolError, match=r"ADE_0001\.jpg"):
+        segmentation_sets(cfg)
 
 
 def test_an_ade20k_layout_folder_reads_images_and_class_maps_with_zero_ignored(tmp_path: Path) -> None:
@@ -127,8 +224,9 @@ def test_sslkit_dense_on_fashion_mnist_names_its_threshold(vit_run: Path, tmp_pa
 
     out = tmp_path / "fm.json"
     # the run trained at 32 px (synthetic images): Fashion-MNIST's 28 px images are resized to it
-    assert console(["dense", f"checkpoint={vit_run}", "eval.dense.train_samples=256", "eval.dense.epochs=1",
-                    "data.limit=128", "machine.device=cpu", f"output={out}"]) == 0
+    assert console(["dense", f"checkpoint={vit_run}", "eval.dense.dataset=fashion_mnist",
+                    "eval.dense.train_samples=256", "eval.dense.epochs=1", "data.limit=128", "machine.device=cpu",
+                    f"output={out}"]) == 0
     record = json.loads(out.read_text())
     assert record["num_classes"] == 11 and record["config"]["threshold"] == 0.1
     assert record["num_train"] == record["num_test"] == 128  # data.limit, as every tool reads it

@@ -25,7 +25,9 @@ QUICK = ["data=synthetic", "data.train.kwargs.num_samples=60", "+data.test.kwarg
          "bench.knn.ks=[5,20]", "bench.linear.epochs=2", "bench.linear.lrs=[0.01,0.1]", "bench.fewshot.draws=2",
          "bench.fewshot.shots=[1,0]", "bench.fewshot.val_fraction=0.2",
          "bench.robustness.corruptions=[contrast,jpeg]", "bench.robustness.severities=[1]",
-         "bench.robustness.k=5"]
+         "bench.robustness.k=5", "bench.attentive.epochs=2", "bench.attentive.batch_size=16"]
+#: A few small Fashion-MNIST scenes for the dense protocol.
+SCENES = ["eval.dense.scenes.train=24", "eval.dense.scenes.test=12", "eval.dense.epochs=2", "eval.dense.batch_size=8"]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,14 @@ def test_bench_writes_one_table_for_runs_pixels_and_random_init(cnn_run: Path, v
     wanted = {"knn_k5", "knn_k20", "linear", "fewshot_1", "fewshot_all", "map_at_r", "recall_at_1", "recall_at_5",
               "recall_at_10", "robust_knn", "robust_linear"}
     for name in names:
-        assert set(r["results"][name]["metrics"]) == wanted, name
+        tokens = "small_cnn" not in name and name != str(cnn_run)  # by default, attentive where there are tokens
+        assert set(r["results"][name]["metrics"]) == wanted | ({"attentive"} if tokens else set()), name
         assert 0.0 <= r["results"][name]["metrics"]["linear"]["value"] <= 1.0
+    assert r["results"][str(cnn_run)]["details"]["attentive"] == {"not_measured": "small_cnn gives no patch tokens"}
+    assert "dense" not in r["protocols"]  # the scenes are Fashion-MNIST's: not beside synthetic data unless asked
+    att = r["results"][str(vit_run)]["details"]["attentive"]
+    assert att["num_val"] == 10 and att["num_fit"] == 50 and att["num_heads"] == 2 and att["tokens"] == [16, 192]
+    assert r["results"]["pixels"]["details"]["attentive"]["tokens"] == [16, 192]  # the ViT's 8 px patches, 3 x 8 x 8
     # the run's kNN is what its trunk gives when computed directly
     assert r["results"][str(cnn_run)]["metrics"]["knn_k5"]["value"] == pytest.approx(_direct_knn(cnn_run, 5))
     # intervals around their figure; draws carry their spread
@@ -101,10 +109,10 @@ def test_bench_writes_one_table_for_runs_pixels_and_random_init(cnn_run: Path, v
     assert lin["num_val"] == 10 and lin["num_fit"] == 50 and lin["chosen"]["features"] in {g["features"] for g in
                                                                                          lin["grid"]}
     # every metric has a best and its comparisons; the table marks the best in bold
-    assert set(r["comparisons"]) == wanted
+    assert set(r["comparisons"]) == wanted | {"attentive"}
     assert "**" in stdout and str(cnn_run) in (out / "results.md").read_text()
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert len(rows) == len(names) * len(wanted)
+    assert len(rows) == len(names) * len(wanted) + 3  # attentive: the ViT, its random twin, the pixels
 
 
 def test_the_cache_serves_every_later_call_and_never_a_stale_weight(cnn_run: Path, tmp_path: Path) -> None:
@@ -162,7 +170,7 @@ def test_a_changed_image_is_a_new_feature_set_and_unreadable_ones_are_left_out(t
 @pytest.mark.parametrize(("args", "words"), [
     (["backbones=[/no/such/run, pixels]"], "/no/such/run"),
     (["backbones=[pixels]", "protocols=[knn, lineer]"], "Did you mean 'linear'"),
-    (["backbones=[pixels]", "protocols=[attentive]"], "attentive probe"),
+    (["backbones=[pixels]", "protocols=[dense]", "eval.dense.dataset=folder"], "protocols=dense"),
     (["backbones=[vit_tiny@/no/file.pth]"], "vit_tiny@/no/file.pth"),
     (["backbones=[]"], "no backbones"),
     (["backbones=[pixels,pixels]"], "listed twice"),
@@ -172,6 +180,49 @@ def test_bad_input_is_a_message_and_exit_2_before_any_extraction(args: list[str]
     code, _, stderr = bench(*args, f"output={tmp_path / 'out'}", f"bench.cache_dir={tmp_path / 'cache'}")
     assert code == 2 and words in stderr and "Traceback" not in stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_patch_token_protocol_on_a_cnn_is_refused_before_any_extraction(cnn_run: Path, tmp_path: Path) -> None:
+    for protocol in ("attentive", "dense"):
+        code, _, stderr = bench(f"backbones=[pixels, {cnn_run}]", f"protocols=[knn, {protocol}]",
+                                f"output={tmp_path / 'out'}", f"bench.cache_dir={tmp_path / 'cache'}")
+        assert code == 2 and f"protocols={protocol}" in stderr and str(cnn_run) in stderr, stderr[-2000:]
+        assert "Traceback" not in stderr and not (tmp_path / "cache").exists()
+
+
+def test_the_dense_protocol_on_fashion_mnist_scenes(vit_run: Path, tmp_path: Path) -> None:
+    from sslkit.data.sources import DEBIAN_FASHION_MNIST
+
+    if not Path(DEBIAN_FASHION_MNIST).is_dir():
+        pytest.skip("no Fashion-MNIST here (apt-get install dataset-fashion-mnist)")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    code, _, stderr = bench(f"backbones=[{vit_run}, pixels, random]", "protocols=[dense]", *SCENES,
+                            f"output={out}", f"bench.cache_dir={cache}")
+    assert code == 0, stderr[-3000:]
+    r = _results(out)
+    for name in (str(vit_run), "pixels", "random (vit_tiny)"):
+        m = r["results"][name]["metrics"]["dense_miou"]
+        assert 0.0 <= m["low"] <= m["value"] <= m["high"] <= 1.0, name
+        d = r["results"][name]["details"]["dense"]
+        assert d["num_train"] == 24 and d["num_test"] == 12 and len(d["train_loss"]) == 2
+        assert len(d["per_class_iou"]) == 11 and d["miou"] == pytest.approx(m["value"])
+    # the run's 8 px patches on the 56 px scenes: a 7 x 7 map of its width; the pixels cut in the same patches
+    assert r["results"][str(vit_run)]["details"]["dense"]["feature_map"] == [192, 7, 7]
+    assert r["results"]["pixels"]["details"]["dense"]["feature_map"] == [64, 7, 7]
+    assert "dense_miou" in r["comparisons"]
+    entries = {e["entry"] for e in FeatureCache(str(cache)).entries()}
+    assert {"dense/train", "dense/test"} <= entries
+    # a folder whose class maps do not fit their images: named, before anything is extracted
+    from helpers import ade_folder
+    from PIL import Image
+
+    root = ade_folder(tmp_path / "ade")
+    Image.new("L", (8, 8)).save(root / "annotations" / "training" / "ADE_0002.png")
+    code, _, stderr = bench("backbones=[pixels]", "protocols=[dense]", "eval.dense.dataset=folder",
+                            f"eval.dense.path={root}", "eval.dense.num_classes=2", f"output={tmp_path / 'x'}",
+                            f"bench.cache_dir={tmp_path / 'cache2'}")
+    assert code == 2 and "protocols=dense" in stderr and "ADE_0002.jpg" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "cache2").exists()
 
 
 def test_a_corrupt_checkpoint_names_the_backbone(tmp_path: Path) -> None:
@@ -317,3 +368,59 @@ def test_a_runs_own_bench_settings_do_not_stop_its_evaluation(cnn_run: Path, tmp
     code, _, stderr = bench(f"backbones=[{run}]", "protocols=[knn]", f"output={tmp_path / 'out'}",
                             f"bench.cache_dir={tmp_path / 'cache'}")
     assert code == 0, stderr[-2000:]
+
+
+def test_a_batch_is_transformed_together_into_exactly_the_images_one_by_one() -> None:
+    """The loader fetches whole batches (BenchImages.__getitems__): the same values as item by item, for every
+    transform (resize, crop, normalisation, channels), under a corruption, with an unreadable image among them."""
+    from torch.utils.data import Subset
+
+    from sslkit.data.sources import UnreadableSampleError
+    from sslkit.tools.bench.cache import BenchImages
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (12, 1, 30, 30), dtype=torch.uint8, generator=g)
+
+    class Source(torch.utils.data.Dataset):
+        channels = 1
+
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int):
+            if i == 4:
+                raise UnreadableSampleError("img4.png: broken")
+            return images[i].clone(), i % 3
+
+    transforms = [{"image_size": 28, "mean": [0.5], "std": [0.5], "resize": None, "crop_pct": None, "channels": 3},
+                  {"image_size": 16, "mean": [0.4, 0.5, 0.6], "std": [0.2, 0.3, 0.4], "resize": 20, "crop_pct": None,
+                   "channels": 3},
+                  {"image_size": 24, "mean": None, "std": None, "resize": None, "crop_pct": 0.875, "channels": None}]
+    for t in transforms:
+        for corruption in (None, ("gaussian_noise", 3, "cifar")):
+            data = BenchImages(Source(), t, corruption, seed=1)
+            asked = [5, 0, 4, 11, 3]
+            x, y, index = data.__getitems__(asked)
+            assert index.tolist() == asked and y.tolist() == [2, 0, -1, 2, 0]
+            for j, i in enumerate(asked):
+                assert torch.equal(x[j], data[i][0]), (t, corruption, i)
+            assert torch.equal(Subset(data, list(range(12))).__getitems__(asked)[0], x)
+
+
+def test_data_without_a_test_split_gets_a_stated_seeded_one(tmp_path: Path) -> None:
+    photo_folder(tmp_path / "data", 40)  # one folder of class folders, no test split
+    args = ["data=folder", f"data.train.path={tmp_path / 'data'}", "data.image_size=16", "backbones=[pixels]",
+            "protocols=[knn]", f"bench.cache_dir={tmp_path / 'cache'}", "machine.device=cpu", "bench.num_workers=0",
+            "bench.knn.ks=[3]", "bench.bootstrap=50", "bench.test_fraction=0.25"]
+    code, _, stderr = run_sslkit("bench", *args, f"output={tmp_path / 'a'}")
+    assert code == 0, stderr[-2000:]
+    r = _results(tmp_path / "a")
+    data = r["data"]
+    assert data["test_split"] == "a stratified 0.25 of the train split, seed 0"
+    assert data["train"]["size"] + data["test"]["size"] == 41 and data["test"]["size"] == 10  # 20 + 21 files: 5 + 5
+    unreadable = data["train"].get("unreadable", []) + data["test"].get("unreadable", [])
+    assert unreadable == ["c1/broken.jpg"]  # in one of the two parts, left out, named
+    assert r["results"]["pixels"]["details"]["knn"]["num_train"] == data["train"]["size"] - len(
+        data["train"].get("unreadable", []))
+    assert run_sslkit("bench", *args, "bench.seed=1", f"output={tmp_path / 'b'}")[0] == 0
+    assert _results(tmp_path / "b")["data"]["test"]["fingerprint"] != data["test"]["fingerprint"]  # another draw

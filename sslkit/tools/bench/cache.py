@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -23,7 +24,8 @@ from sslkit.data.transforms import EvalTransform
 from sslkit.evaluation.corruptions import corrupt
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["BenchImages", "FeatureCache", "data_fingerprint", "extract_arrays", "vit_summary"]
+__all__ = ["BenchImages", "FeatureCache", "data_fingerprint", "extract_arrays", "module_heads", "patch_tokens",
+           "summary", "token_capable", "token_maps", "vit_summary"]
 
 #: Bumped when what an entry holds or how it is computed changes: older entries are then not read.
 FORMAT = 1
@@ -133,7 +135,8 @@ class BenchImages(Dataset):
     """A labelled source's images as a backbone reads them: optionally corrupted (``corruption`` = (kind, severity,
     table), each image's noise seeded by its index), gray repeated to the backbone's 3 channels, then the
     evaluation transform (shorter-side resize, centre crop, normalisation). Items: (image, label, index); an image
-    that cannot be read is a blank one with label -1, which every protocol leaves out."""
+    that cannot be read is a blank one with label -1, which every protocol leaves out. A loader fetches whole
+    batches (:meth:`__getitems__`)."""
 
     def __init__(self, source: Dataset, transform: dict[str, Any], corruption: tuple[str, int, str] | None = None,
                  seed: int = 0) -> None:
@@ -145,20 +148,51 @@ class BenchImages(Dataset):
     def __len__(self) -> int:
         return len(self.source)  # type: ignore[arg-type]
 
-    def __getitem__(self, i: int) -> tuple[Tensor, int, int]:
+    def _read(self, i: int) -> tuple[Tensor | None, int]:
+        """Image ``i`` corrupted and with the backbone's channels, before the transform; (None, -1) unreadable."""
         try:
             image, label = self.source[i]
         except UnreadableSampleError:  # left out of every protocol, for every backbone alike (label -1)
-            size = self.transform.image_size
-            return torch.zeros(self.channels or int(getattr(self.source, "channels", 3)), size, size), -1, i
+            return None, -1
         if self.corruption is not None:
             kind, severity, table = self.corruption
             image = corrupt(image, kind, severity, table, seed=self.seed * 1_000_003 + i)
         if self.channels and image.shape[0] != self.channels:
             if image.shape[0] != 1:
                 raise ValueError(f"the images have {image.shape[0]} channels and the backbone takes {self.channels}")
-            image = image.expand(self.channels, -1, -1).contiguous()
-        return self.transform(image)[0], int(label), i
+            image = image.expand(self.channels, -1, -1)
+        return image, int(label)
+
+    def _blank(self) -> Tensor:
+        size = self.transform.image_size
+        return torch.zeros(self.channels or int(getattr(self.source, "channels", 3)), size, size)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int, int]:
+        image, label = self._read(i)
+        return (self._blank() if image is None else self.transform(image.contiguous())[0]), label, i
+
+    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """A whole batch ``(images [B, C, S, S], labels [B], indices [B])`` for the loader (``collate_fn``
+        :func:`batched`): the images of one size are transformed together (:meth:`EvalTransform.batch
+        <sslkit.data.transforms.EvalTransform.batch>`, the same values as one by one), so that a fast model is not
+        kept waiting by a Python call per image."""
+        read = [self._read(i) for i in indices]
+        sizes = {tuple(im.shape) for im, _ in read if im is not None}
+        if len(sizes) == 1:
+            readable = [k for k, (im, _) in enumerate(read) if im is not None]
+            done = self.transform.batch(torch.stack([read[k][0] for k in readable]))  # type: ignore[misc]
+            out = [self._blank() for _ in read] if len(readable) < len(read) else list(done)
+            for j, k in enumerate(readable):
+                out[k] = done[j]
+        else:
+            out = [self._blank() if im is None else self.transform(im.contiguous())[0] for im, _ in read]
+        return (torch.stack(out), torch.tensor([y for _, y in read], dtype=torch.int64),
+                torch.tensor(indices, dtype=torch.int64))
+
+
+def batched(batch: Any) -> Any:
+    """The loader's ``collate_fn`` for a dataset whose ``__getitems__`` gives the batch whole."""
+    return batch
 
 
 def vit_summary(trunk: TokenTrunk, x: Tensor, last_n: int) -> dict[str, Tensor]:
@@ -180,32 +214,82 @@ def vit_summary(trunk: TokenTrunk, x: Tensor, last_n: int) -> dict[str, Tensor]:
     return {"cls_last": torch.stack(cls, dim=1).float(), "avg": tokens.patches.float().mean(dim=1)}
 
 
-def extract_arrays(module: nn.Module | None, dataset: BenchImages, device: torch.device, batch_size: int,
-                   workers: int, last_n: int, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
-    """Every image's features, in dataset order, float32 on the CPU: ``pool`` (a trunk's output; the flattened
-    image for ``module`` None, the raw pixels) or, for a ViT, ``cls_last`` and ``avg`` (:func:`vit_summary`); with
-    ``labels``. The network runs in eval mode under ``no_grad``; ``progress(images)`` after every batch."""
+def token_capable(module: nn.Module | None) -> bool:
+    """Does the backbone give patch tokens (the attentive and dense protocols)? A sslkit ViT trunk, a timm ViT (a
+    model with ``patch_embed`` and ``num_prefix_tokens``), and the raw pixels (their patches); not a CNN."""
+    return module is None or isinstance(module, TokenTrunk) or (
+        hasattr(module, "patch_embed") and hasattr(module, "num_prefix_tokens"))
+
+
+def module_heads(module: nn.Module | None) -> int:
+    """The attention heads of a token backbone's blocks (the attentive probe's, as V-JEPA takes the encoder's); 1
+    for the pixels."""
+    if module is None:
+        return 1
+    if isinstance(module, TokenTrunk):
+        return int(module.num_heads)
+    return int(module.blocks[0].attn.num_heads)  # type: ignore[index, union-attr]
+
+
+def patch_tokens(module: nn.Module | None, x: Tensor, patch: int) -> Tensor:
+    """The last layer's patch tokens ``[B, n, D]`` in raster order, after the final norm, without CLS and register
+    tokens: a sslkit ViT's ``forward_tokens``, a timm ViT's ``forward_features`` less its prefix tokens, or, for the
+    pixels (``module`` None), each ``patch`` x ``patch`` patch of the image flattened (channel-major)."""
+    if module is None:
+        return F.unfold(x.float(), patch, stride=patch).transpose(1, 2)
+    if isinstance(module, TokenTrunk):
+        return module.forward_tokens(x).patches.float()
+    out = module.forward_features(x)  # type: ignore[operator]
+    return out[:, int(module.num_prefix_tokens):].float()
+
+
+def token_maps(module: nn.Module | None, x: Tensor, patch: int) -> Tensor:
+    """:func:`patch_tokens` as a feature map ``[B, D, h, w]`` (the dense probe's input)."""
+    tokens = patch_tokens(module, x, patch)
+    h = x.shape[-2] // patch
+    return tokens.transpose(1, 2).reshape(x.shape[0], tokens.shape[2], h, -1)
+
+
+def summary(module: nn.Module | None, last_n: int) -> Callable[[Tensor], dict[str, Tensor]]:
+    """What the classification protocols read of a batch: ``pool`` (a trunk's output; the flattened image for the
+    pixels) or, for a ViT, ``cls_last`` and ``avg`` (:func:`vit_summary`)."""
+    def run(x: Tensor) -> dict[str, Tensor]:
+        if module is None:
+            return {"pool": x.reshape(x.shape[0], -1).float()}
+        if isinstance(module, TokenTrunk):
+            return vit_summary(module, x, last_n)
+        f = module(x)
+        return {"pool": f.reshape(f.shape[0], -1).float()}
+    return run
+
+
+def extract_arrays(module: nn.Module | None, dataset: Dataset, device: torch.device, batch_size: int,
+                   workers: int, summarize: Callable[[Tensor], dict[str, Tensor]], target: str = "labels",
+                   progress: Callable[[int], None] | None = None, half: tuple[str, ...] = ()
+                   ) -> dict[str, np.ndarray]:
+    """Every image's features, in dataset order, on the CPU: ``summarize(batch)`` (float32, or float16 for the
+    names in ``half``: patch tokens and maps, whose size a float32 copy would double), with the items' second
+    element as ``target`` (``labels`` int64, or ``masks``: class maps as uint8). The network runs in eval mode under
+    ``no_grad``; ``progress(images)`` after every batch."""
+    base = dataset
+    while isinstance(base, Subset):
+        base = base.dataset
+    whole = isinstance(base, BenchImages)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=False)
+                        pin_memory=device.type == "cuda", persistent_workers=False,
+                        collate_fn=batched if whole else None)
     parts: dict[str, list[Tensor]] = {}
-    labels: list[Tensor] = []
+    targets: list[Tensor] = []
     if module is not None:
         module.to(device).eval()
     with torch.no_grad():
-        for x, y, _ in loader:
-            x = x.to(device, non_blocking=True)
-            if module is None:
-                out = {"pool": x.reshape(x.shape[0], -1).float()}
-            elif isinstance(module, TokenTrunk):
-                out = vit_summary(module, x, last_n)
-            else:
-                f = module(x)
-                out = {"pool": f.reshape(f.shape[0], -1).float()}
-            for k, v in out.items():
-                parts.setdefault(k, []).append(v.cpu())
-            labels.append(y.long())
+        for batch in loader:
+            x = batch[0].to(device, non_blocking=True)
+            for k, v in summarize(x).items():
+                parts.setdefault(k, []).append(v.to(torch.float16 if k in half else torch.float32).cpu())
+            targets.append(batch[1].to(torch.uint8 if target == "masks" else torch.int64))
             if progress is not None:
                 progress(int(x.shape[0]))
     arrays = {k: torch.cat(v).numpy() for k, v in parts.items()}
-    arrays["labels"] = torch.cat(labels).numpy() if labels else np.zeros(0, dtype=np.int64)
+    arrays[target] = torch.cat(targets).numpy() if targets else np.zeros(0, dtype=np.int64)
     return arrays

@@ -19,10 +19,22 @@ from torch.utils.data import Subset
 from tqdm import tqdm
 
 from sslkit.data.dataset import sample_file
+from sslkit.data.segmentation import SegmentationTransform, TransformedSegmentation
 from sslkit.data.sources import cache_dir
 from sslkit.errors import UserError, did_you_mean
+from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.bench.backbones import Backbone, BenchError, load_backbones, parse_list
-from sslkit.tools.bench.cache import BenchImages, FeatureCache, data_fingerprint, extract_arrays
+from sslkit.tools.bench.cache import (
+    BenchImages,
+    FeatureCache,
+    data_fingerprint,
+    extract_arrays,
+    module_heads,
+    patch_tokens,
+    summary,
+    token_capable,
+    token_maps,
+)
 from sslkit.tools.bench.protocols import PROTOCOLS as RUNNERS
 from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_hits
 from sslkit.tools.bench.report import compare_folders, comparisons, write_results
@@ -33,14 +45,13 @@ __all__ = ["BENCH_KEYS", "PROTOCOLS", "bench_finished_run", "bench_main"]
 logger = logging.getLogger("sslkit")
 
 #: The protocols, in table order.
-PROTOCOLS = ("knn", "linear", "fewshot", "retrieval", "robustness")
-#: Named in the issue and not in this version: refused with this reason, before anything is read.
-NOT_YET = {"attentive": "the attentive probe on a ViT's patch tokens", "dense": "the dense segmentation probe "
-           "(sslkit dense checkpoint=RUN does it for one run meanwhile)"}
+PROTOCOLS = ("knn", "linear", "fewshot", "retrieval", "attentive", "dense", "robustness")
+#: The protocols that read patch tokens: a ViT's (or the pixels' patches), never a CNN's.
+TOKEN_PROTOCOLS = ("attentive", "dense")
 #: The command's own keys (the rest are config keys; ``bench.X`` is short for ``eval.bench.X``).
 BENCH_KEYS = {
     "backbones": "[RUN, RUN:teacher, RUN:STUDENT, ARCH@WEIGHTS, timm:NAME@WEIGHTS, pixels, random]",
-    "protocols": f"[{', '.join(PROTOCOLS)}] (default: all)",
+    "protocols": f"[{', '.join(PROTOCOLS)}] (default: every one that fits)",
     "output": "the results folder (default bench/<data preset>)",
 }
 USAGE = f"""usage: sslkit bench backbones=[...] [data=PRESET] [protocols=[...]] [output=DIR] [--dry-run] [key=value ...]
@@ -79,16 +90,15 @@ def _rejoin(args: list[str]) -> list[str]:
     return out
 
 
-def _settings(cfg: DictConfig, opts: dict[str, str]) -> tuple[list[str], list[str], dict[str, Any]]:
+def _settings(cfg: DictConfig, opts: dict[str, str]) -> tuple[list[str], list[str], bool, dict[str, Any]]:
+    """The backbones' specs, the protocols (in table order), whether they were asked for by name (else: every
+    protocol, each where it fits), and the settings (``eval.bench`` with ``eval.dense`` as ``dense``)."""
     b = cfg.eval.bench
     specs = parse_list(opts["backbones"]) if "backbones" in opts else [str(x) for x in b.backbones]
     if not specs:
         raise BenchError("no backbones: give backbones=[RUN, ARCH@WEIGHTS, timm:NAME@WEIGHTS, pixels, random]")
     asked = parse_list(opts["protocols"]) if "protocols" in opts else [str(x) for x in b.protocols]
     for p in asked:
-        if p in NOT_YET:
-            raise BenchError(f"protocols={p}: {NOT_YET[p]} is not in this version of sslkit bench; the protocols "
-                             f"are {', '.join(PROTOCOLS)}")
         if p not in PROTOCOLS:
             raise BenchError(f"protocols: unknown protocol '{p}'.{did_you_mean(p, list(PROTOCOLS))} The protocols "
                              f"are {', '.join(PROTOCOLS)}")
@@ -96,23 +106,38 @@ def _settings(cfg: DictConfig, opts: dict[str, str]) -> tuple[list[str], list[st
     settings = OmegaConf.to_container(b, resolve=True)
     assert isinstance(settings, dict)
     settings.pop("backbones", None)
-    return specs, protocols, settings
+    settings["dense"] = OmegaConf.to_container(cfg.eval.dense, resolve=True)
+    return specs, protocols, bool(asked), settings
 
 
 def _data(cfg: DictConfig, protocols: list[str]) -> tuple[Any, Any, int, dict[str, Any]]:
-    """The labelled train and test sets, their classes and what identifies them; a dataset without labels is a
-    :class:`BenchError` naming it and the protocols that need them."""
-    from sslkit.builder import eval_sources, eval_specs
+    """The labelled train and test sets, their classes and what identifies them: the data's own splits, or, with
+    ``eval.bench.test_fraction``, a stratified seeded part of its train split as the test split (the rest as train).
+    A dataset without labels is a :class:`BenchError` naming it and the protocols that need them."""
+    from sslkit.builder import eval_sources, eval_specs, limited
+    from sslkit.data import build_source
     from sslkit.data.sources import DataSourceError
 
     specs = eval_specs(cfg)
     where = f"{specs['train'][0]}{', ' + str(specs['train'][1]) if specs['train'][1] else ''}"
+    fraction = cfg.eval.bench.test_fraction
     try:
-        train, test, classes = eval_sources(cfg)
+        if fraction:
+            source, path, kwargs, _ = specs["train"]
+            whole = limited(build_source(source, "train", path, **kwargs), cfg.data.limit)
+            classes = int(getattr(whole, "num_classes", 0))
+            if classes <= 0:
+                raise DataSourceError("it has no labels")
+            train, test = _seeded_split(whole, float(fraction), int(cfg.eval.bench.seed))
+            specs = {**specs, "test": specs["train"]}
+        else:
+            train, test, classes = eval_sources(cfg)
     except DataSourceError as exc:
         raise BenchError(f"data ({where}): {exc}. The protocols {', '.join(protocols)} need labelled train and test "
                          "sets") from None
-    described: dict[str, Any] = {"num_classes": classes, "limit": int(cfg.data.limit)}
+    described: dict[str, Any] = {"num_classes": classes, "limit": int(cfg.data.limit),
+                                 "test_split": (f"a stratified {float(fraction):g} of the train split, seed "
+                                                f"{int(cfg.eval.bench.seed)}") if fraction else "the data's own"}
     for split, ds in (("train", train), ("test", test)):
         source, path, kwargs, _ = specs[split]
         described[split] = {"source": source, "path": path, "kwargs": kwargs, "size": len(ds),
@@ -121,16 +146,60 @@ def _data(cfg: DictConfig, protocols: list[str]) -> tuple[Any, Any, int, dict[st
     return train, test, classes, described
 
 
-def _entries(b: Backbone, data: dict[str, Any], settings: dict[str, Any], protocols: list[str], device: torch.device
-             ) -> dict[str, dict[str, Any]]:
-    """The cache entries a backbone needs: ``train``, ``test`` and, for robustness, ``test/<kind>/<severity>``;
-    each the parts its key is made of."""
+def _seeded_split(ds: Any, fraction: float, seed: int) -> tuple[Subset, Subset]:
+    """``(train, test)`` subsets of ``ds``: ``fraction`` of each class, drawn by ``seed``, as the test part
+    (:func:`~sslkit.evaluation.probes.stratified_split`). The labels are read without decoding where the source
+    lists them (``labels``, ``targets``, ``samples``), else image by image."""
+    from sslkit.evaluation.probes import stratified_split
+
+    if not 0.0 < fraction < 1.0:
+        raise BenchError(f"eval.bench.test_fraction={fraction}: give a fraction in (0, 1)")
+    labels = _source_labels(ds)
+    rest, test = stratified_split(labels, fraction, seed)
+    return Subset(ds, rest.tolist()), Subset(ds, test.tolist())
+
+
+def _source_labels(ds: Any) -> torch.Tensor:
+    if isinstance(ds, Subset):
+        return _source_labels(ds.dataset)[torch.as_tensor(list(ds.indices), dtype=torch.long)]
+    for name in ("labels", "targets"):
+        found = getattr(ds, name, None)
+        if found is not None and len(found) == len(ds):
+            return torch.as_tensor(found, dtype=torch.long)
+    samples = getattr(ds, "samples", None)
+    if samples is not None and len(samples) == len(ds):
+        return torch.tensor([int(y) for _, y in samples], dtype=torch.long)
+    from sslkit.data.sources import UnreadableSampleError
+
+    labels = []
+    for i in tqdm(range(len(ds)), desc="labels", disable=None, leave=False):
+        try:
+            labels.append(int(ds[i][1]))
+        except UnreadableSampleError:  # (its own class here; left out of every protocol later)
+            labels.append(-1)
+    return torch.tensor(labels, dtype=torch.long)
+
+
+def _entries(bench: Bench, b: Backbone) -> dict[str, dict[str, Any]]:
+    """The cache entries a backbone needs: ``train``, ``test``; for robustness ``test/<kind>/<severity>``; for the
+    attentive probe ``tokens/train`` and ``tokens/test``; for dense ``dense/train`` and ``dense/test``; each the
+    parts its key is made of."""
+    settings, data = bench.settings, bench.data
     base = {"weights": b.weights_id, "arch": b.arch, "kind": b.kind, "transform": b.transform,
             "part": {k: v for k, v in b.details.items() if k in ("part", "student")},
-            "last_n": int(settings["vit_last_n"]), "torch": torch.__version__, "device": device.type}
+            "last_n": int(settings["vit_last_n"]), "torch": torch.__version__, "device": bench.device.type}
     entries = {split: {**base, "split": split, "data": data[split]["fingerprint"], "corruption": None}
                for split in ("train", "test")}
-    if "robustness" in protocols:
+    tokens = token_capable(b.module)
+    patch = bench.patch if b.module is None else None
+    if "attentive" in bench.protocols and tokens:
+        for split in ("train", "test"):
+            entries[f"tokens/{split}"] = {**entries[split], "tokens": "patches", "patch": patch}
+    if "dense" in bench.protocols and tokens and bench.seg is not None:
+        for split in ("train", "test"):
+            entries[f"dense/{split}"] = {**base, "split": split, "data": bench.seg["fingerprint"][split],
+                                         "corruption": None, "dense_size": bench.seg["size"], "patch": patch}
+    if "robustness" in bench.protocols:
         from sslkit.evaluation.corruptions import table_for
 
         r = settings["robustness"]
@@ -140,6 +209,25 @@ def _entries(b: Backbone, data: dict[str, Any], settings: dict[str, Any], protoc
                 entries[f"test/{kind}/{sev}"] = {**entries["test"], "corruption": [kind, int(sev), table],
                                                  "seed": int(settings["seed"])}
     return entries
+
+
+def _source(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]
+            ) -> tuple[Any, Callable[[torch.Tensor], dict[str, torch.Tensor]], str, tuple[str, ...]]:
+    """What entry ``name`` is extracted from and how: the dataset, the per-batch summary, the name of the items'
+    second element (labels or class maps) and the arrays kept as float16."""
+    group, _, rest = name.partition("/")
+    if group == "dense":
+        t = b.transform
+        assert bench.seg is not None
+        transform = SegmentationTransform(bench.seg["size"], t.get("mean"), t.get("std"), channels=t.get("channels"))
+        return (TransformedSegmentation(bench.seg["sets"][rest], transform),
+                lambda x: {"maps": token_maps(b.module, x, bench.patch)}, "masks", ("maps",))
+    split = rest if group == "tokens" else group
+    corruption = tuple(parts["corruption"]) if parts["corruption"] else None
+    images = BenchImages(bench.sets[split], b.transform, corruption, int(bench.settings["seed"]))  # type: ignore[arg-type]
+    if group == "tokens":
+        return images, lambda x: {"tokens": patch_tokens(b.module, x, bench.patch)}, "labels", ("tokens",)
+    return images, summary(b.module, int(bench.settings["vit_last_n"])), "labels", ()
 
 
 def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Features:
@@ -156,9 +244,7 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
         arrays = arrays or cache.load(key)
     if arrays is not None:
         return Features(arrays)
-    corruption = tuple(parts["corruption"]) if parts["corruption"] else None
-    images: Any = BenchImages(bench.sets["train" if name == "train" else "test"], b.transform, corruption,
-                              int(bench.settings["seed"]))  # type: ignore[arg-type]
+    images, summarize, target, half = _source(bench, b, name, parts)
     total = len(images)
     if world > 1:
         images = Subset(images, range(rank, total, world))
@@ -166,7 +252,7 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
     try:
         with tqdm(total=len(images), desc=f"{b.name}: {name}", unit="img", disable=None, leave=False) as bar:
             mine = extract_arrays(b.module, images, bench.device, int(bench.settings["batch_size"]), bench.workers,
-                                  int(bench.settings["vit_last_n"]), bar.update)
+                                  summarize, target, bar.update, half)
     except Exception as exc:  # (a failure of this backbone, reported in its row)
         if world == 1:
             raise
@@ -196,9 +282,10 @@ def _interleave(shares: list[np.ndarray], total: int) -> np.ndarray:
 
 def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """Every protocol on one backbone: ``(its record, its per-image values)``; None on a rank other than 0 of several
-    processes, which only helps extract."""
+    processes, which only helps extract. A patch-token protocol on a backbone without patch tokens (by default, a
+    CNN) is recorded as not measured."""
     start = time.perf_counter()
-    entries = _entries(b, bench.data, bench.settings, bench.protocols, bench.device)
+    entries = _entries(bench, b)
     feats = {n: _features(bench, b, n, parts) for n, parts in entries.items()}
     if bench.rank != 0:
         return None
@@ -206,30 +293,51 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
                                                                                             2)},
                               "cache": {n: bench.cache.key(p) for n, p in entries.items()}}
     per_image: dict[str, Any] = {}
-    chosen = None
-    train, test = feats["train"], feats["test"]
-    s, classes, device = bench.settings, bench.classes, bench.device
+    chosen: list[Any] = []
     for protocol in bench.protocols:
         t0 = time.perf_counter()
-        if protocol in ("linear", "robustness") and chosen is None:
-            chosen = fit_linear(train, classes, s, device, _grid_bar(b, s, train))
-        if protocol == "linear":
-            outcome = RUNNERS["linear"](train, test, classes, s, device, chosen)
-        elif protocol == "robustness":
-            assert chosen is not None
-            corrupted = {n.split("/", 1)[1]: f for n, f in feats.items() if n.startswith("test/")}
-            clean = _clean(record["metrics"], train, test, classes, s, device, chosen[0])
-            outcome = RUNNERS["robustness"](train, corrupted, clean, classes, s, device, chosen[0])
-        else:
-            outcome = RUNNERS[protocol](train, test, classes, s, device)
+        if protocol in TOKEN_PROTOCOLS and not token_capable(b.module):
+            record["details"][protocol] = {"not_measured": f"{b.arch} gives no patch tokens"}
+            continue
+        outcome = _protocol(bench, b, protocol, feats, record["metrics"], chosen)
         record["metrics"].update(outcome.metrics)
         record["details"][protocol] = outcome.details
         per_image.update(outcome.per_image)
         record["time_s"][protocol] = round(time.perf_counter() - t0, 2)
-    record["unreadable"] = {"train": train.unreadable, "test": test.unreadable}
+    record["unreadable"] = {"train": feats["train"].unreadable, "test": feats["test"].unreadable}
     record["backbone"] = {"kind": b.kind, "arch": b.arch, "weights_sha256": b.weights_id, "transform": b.transform,
                           **b.details}
     return record, per_image
+
+
+def _protocol(bench: Bench, b: Backbone, protocol: str, feats: dict[str, Features], found: dict[str, Any],
+              chosen: list[Any]) -> Any:
+    """One protocol's :class:`~sslkit.tools.bench.protocols.Outcome` for backbone ``b``; ``found``: the figures of
+    the protocols before it; ``chosen``: the linear grid's choice, fitted once for linear and robustness."""
+    train, test = feats["train"], feats["test"]
+    s, classes, device = bench.settings, bench.classes, bench.device
+    if protocol in ("linear", "robustness") and not chosen:
+        chosen.append(fit_linear(train, classes, s, device, _grid_bar(b, s, train)))
+    if protocol == "linear":
+        return RUNNERS["linear"](train, test, classes, s, device, chosen[0])
+    if protocol == "robustness":
+        corrupted = {n.split("/", 1)[1]: f for n, f in feats.items() if n.startswith("test/")}
+        clean = _clean(found, train, test, classes, s, device, chosen[0][0])
+        return RUNNERS["robustness"](train, corrupted, clean, classes, s, device, chosen[0][0])
+    if protocol == "attentive":
+        a = s["attentive"]
+        fit = int(len(train.labels) * (1 - float(a["val_fraction"])))
+        fit = min(fit, int(a["train_samples"]) or fit)
+        bar = _steps_bar(f"{b.name}: attentive probe", -(-fit // int(a["batch_size"])) * int(a["epochs"]))
+        return RUNNERS["attentive"](feats["tokens/train"], feats["tokens/test"], classes, s, device,
+                                    module_heads(b.module), bar)
+    if protocol == "dense":
+        assert bench.seg is not None
+        d, maps = s["dense"], feats["dense/train"].arrays
+        bar = _steps_bar(f"{b.name}: dense head", -(-int(maps["maps"].shape[0]) // int(d["batch_size"])) *
+                         int(d["epochs"]))
+        return RUNNERS["dense"](maps, feats["dense/test"].arrays, bench.seg["classes"], s, device, bar)
+    return RUNNERS[protocol](train, test, classes, s, device)
 
 
 def _clean(found: dict[str, Any], train: Features, test: Features, classes: int, s: dict[str, Any],
@@ -246,7 +354,12 @@ def _clean(found: dict[str, Any], train: Features, test: Features, classes: int,
 def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
     n = int(len(train.labels) * (1 - float(settings["linear"]["val_fraction"])))
     steps = -(-n // int(settings["linear"]["batch_size"])) * int(settings["linear"]["epochs"])
-    bar = tqdm(total=steps, desc=f"{b.name}: linear grid", unit="step", disable=None, leave=False)
+    return _steps_bar(f"{b.name}: linear grid", steps)
+
+
+def _steps_bar(desc: str, steps: int) -> Callable[[int], None]:
+    """A progress bar of ``steps`` steps that closes itself at the last."""
+    bar = tqdm(total=steps, desc=desc, unit="step", disable=None, leave=False)
 
     def update(k: int) -> None:
         bar.update(k)
@@ -270,7 +383,7 @@ def _dry_run(bench: Bench) -> int:
           f"{data['name']} ({data['train']['size']} train, {data['test']['size']} test, {data['num_classes']} classes)"
           f"; results would go to {bench.output}; cache {cache.root}")
     for b in bench.backbones:
-        entries = _entries(b, data, bench.settings, bench.protocols, bench.device)
+        entries = _entries(bench, b)
         held = [n for n, p in entries.items() if cache.load(cache.key(p)) is not None]
         todo = [n for n in entries if n not in held]
         print(f"  {b.name} ({b.kind}, {b.arch}): cached {len(held)} of {len(entries)} feature sets"
@@ -296,6 +409,10 @@ class Bench:
     workers: int
     output: str
     command: str
+    #: the dense protocol's sets (``sets``, ``classes``, ``size``, ``described``, ``fingerprint``), or None
+    seg: dict[str, Any] | None
+    #: the patch the pixels' tokens are cut in
+    patch: int
     #: processes (``distributed.nproc_per_node``) and how to start them (backend, timeout, device)
     nproc: int
     launch: dict[str, Any]
@@ -322,7 +439,7 @@ def _ready(cfg: DictConfig, opts: dict[str, str], data_name: str, command: str, 
     from sslkit.builder import resolve_device, resolve_num_workers
     from sslkit.distributed import get_rank, get_world_size, is_distributed
 
-    specs, protocols, settings = _settings(cfg, opts)
+    specs, protocols, named, settings = _settings(cfg, opts)
     if len(set(specs)) < len(specs):
         raise BenchError(f"backbones: {', '.join(sorted({s for s in specs if specs.count(s) > 1}))} listed twice")
     output = opts.get("output") or settings.get("output") or os.path.join("bench", data_name)
@@ -336,13 +453,62 @@ def _ready(cfg: DictConfig, opts: dict[str, str], data_name: str, command: str, 
     if failures:
         listed = "\n  ".join(f"{spec}: {why}" for spec, why in failures.items())
         raise BenchError(f"{len(failures)} backbone(s) cannot be read, nothing was extracted:\n  {listed}")
+    patch = _token_checks(backbones, protocols, named, int(cfg.data.patch_size))
+    seg = _dense_data(cfg, data_name, protocols, named, backbones)
+    if seg is None and "dense" in protocols:
+        protocols = [p for p in protocols if p != "dense"]
     cache = FeatureCache(str(settings["cache_dir"] or os.path.join(cache_dir(), "features")))
     workers, _ = resolve_num_workers(settings["num_workers"], device)
     return Bench(settings, protocols, backbones, {"train": train, "test": test}, classes, data, cache, device, workers,
-                 output, command, int(cfg.distributed.nproc_per_node),
+                 output, command, seg, patch, int(cfg.distributed.nproc_per_node),
                  {"backend": str(cfg.distributed.backend), "timeout_s": float(cfg.distributed.timeout_s),
                   "device": str(cfg.machine.device)},
                  *((0, 1) if alone or not is_distributed() else (get_rank(), get_world_size())))
+
+
+def _token_checks(backbones: list[Backbone], protocols: list[str], named: bool, default_patch: int) -> int:
+    """The patch the pixels' tokens are cut in (the first ViT's, else ``data.patch_size``). A patch-token protocol
+    asked for by name on a backbone without patch tokens (a CNN) is a :class:`BenchError` naming both; asked for
+    by default, such a backbone's cell stays empty."""
+    wanted = [p for p in protocols if p in TOKEN_PROTOCOLS]
+    if named and wanted:
+        cnns = [b.name for b in backbones if not token_capable(b.module)]
+        if cnns:
+            raise BenchError(f"protocols={','.join(wanted)} read a ViT's patch tokens, and {', '.join(cnns)} "
+                             "give(s) none (a CNN): leave the protocol out, or bench the CNN with the other protocols")
+    for b in backbones:
+        if token_capable(b.module) and b.module is not None:
+            return int(b.module.patch_size if isinstance(b.module, TokenTrunk)
+                       else b.module.patch_embed.patch_size[0])  # type: ignore[union-attr, index]
+    return default_patch
+
+
+def _dense_data(cfg: DictConfig, data_name: str, protocols: list[str], named: bool, backbones: list[Backbone]
+                ) -> dict[str, Any] | None:
+    """The dense protocol's segmentation sets (``eval.dense``: the Fashion-MNIST scenes, or a folder), read and
+    checked before anything is extracted; None when dense is not run: not asked for, or, by default, scenes beside
+    data other than Fashion-MNIST. A folder without class maps of its images' sizes, or a side that is not a
+    multiple of a ViT's patch: a :class:`BenchError` naming the dataset and the protocol."""
+    from sslkit.tools.dense import dense_image_size, segmentation_sets
+
+    if "dense" not in protocols or (not named and cfg.eval.dense.dataset != "folder" and
+                                    data_name != "fashion_mnist"):
+        return None
+    try:
+        train, test, classes, described = segmentation_sets(cfg)
+    except UserError as exc:
+        raise BenchError(f"protocols=dense: {exc}") from None
+    size = dense_image_size(cfg)
+    for b in backbones:
+        patch = getattr(b.module, "patch_size", None)
+        if isinstance(patch, int) and size % patch:
+            raise BenchError(f"protocols=dense: the segmentation images are resized to {size} px "
+                             f"(eval.dense.image_size), not a multiple of {b.name}'s {patch} px patches")
+    path = str(cfg.eval.dense.path) if described["dataset"] == "folder" else None
+    sets = {"train": train, "test": test}
+    return {"sets": sets, "classes": classes, "size": size, "described": described,
+            "fingerprint": {split: data_fingerprint(ds, path, {**described, "split": split, "size": len(ds)})
+                            for split, ds in sets.items()}}
 
 
 def bench_finished_run(cfg: DictConfig, output_dir: str) -> str:

@@ -1,5 +1,6 @@
 """The protocols of ``sslkit bench``, each a small function of one backbone's cached features: kNN, the linear
-probe grid, few-shot logistic regression, retrieval, robustness to corruptions."""
+probe grid, few-shot logistic regression, retrieval, the attentive probe, dense segmentation, robustness to
+corruptions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sslkit.evaluation.attentive import AttentiveSettings, predict_attentive, train_attentive_grid
+from sslkit.evaluation.dense import (
+    LinearSegmentationHead,
+    area_stats,
+    dense_logits,
+    dense_lr,
+    image_area_stats,
+    segmentation_metrics,
+    train_dense_head,
+)
 from sslkit.evaluation.knn import knn_predictions
 from sslkit.evaluation.probes import (
     GridSettings,
@@ -22,7 +33,7 @@ from sslkit.evaluation.probes import (
     train_probe_grid,
 )
 from sslkit.evaluation.retrieval import retrieval_scores
-from sslkit.evaluation.stats import bootstrap_interval, draws_summary, per_class_mean
+from sslkit.evaluation.stats import bootstrap_interval, draws_summary, miou_statistic, per_class_mean
 
 __all__ = ["PROTOCOLS", "Features", "Outcome", "choice_features", "primary_features"]
 
@@ -290,6 +301,84 @@ def robustness(train: Features, corrupted: dict[str, Features], clean: dict[str,
     return out
 
 
-#: The protocols that read the train and test features only (robustness also reads corrupted test features).
+def _kept_rows(f: Features) -> Tensor:
+    """The dataset rows of the readable images, int64."""
+    return torch.from_numpy(np.nonzero(f.keep)[0].astype(np.int64))
+
+
+def attentive(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device,
+              num_heads: int, progress: Callable[[int], None] | None = None) -> Outcome:
+    """The attentive probe (V-JEPA's, :class:`~sslkit.evaluation.attentive.AttentiveClassifier`) on the cached
+    patch tokens (``tokens`` ``[N, n, D]``): a stratified validation part (``attentive.val_fraction``) set aside,
+    one probe per (lr, weight decay) of the grid trained together on (the first ``attentive.train_samples`` of) the
+    rest, the best on validation by mean per-class accuracy kept (the first of equals), its test top-1 with a
+    bootstrap interval. V-JEPA augments the images of every epoch; on cached tokens nothing is augmented."""
+    a = s["attentive"]
+    heads = int(a["num_heads"] or num_heads)
+    settings = AttentiveSettings(tuple(float(x) for x in a["lrs"]), tuple(float(x) for x in a["weight_decays"]),
+                                 int(a["epochs"]), int(a["batch_size"]), heads, int(s["seed"]))
+    rows, labels = _kept_rows(train), train.labels
+    fit, val = stratified_split(labels, float(a["val_fraction"]), int(s["seed"]))
+    if int(a["train_samples"]):
+        fit = fit[: int(a["train_samples"])]
+    tokens = train.arrays["tokens"]
+    probes = train_attentive_grid(tokens, rows[fit], labels[fit], num_classes, settings, device, progress)
+    val_pred = predict_attentive(probes, tokens, rows[val], device, settings.batch_size)
+    scores = [per_class_mean(p == labels[val], labels[val], num_classes) for p in val_pred]
+    best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+    test_pred = predict_attentive([probes[best]], test.arrays["tokens"], _kept_rows(test), device,
+                                  settings.batch_size)[0]
+    hits = (test_pred == test.labels).double()
+    lr, wd = settings.cells[best]
+    details = {"chosen": {"lr": lr, "weight_decay": wd, "val_mean_accuracy": round(scores[best], 6)},
+               "grid": [{"lr": c[0], "weight_decay": c[1], "val_mean_accuracy": round(v, 6)}
+                        for c, v in zip(settings.cells, scores)],
+               "num_fit": len(fit), "num_val": len(val), "epochs": settings.epochs,
+               "batch_size": settings.batch_size, "num_heads": heads, "tokens": list(tokens.shape[1:]),
+               "source": "V-JEPA's AttentiveClassifier (facebookresearch/jepa src/models/attentive_pooler.py) and "
+                         "configs/evals/vitl16_in1k.yaml"}
+    return Outcome({"attentive": _accuracy_metric(hits, s)}, {"attentive": hits}, details)
+
+
+def dense(train: dict[str, np.ndarray], test: dict[str, np.ndarray], num_classes: int, s: dict[str, Any],
+          device: torch.device, progress: Callable[[int], None] | None = None) -> Outcome:
+    """The dense linear probe (``sslkit dense``'s protocol, DINOv3's linear segmentation) on cached patch maps
+    (``maps`` ``[N, D, h, w]``, ``masks`` ``[N, H, W]``): the head (Dropout2d, BatchNorm, 1 x 1 conv, drawn from
+    ``seed``) trained with ``eval.dense``'s AdamW, warm-up and cosine, its argmax scored by mIoU with a bootstrap
+    interval over the test images (summed intersections over summed unions of each resample,
+    :func:`~sslkit.evaluation.stats.miou_statistic`), pixel accuracy and per-class IoU."""
+    d = s["dense"]
+    maps, masks = train["maps"], train["masks"]
+    torch.manual_seed(int(s["seed"]))
+    head = LinearSegmentationHead(int(maps.shape[1]), num_classes, float(d["dropout"])).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=float(d["lr"]), betas=(0.9, 0.999),
+                            weight_decay=float(d["weight_decay"]))
+    batch, epochs = int(d["batch_size"]), int(d["epochs"])
+    total = -(-int(maps.shape[0]) // batch) * epochs
+    warmup = min(int(d["warmup_steps"]), total // 10)
+    losses = train_dense_head(maps, masks, head, opt, lambda t: dense_lr(float(d["lr"]), t, warmup, total), epochs,
+                              batch, device, int(s["seed"]), progress)
+    head.eval()
+    per_image, summed = [], None
+    with torch.no_grad():
+        for start in range(0, int(test["maps"].shape[0]), batch):
+            x = _tensor(test["maps"][start:start + batch], device)
+            y = torch.from_numpy(np.array(test["masks"][start:start + batch], dtype=np.int64)).to(device)
+            pred = dense_logits(head, x, tuple(y.shape[-2:])).argmax(1)
+            per_image.append(image_area_stats(pred, y, num_classes).cpu())
+            stats = area_stats(pred, y, num_classes)
+            summed = stats if summed is None else summed + stats
+    assert summed is not None
+    values = torch.cat(per_image)
+    metric = bootstrap_interval(values, miou_statistic, resamples=int(s["bootstrap"]), level=float(s["level"]),
+                                seed=int(s["seed"]))
+    details = {**segmentation_metrics(summed), "train_loss": [round(v, 6) for v in losses], "epochs": epochs,
+               "batch_size": batch, "warmup_steps": warmup, "num_train": int(maps.shape[0]),
+               "num_test": int(test["maps"].shape[0]), "feature_map": list(maps.shape[1:])}
+    return Outcome({"dense_miou": metric}, {"dense_miou": values}, details)
+
+
+#: The protocols by name: each reads one backbone's train and test features (attentive their patch tokens, dense the
+#: segmentation set's patch maps; robustness also reads the corrupted test features).
 PROTOCOLS: dict[str, Any] = {"knn": knn, "linear": linear, "fewshot": fewshot, "retrieval": retrieval,
-                             "robustness": robustness}
+                             "attentive": attentive, "dense": dense, "robustness": robustness}

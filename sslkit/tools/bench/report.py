@@ -13,7 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from sslkit.checkpoint import atomic_write
-from sslkit.evaluation.stats import paired_difference
+from sslkit.evaluation.stats import Statistic, miou_statistic, paired_difference
 
 __all__ = ["compare_folders", "comparisons", "markdown_table", "write_results"]
 
@@ -25,17 +25,22 @@ LEGEND = {
     "fewshot_": "logistic regression top-1 with n images per class (mean of draws)",
     "map_at_r": "retrieval mAP@R",
     "recall_at_": "retrieval recall@k",
+    "attentive": "attentive probe top-1 (V-JEPA's: one query cross-attending to the patch tokens; the grid's best on "
+                 "validation)",
+    "dense_miou": "dense linear segmentation mIoU (DINOv3's linear head on the patch tokens; eval.dense's set)",
     "robust_": "accuracy under corruptions relative to clean (mean over corruptions and severities)",
 }
+#: The statistic of a metric whose per-image values are not 0/1 hits or scores to average.
+STATISTICS: dict[str, Statistic] = {"dense_miou": miou_statistic}
 
 
 def _supported(a: dict[str, Any], b: dict[str, Any], pa: Tensor | None, pb: Tensor | None,
-               s: dict[str, Any]) -> bool | None:
+               s: dict[str, Any], statistic: Statistic | None = None) -> bool | None:
     """Does the spread support a difference between two backbones' figures? The paired bootstrap over the same
     test images where both have per-image values; for means of seeded draws, the difference of the means against
     1.96 times its standard error; None where neither exists (robustness)."""
     if pa is not None and pb is not None and pa.shape == pb.shape:
-        return bool(paired_difference(pa, pb, resamples=int(s["bootstrap"]), level=float(s["level"]),
+        return bool(paired_difference(pa, pb, statistic, resamples=int(s["bootstrap"]), level=float(s["level"]),
                                       seed=int(s["seed"]))["supported"])
     if "se" in a and "se" in b and "draws" in a:
         se = math.sqrt(a["se"] ** 2 + b["se"] ** 2)
@@ -59,7 +64,7 @@ def comparisons(results: dict[str, dict[str, Any]], per_image: dict[str, dict[st
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 sup = _supported(vals[a], vals[b], per_image.get(a, {}).get(metric), per_image.get(b, {}).get(metric),
-                                 s)
+                                 s, STATISTICS.get(metric))
                 pairs.append({"a": a, "b": b, "difference": vals[a]["value"] - vals[b]["value"], "supported": sup})
                 if best in (a, b) and sup is False:
                     tied.append(b if a == best else a)
@@ -79,13 +84,17 @@ def _cell(m: dict[str, Any] | None, mark: str) -> str:
 
 
 def metric_order(record: dict[str, Any]) -> list[str]:
-    """The metrics of a results record, in protocol order."""
+    """The metrics of a results record, in protocol order (the legend's), each protocol's in the order found."""
     seen: list[str] = []
     for name in record["backbones"]:
         for metric in record["results"].get(name, {}).get("metrics", {}):
             if metric not in seen:
                 seen.append(metric)
-    return seen
+    prefixes = ["knn_k", "linear", "fewshot_", "map_at_r", "recall_at_", "attentive", "dense_miou", "robust_"]
+
+    def rank(metric: str) -> int:
+        return next((i for i, p in enumerate(prefixes) if metric.startswith(p)), len(prefixes))
+    return sorted(seen, key=rank)  # (stable: within a protocol, the order found)
 
 
 def markdown_table(record: dict[str, Any]) -> str:
@@ -110,7 +119,8 @@ def markdown_table(record: dict[str, Any]) -> str:
     legend = [f"Figures are fractions; [low, high]: the {level}% percentile bootstrap interval over the test images "
               f"({record['settings']['bootstrap']} resamples); ± the standard deviation over seeded draws. Bold: the "
               "best of a column; ≈: its difference to the best is within the spread (paired bootstrap, or 1.96 "
-              "standard errors of the draws' means). Settings chosen on a validation part of the train split only."]
+              "standard errors of the draws' means). Settings chosen on a validation part of the train split only. "
+              "-: not measured (the attentive and dense probes read patch tokens, which a CNN does not give)."]
     for metric in metrics:
         for prefix, what in LEGEND.items():
             if metric.startswith(prefix):
@@ -158,7 +168,8 @@ def _picture(record: dict[str, Any], path: str) -> None:
     ax.imshow(np.nan_to_num(scaled, nan=0.0), cmap="viridis", aspect="auto", vmin=0, vmax=1)
     for i in range(len(names)):
         for j in range(len(metrics)):
-            text = "fail" if np.isnan(grid[i, j]) else f"{grid[i, j]:.3f}"
+            failed = "error" in record["results"].get(names[i], {})
+            text = ("fail" if failed else "n/a") if np.isnan(grid[i, j]) else f"{grid[i, j]:.3f}"
             ax.text(j, i, text, ha="center", va="center", fontsize=8,
                     color="white" if np.nan_to_num(scaled[i, j]) < 0.6 else "black")
     ax.set_xticks(range(len(metrics)), metrics, rotation=45, ha="right", fontsize=8)
