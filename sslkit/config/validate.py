@@ -29,7 +29,8 @@ __all__ = ["freeze_entries", "per_process_batch", "validate"]
 
 #: Keys that take values of several types; their value rule alone checks them.
 _VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
-                     "eval.monitors.enabled", "eval.knn.subsample", "distill.teacher_shard", "eval.bench.num_workers"}
+                     "eval.monitors.enabled", "eval.knn.subsample", "distill.teacher_shard", "eval.bench.num_workers",
+                     "eval.dense.window"}
 
 
 def _type_name(value: Any) -> str:
@@ -257,6 +258,8 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.bench.linear.val_fraction": (lambda v: isinstance(v, float) and 0.0 < v < 1.0, "a number in (0, 1)"),
     "eval.bench.attentive.val_fraction": (lambda v: isinstance(v, float) and 0.0 < v < 1.0, "a number in (0, 1)"),
     "eval.bench.attentive.epochs": (lambda v: v >= 1, ">= 1"),
+    "eval.dense.window": (lambda v: v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 1), "auto, null or a number of pixels"),
     "eval.dense.dataset": (lambda v: v in ("scenes", "fashion_mnist", "folder"), "scenes, fashion_mnist or folder"),
     "eval.dense.scenes.canvas": (lambda v: v >= 28 and v % 28 == 0, "a multiple of 28 (Fashion-MNIST's side)"),
     "eval.dense.scenes.garments": (lambda v: len(v) == 2 and 1 <= v[0] <= v[1] <= 10,

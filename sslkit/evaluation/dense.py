@@ -50,12 +50,50 @@ class LinearSegmentationHead(nn.Module):
         return self.conv(self.norm(self.dropout(maps)))
 
 
-def patch_maps(trunk: TokenTrunk, images: torch.Tensor) -> torch.Tensor:
+def patch_maps(trunk: TokenTrunk, images: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The trunk's last-layer patch tokens (after its final norm: DINOv3's ``use_backbone_norm``) as a feature map
-    ``[B, D, h, w]``, float32."""
-    tokens = trunk.forward_tokens(images)
-    h, w = tokens.grid
-    return tokens.patches.float().transpose(1, 2).reshape(images.shape[0], -1, h, w)
+    ``[B, D, h, w]``, float32; read through windows of ``window`` pixels when the images are larger
+    (:func:`windowed_maps`)."""
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        tokens = trunk.forward_tokens(x)
+        h, w = tokens.grid
+        return tokens.patches.float().transpose(1, 2).reshape(x.shape[0], -1, h, w)
+    return windowed_maps(whole, images, window, trunk.patch_size)
+
+
+def window_starts(size: int, window: int) -> list[int]:
+    """Where windows of ``window`` pixels start along a side of ``size``: every ``window`` pixels, the last one
+    moved back to end at the edge (overlapping its neighbour when ``window`` does not divide ``size``)."""
+    starts = list(range(0, size - window + 1, window))
+    if starts[-1] != size - window:
+        starts.append(size - window)
+    return starts
+
+
+def windowed_maps(maps_of: Any, images: torch.Tensor, window: int | None, patch: int) -> torch.Tensor:
+    """The feature map ``[B, D, H / patch, W / patch]`` of images larger than the network's own size, read window by
+    window (DINOv3's sliding-window inference, ``mode: slide``, here with windows side by side): ``maps_of`` on each
+    ``window`` x ``window`` crop, each crop's map put in its place, the maps of overlapping windows averaged (the
+    head is affine at test time, so this is the average of the windows' logits, as DINOv3 averages them). Without a
+    ``window``, or with images no larger, one pass over the whole image."""
+    _, _, height, width = images.shape
+    if not window or (height <= window and width <= window):
+        return maps_of(images)
+    if window % patch or height % patch or width % patch:
+        raise ValueError(f"windows of {window} px over images of {height} x {width}: all must be multiples of the "
+                         f"{patch} px patch")
+    total, count = None, torch.zeros(height // patch, width // patch, device=images.device)
+    for top in window_starts(height, min(window, height)):
+        for left in window_starts(width, min(window, width)):
+            part = maps_of(images[:, :, top:top + window, left:left + window])
+            if total is None:
+                total = part.new_zeros(part.shape[0], part.shape[1], height // patch, width // patch)
+            rows, cols = slice(top // patch, top // patch + part.shape[2]), slice(left // patch,
+                                                                                  left // patch + part.shape[3])
+            total[:, :, rows, cols] += part
+            count[rows, cols] += 1
+    assert total is not None
+    return total / count
 
 
 def dense_logits(head: nn.Module, maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -69,23 +107,26 @@ def dense_lr(base: float, step: int, warmup: int, total: int) -> float:
     return warmup_cosine_lr(base, step, warmup, total, start=base * 1e-6)
 
 
-def _frozen_maps(trunk: TokenTrunk, images: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+def frozen_maps(trunk: TokenTrunk, images: torch.Tensor, amp: torch.dtype | None,
+                window: int | None = None) -> torch.Tensor:
+    """:func:`patch_maps` of a frozen trunk: no gradient, under ``torch.autocast`` with ``amp`` when given."""
     with torch.no_grad(), (torch.autocast(images.device.type, amp) if amp else contextlib.nullcontext()):
-        return patch_maps(trunk, images)
+        return patch_maps(trunk, images, window)
 
 
 def train_dense_epoch(trunk: TokenTrunk, head: nn.Module, optimizer: torch.optim.Optimizer,
                       batches: Iterable[tuple[torch.Tensor, torch.Tensor]], lr_at: Any, step: int,
-                      amp: torch.dtype | None = None) -> tuple[float, int]:
+                      amp: torch.dtype | None = None, window: int | None = None) -> tuple[float, int]:
     """One epoch of the head on the frozen trunk (eval mode, no gradient): cross-entropy of the upsampled logits
     against the class maps, :data:`~sslkit.data.segmentation.IGNORE_INDEX` left out. Returns the mean loss (read
-    once, at the end) and the next step."""
+    once, at the end) and the next step. ``window``: the trunk reads larger images window by window
+    (:func:`windowed_maps`)."""
     trunk.eval()
     head.train()
     total = None
     n = 0
     for images, masks in batches:
-        maps = _frozen_maps(trunk, images, amp)
+        maps = frozen_maps(trunk, images, amp, window)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         loss = F.cross_entropy(dense_logits(head, maps, tuple(masks.shape[-2:])), masks, ignore_index=IGNORE_INDEX)
@@ -125,14 +166,14 @@ def segmentation_metrics(stats: torch.Tensor) -> dict[str, Any]:
 
 
 def evaluate_dense(trunk: TokenTrunk, head: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                   num_classes: int, amp: torch.dtype | None = None) -> dict[str, Any]:
+                   num_classes: int, amp: torch.dtype | None = None, window: int | None = None) -> dict[str, Any]:
     """:func:`segmentation_metrics` of the head's argmax over every batch (class maps at their own size)."""
     trunk.eval()
     head.eval()
     total = None
     with torch.no_grad():
         for images, masks in batches:
-            pred = dense_logits(head, _frozen_maps(trunk, images, amp), tuple(masks.shape[-2:])).argmax(1)
+            pred = dense_logits(head, frozen_maps(trunk, images, amp, window), tuple(masks.shape[-2:])).argmax(1)
             stats = area_stats(pred, masks, num_classes)
             total = stats if total is None else total + stats
     if total is None:

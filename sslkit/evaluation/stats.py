@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Statistic", "bootstrap_indices", "bootstrap_interval", "bootstrap_weights", "draws_summary",
-           "miou_statistic", "paired_difference", "per_class_mean", "weighted_mean"]
+           "miou_statistic", "paired_difference", "per_class_mean", "relative_statistic", "weighted_mean"]
 
 #: Resamples of the bootstrap unless told otherwise (Efron and Tibshirani recommend 1000 or more for percentile
 #: intervals).
@@ -49,6 +49,14 @@ def miou_statistic(weights: Tensor, values: Tensor) -> Tensor:
     inter, union = sums[:, 0], sums[:, 1]
     iou = torch.where(union > 0, inter / union.clamp(min=1e-12), torch.full_like(union, math.nan))
     return iou.nanmean(dim=1)
+
+
+def relative_statistic(weights: Tensor, values: Tensor) -> Tensor:
+    """The mean relative accuracy ``[R]`` of per-image 0/1 hits ``values`` ``[N, 1 + K]`` (column 0 on the clean
+    images, the others on K corrupted versions of the same images) under ``weights`` ``[R, N]``: the mean over the K
+    of each one's accuracy over the clean accuracy, both on the resampled images."""
+    sums = weights @ values.double()
+    return (sums[:, 1:] / sums[:, :1].clamp(min=1e-12)).mean(dim=1)
 
 
 Statistic = Callable[[Tensor, Tensor], Tensor]

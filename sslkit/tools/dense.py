@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from sslkit.builder import limited
@@ -25,8 +26,10 @@ from sslkit.evaluation.dense import (
     LinearSegmentationHead,
     dense_lr,
     evaluate_dense,
+    frozen_maps,
     on_device,
     train_dense_epoch,
+    train_dense_head,
 )
 from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.common import (
@@ -42,7 +45,7 @@ from sslkit.tools.common import (
 )
 from sslkit.tools.pretrained import ToolError
 
-__all__ = ["DENSE_KEYS", "dense_image_size", "dense_main", "segmentation_sets"]
+__all__ = ["DENSE_KEYS", "dense_image_size", "dense_main", "dense_window", "segmentation_sets"]
 
 logger = logging.getLogger("sslkit")
 
@@ -119,6 +122,15 @@ def _folder_sets(dense: DictConfig) -> tuple[list[Dataset], int, dict[str, Any]]
                            "reduce_zero_label": bool(dense.reduce_zero_label)}
 
 
+def dense_window(setting: Any, native: int, size: int) -> int | None:
+    """The window a trunk reads the dense images through (``eval.dense.window``): ``auto`` its own image size
+    (``native``), a number that many pixels, null none; None too when the images (``size``) are no larger."""
+    if setting is None:
+        return None
+    window = int(native) if setting == "auto" else int(setting)
+    return window if window < size else None
+
+
 def dense_image_size(cfg: DictConfig) -> int:
     """The side images and class maps are resized to: ``eval.dense.image_size``, else the scenes' canvas (their
     garments at the scale the run trained on), else ``data.image_size``."""
@@ -132,6 +144,47 @@ def _loader(dataset: Dataset, transform: SegmentationTransform, batch: int, shuf
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(TransformedSegmentation(dataset, transform), batch_size=batch, shuffle=shuffle,
                       generator=generator, num_workers=0, drop_last=False)
+
+
+def _maps_once(trunk: TokenTrunk, loader: DataLoader, device: torch.device, amp: torch.dtype | None,
+               window: int | None) -> tuple[Any, Any]:
+    """Every training image's patch map (float16) and class map (uint8 where the classes fit), on the CPU: the maps
+    every epoch would read again (the trunk is frozen, nothing is augmented)."""
+    maps, masks = [], []
+    trunk.eval()
+    for images, target in on_device(loader, device):
+        maps.append(frozen_maps(trunk, images, amp, window).half().cpu())
+        masks.append(target.cpu().to(torch.uint8 if int(target.max()) <= 255 else torch.int64))
+    return torch.cat(maps).numpy(), torch.cat(masks).numpy()
+
+
+def _train_head(trunk: TokenTrunk, head: nn.Module, dataset: Dataset, transform: SegmentationTransform,
+                dense: DictConfig, device: torch.device, amp: torch.dtype | None, window: int | None,
+                seed: int) -> list[dict[str, Any]]:
+    """The head trained over ``eval.dense.epochs``: on the training maps extracted once when they take at most
+    ``eval.dense.cache_gb`` (:func:`~sslkit.evaluation.dense.train_dense_head`), else read by the trunk every epoch.
+    Returns each epoch's mean loss."""
+    batch, epochs = int(dense.batch_size), int(dense.epochs)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=float(dense.lr), betas=(0.9, 0.999),
+                                  weight_decay=float(dense.weight_decay))
+    total = -(-len(dataset) // batch) * epochs  # type: ignore[arg-type]
+    warmup = min(int(dense.warmup_steps), total // 10)
+
+    def lr_at(t: int) -> float:
+        return dense_lr(float(dense.lr), t, warmup, total)
+    grid = transform.size // trunk.patch_size
+    if len(dataset) * int(trunk.out_dim) * grid * grid * 2 <= float(dense.cache_gb) * 1e9:  # type: ignore[arg-type]
+        maps, masks = _maps_once(trunk, _loader(dataset, transform, batch, False, seed), device, amp, window)
+        losses = train_dense_head(maps, masks, head, optimizer, lr_at, epochs, batch, device, seed)
+    else:
+        loader, step, losses = _loader(dataset, transform, batch, True, seed), 0, []
+        for _ in range(epochs):
+            loss, step = train_dense_epoch(trunk, head, optimizer, on_device(loader, device), lr_at, step, amp,
+                                           window)
+            losses.append(loss)
+    for epoch, loss in enumerate(losses):
+        logger.info("dense epoch %d/%d: train loss %.4f", epoch + 1, epochs, loss)
+    return [{"epoch": e + 1, "train_loss": round(v, 6)} for e, v in enumerate(losses)]
 
 
 def _dense(args: list[str]) -> int:
@@ -149,39 +202,36 @@ def _dense(args: list[str]) -> int:
         raise ToolError(f"eval.dense.image_size={size} is not a multiple of the trunk's {trunk.patch_size} px "
                         f"patches: use {size // trunk.patch_size * trunk.patch_size} or "
                         f"{(size // trunk.patch_size + 1) * trunk.patch_size}")
+    native = int(cfg.data.eval_transform.get("image_size", cfg.data.image_size))
+    window = dense_window(dense.window, native, size)
+    if window and window % trunk.patch_size:
+        raise ToolError(f"eval.dense.window={window} is not a multiple of the trunk's {trunk.patch_size} px patches")
     transform = SegmentationTransform(size, cfg.data.eval_transform.get("mean"), cfg.data.eval_transform.get("std"),
                                       channels=int(trunk.in_channels))
-    seed, batch, epochs = int(cfg.seed), int(dense.batch_size), int(dense.epochs)
+    seed, batch = int(cfg.seed), int(dense.batch_size)
     torch.manual_seed(seed)
     dim = int(trunk.out_dim)
     head = LinearSegmentationHead(dim, classes, float(dense.dropout)).to(device)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=float(dense.lr), betas=(0.9, 0.999),
-                                  weight_decay=float(dense.weight_decay))
-    train_loader = _loader(train_set, transform, batch, True, seed)
-    total = len(train_loader) * epochs
-    warmup = min(int(dense.warmup_steps), total // 10)
-    start, step, records = time.perf_counter(), 0, []
+    start = time.perf_counter()
     logger.info("dense: a linear head (Dropout2d, BatchNorm, 1x1 conv) on the frozen %s's patch tokens, %d classes, "
-                "%d training and %d test images at %d px, %d epoch(s)", opts.get("features", "trunk"), classes,
-                len(train_set), len(test_set), size, epochs)  # type: ignore[arg-type]
-    for epoch in range(epochs):
-        loss, step = train_dense_epoch(trunk, head, optimizer, on_device(train_loader, device),
-                                       lambda t: dense_lr(float(dense.lr), t, warmup, total), step, amp)
-        records.append({"epoch": epoch + 1, "train_loss": round(loss, 6)})
-        logger.info("dense epoch %d/%d: train loss %.4f", epoch + 1, epochs, loss)
+                "%d training and %d test images at %d px%s, %d epoch(s)", opts.get("features", "trunk"), classes,
+                len(train_set), len(test_set), size, f" in windows of {window} px" if window else "",  # type: ignore[arg-type]
+                int(dense.epochs))
+    records = _train_head(trunk, head, train_set, transform, dense, device, amp, window, seed)
     metrics = evaluate_dense(trunk, head, on_device(_loader(test_set, transform, batch, False, seed), device),
-                             classes, amp)
+                             classes, amp, window)
     record = {**metrics, "num_classes": classes, "num_train": len(train_set), "num_test": len(test_set),  # type: ignore[arg-type]
               "step": pre.step, "checkpoint": pre.path, "feature_dim": dim,
               "time_s": round(time.perf_counter() - start, 2), "epochs": records,
               "config": {"protocol": "DINOv3's linear segmentation (eval/segmentation, config-ade20k-linear-training."
                                      "yaml): Dropout2d 0.1, BatchNorm, 1x1 conv on the last layer's normed patch "
                                      "tokens, logits upsampled bilinearly, cross-entropy, AdamW (0.9, 0.999), "
-                                     "warm-up then cosine; images and class maps resized to image_size x image_size "
-                                     "(no sliding window)",
+                                     "warm-up then cosine; images and class maps resized to image_size x image_size, "
+                                     "read through windows of the run's own size side by side when larger",
                          **described, "features": opts.get("features", "trunk"), "image_size": size,
+                         "window": window,
                          **{k: v for k, v in OmegaConf.to_container(dense, resolve=True).items()  # type: ignore[union-attr]
-                            if k not in ("dataset", "path", "image_size")}}}
+                            if k not in ("dataset", "path", "image_size", "window")}}}
     out = output_path(opts, pre, "dense.json")
     write_json(out, record)
     logger.info("dense probe of step %d: mIoU %.4f, pixel accuracy %.4f; written to %s", pre.step, metrics["miou"],

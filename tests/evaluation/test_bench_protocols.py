@@ -368,3 +368,23 @@ def test_the_miou_bootstrap_resamples_images_and_sums_before_dividing() -> None:
     assert m["low"] <= m["value"] <= m["high"] and m["se"] > 0
     same = paired_difference(per, per, miou_statistic, resamples=100)
     assert same["difference"] == 0.0 and not same["supported"]
+
+
+def test_the_robustness_spread_resamples_clean_and_corrupted_hits_of_the_same_images() -> None:
+    from sslkit.evaluation.stats import bootstrap_indices as idx_of
+    from sslkit.evaluation.stats import bootstrap_weights, relative_statistic
+
+    g = torch.Generator().manual_seed(0)
+    clean = (torch.rand(50, generator=g) < 0.9).double()
+    corrupted = [(torch.rand(50, generator=g) < p).double() * clean for p in (0.8, 0.5, 0.3)]
+    values = torch.stack([clean, *corrupted], dim=1)
+    ones = torch.ones(1, 50, dtype=torch.float64)
+    by_hand = sum(float(c.mean() / clean.mean()) for c in corrupted) / 3
+    assert float(relative_statistic(ones, values)[0]) == pytest.approx(by_hand)
+    w, idx = bootstrap_weights(50, 4, seed=2), idx_of(50, 4, seed=2)
+    for r in range(4):  # a resample: every accuracy, clean ones included, on the images it drew
+        drawn = values[idx[r]]
+        expect = sum(float(drawn[:, j].mean() / drawn[:, 0].mean()) for j in (1, 2, 3)) / 3
+        assert float(relative_statistic(w[r:r + 1], values)[0]) == pytest.approx(expect)
+    m = bootstrap_interval(values, relative_statistic, resamples=300)
+    assert m["low"] < m["value"] < m["high"]

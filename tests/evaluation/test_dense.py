@@ -233,6 +233,29 @@ def test_sslkit_dense_on_fashion_mnist_names_its_threshold(vit_run: Path, tmp_pa
     assert 0.0 <= record["miou"] <= 1.0
 
 
+@pytest.mark.slow
+def test_sslkit_dense_on_the_scenes_reads_them_through_the_runs_own_window(vit_run: Path, tmp_path: Path) -> None:
+    from sslkit.data.sources import DEBIAN_FASHION_MNIST
+
+    if not Path(DEBIAN_FASHION_MNIST).is_dir():
+        pytest.skip("no Fashion-MNIST here (apt-get install dataset-fashion-mnist)")
+    from sslkit.launch.cli import console
+
+    found = {}
+    for cache_gb in ("4", "0"):  # the maps extracted once, or read by the trunk every epoch: the same protocol
+        out = tmp_path / f"scenes{cache_gb}.json"
+        assert console(["dense", f"checkpoint={vit_run}", "eval.dense.scenes.train=16", "eval.dense.scenes.test=8",
+                        "eval.dense.epochs=2", "eval.dense.batch_size=8", f"eval.dense.cache_gb={cache_gb}",
+                        "machine.device=cpu", f"output={out}"]) == 0
+        found[cache_gb] = json.loads(out.read_text())
+    for record in found.values():
+        # 56 px scenes, a run trained at 32 px: windows of 32 px at 0 and 24 on each side
+        assert record["config"]["dataset"] == "scenes" and record["config"]["image_size"] == 56
+        assert record["config"]["window"] == 32 and record["num_train"] == 16 and record["num_test"] == 8
+        assert 0.0 <= record["miou"] <= 1.0 and len(record["epochs"]) == 2
+    assert found["4"]["epochs"][0]["train_loss"] == pytest.approx(found["0"]["epochs"][0]["train_loss"], rel=0.2)
+
+
 def test_sslkit_dense_refuses_a_cnn_run_and_a_folder_without_its_path(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from sslkit.launch.cli import console
@@ -241,3 +264,29 @@ def test_sslkit_dense_refuses_a_cnn_run_and_a_folder_without_its_path(tmp_path: 
     run_main("config=simclr", *SMALL, "optim.max_steps=1", "eval.knn.enabled=false", f"output_dir={out}")
     assert console(["dense", f"checkpoint={out}", "machine.device=cpu"]) == 2
     assert "sslkit dense reads a ViT's patch tokens, and model.trunk=small_cnn gives none" in capsys.readouterr().err
+
+
+def test_larger_images_are_read_window_by_window_and_overlaps_averaged() -> None:
+    from sslkit.evaluation.dense import window_starts, windowed_maps
+
+    assert window_starts(56, 28) == [0, 28] and window_starts(42, 28) == [0, 14] and window_starts(28, 28) == [0]
+    calls = []
+
+    def maps_of(x: torch.Tensor) -> torch.Tensor:  # a "network" whose map depends on the whole window it sees
+        calls.append(tuple(x.shape[-2:]))
+        pooled = x.mean(dim=(2, 3), keepdim=True)
+        return torch.nn.functional.avg_pool2d(x, 7) + pooled
+    x = torch.randn(2, 3, 56, 56)
+    out = windowed_maps(maps_of, x, 28, 7)
+    assert calls == [(28, 28)] * 4 and out.shape == (2, 3, 8, 8)
+    assert torch.allclose(out[:, :, 4:, :4], maps_of(x[:, :, 28:, :28]))  # the bottom-left window in its place
+    calls.clear()
+    y = torch.randn(1, 3, 42, 42)  # windows at 0 and 14 on each side: the middle patches seen by two or four
+    out = windowed_maps(maps_of, y, 28, 7)
+    parts = {(t, s): maps_of(y[:, :, t:t + 28, s:s + 28]) for t in (0, 14) for s in (0, 14)}
+    assert out.shape == (1, 3, 6, 6)
+    assert torch.allclose(out[:, :, 0, 0], parts[(0, 0)][:, :, 0, 0])
+    assert torch.allclose(out[:, :, 2, 0], (parts[(0, 0)][:, :, 2, 0] + parts[(14, 0)][:, :, 0, 0]) / 2)
+    assert torch.allclose(out[:, :, 3, 3], sum(p[:, :, 3 - t // 7, 3 - s // 7] for (t, s), p in parts.items()) / 4)
+    assert torch.equal(windowed_maps(maps_of, x, None, 7), maps_of(x))  # no window: the whole image
+    assert torch.equal(windowed_maps(maps_of, x, 56, 7), maps_of(x))

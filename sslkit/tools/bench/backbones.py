@@ -163,19 +163,25 @@ def _pixels(cfg: DictConfig) -> Backbone:
 
 
 def random_twins(backbones: list[Backbone], seed: int) -> list[Backbone]:
-    """For each architecture among ``backbones`` (in order, once), the same network with fresh weights drawn from
-    ``seed`` by its own constructor (a run's trunk as training builds it, a timm model by timm): the baseline a
-    trained backbone must beat."""
+    """For each architecture among ``backbones`` (in order, once per architecture and arguments: a ViT-Tiny of 4 px
+    patches and one of 7 px are two), the same network with fresh weights drawn from ``seed`` by its own
+    constructor (a run's trunk as training builds it, a timm model by timm): the baseline a trained backbone must
+    beat. Named ``random (ARCH)``, or ``random (ARCH, like NAME)`` when the architecture comes with other arguments
+    too."""
     twins = []
     seen: set[str] = set()
+    archs: set[str] = set()
     for b in backbones:
-        if b.fresh is None or b.arch in seen:
+        shape = f"{b.arch}:{sorted(b.details.get('arch_kwargs', {}).items())}"
+        if b.fresh is None or shape in seen:
             continue
-        seen.add(b.arch)
+        seen.add(shape)
         torch.manual_seed(int(seed))
         module = b.fresh()
-        twins.append(Backbone(f"random ({b.arch})", "random", b.arch, module.eval(), weights_digest(module),
-                              dict(b.transform), {"seed": int(seed), "like": b.name}))
+        name = f"random ({b.arch})" if b.arch not in archs else f"random ({b.arch}, like {b.name})"
+        archs.add(b.arch)
+        twins.append(Backbone(name, "random", b.arch, module.eval(), weights_digest(module), dict(b.transform),
+                              {"seed": int(seed), "like": b.name}))
     return twins
 
 

@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from sslkit.data.sources import UnreadableSampleError
 from sslkit.data.transforms import EvalTransform
 from sslkit.evaluation.corruptions import corrupt
+from sslkit.evaluation.dense import windowed_maps
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["BenchImages", "FeatureCache", "data_fingerprint", "extract_arrays", "module_heads", "patch_tokens",
-           "summary", "token_capable", "token_maps", "vit_summary"]
+__all__ = ["BenchImages", "FeatureCache", "batched", "data_fingerprint", "extract_arrays", "module_heads",
+           "module_patch", "patch_tokens", "summary", "token_capable", "token_maps", "vit_summary"]
 
 #: Bumped when what an entry holds or how it is computed changes: older entries are then not read.
 FORMAT = 1
@@ -243,11 +244,25 @@ def patch_tokens(module: nn.Module | None, x: Tensor, patch: int) -> Tensor:
     return out[:, int(module.num_prefix_tokens):].float()
 
 
-def token_maps(module: nn.Module | None, x: Tensor, patch: int) -> Tensor:
-    """:func:`patch_tokens` as a feature map ``[B, D, h, w]`` (the dense probe's input)."""
-    tokens = patch_tokens(module, x, patch)
-    h = x.shape[-2] // patch
-    return tokens.transpose(1, 2).reshape(x.shape[0], tokens.shape[2], h, -1)
+def module_patch(module: nn.Module | None, pixels: int) -> int:
+    """The patch side of a token backbone: a ViT's own, ``pixels`` for the raw pixels."""
+    if module is None:
+        return int(pixels)
+    if isinstance(module, TokenTrunk):
+        return int(module.patch_size)
+    return int(module.patch_embed.patch_size[0])  # type: ignore[index, union-attr]
+
+
+def token_maps(module: nn.Module | None, x: Tensor, patch: int, window: int | None = None) -> Tensor:
+    """:func:`patch_tokens` as a feature map ``[B, D, h, w]`` (the dense probe's input), read through windows of
+    ``window`` pixels when the images are larger (:func:`~sslkit.evaluation.dense.windowed_maps`; not for the
+    pixels, whose patches see nothing else)."""
+    side = module_patch(module, patch)
+
+    def whole(images: Tensor) -> Tensor:
+        tokens = patch_tokens(module, images, side)
+        return tokens.transpose(1, 2).reshape(images.shape[0], tokens.shape[2], images.shape[-2] // side, -1)
+    return whole(x) if module is None else windowed_maps(whole, x, window, side)
 
 
 def summary(module: nn.Module | None, last_n: int) -> Callable[[Tensor], dict[str, Tensor]]:

@@ -30,6 +30,7 @@ from sslkit.tools.bench.cache import (
     data_fingerprint,
     extract_arrays,
     module_heads,
+    module_patch,
     patch_tokens,
     summary,
     token_capable,
@@ -39,6 +40,7 @@ from sslkit.tools.bench.protocols import PROTOCOLS as RUNNERS
 from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_hits
 from sslkit.tools.bench.report import compare_folders, comparisons, write_results
 from sslkit.tools.common import parse_tool_args, run_tool
+from sslkit.tools.dense import dense_image_size, dense_window
 
 __all__ = ["BENCH_KEYS", "PROTOCOLS", "bench_finished_run", "bench_main"]
 
@@ -197,8 +199,11 @@ def _entries(bench: Bench, b: Backbone) -> dict[str, dict[str, Any]]:
             entries[f"tokens/{split}"] = {**entries[split], "tokens": "patches", "patch": patch}
     if "dense" in bench.protocols and tokens and bench.seg is not None:
         for split in ("train", "test"):
+            window = None if b.module is None else dense_window(settings["dense"]["window"],
+                                                                int(b.transform["image_size"]), bench.seg["size"])
             entries[f"dense/{split}"] = {**base, "split": split, "data": bench.seg["fingerprint"][split],
-                                         "corruption": None, "dense_size": bench.seg["size"], "patch": patch}
+                                         "corruption": None, "dense_size": bench.seg["size"], "patch": patch,
+                                         "window": window}
     if "robustness" in bench.protocols:
         from sslkit.evaluation.corruptions import table_for
 
@@ -220,8 +225,9 @@ def _source(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]
         t = b.transform
         assert bench.seg is not None
         transform = SegmentationTransform(bench.seg["size"], t.get("mean"), t.get("std"), channels=t.get("channels"))
+        window = parts["window"]
         return (TransformedSegmentation(bench.seg["sets"][rest], transform),
-                lambda x: {"maps": token_maps(b.module, x, bench.patch)}, "masks", ("maps",))
+                lambda x: {"maps": token_maps(b.module, x, bench.patch, window)}, "masks", ("maps",))
     split = rest if group == "tokens" else group
     corruption = tuple(parts["corruption"]) if parts["corruption"] else None
     images = BenchImages(bench.sets[split], b.transform, corruption, int(bench.settings["seed"]))  # type: ignore[arg-type]
@@ -299,7 +305,7 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
         if protocol in TOKEN_PROTOCOLS and not token_capable(b.module):
             record["details"][protocol] = {"not_measured": f"{b.arch} gives no patch tokens"}
             continue
-        outcome = _protocol(bench, b, protocol, feats, record["metrics"], chosen)
+        outcome = _protocol(bench, b, protocol, feats, per_image, chosen)
         record["metrics"].update(outcome.metrics)
         record["details"][protocol] = outcome.details
         per_image.update(outcome.per_image)
@@ -312,8 +318,9 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
 
 def _protocol(bench: Bench, b: Backbone, protocol: str, feats: dict[str, Features], found: dict[str, Any],
               chosen: list[Any]) -> Any:
-    """One protocol's :class:`~sslkit.tools.bench.protocols.Outcome` for backbone ``b``; ``found``: the figures of
-    the protocols before it; ``chosen``: the linear grid's choice, fitted once for linear and robustness."""
+    """One protocol's :class:`~sslkit.tools.bench.protocols.Outcome` for backbone ``b``; ``found``: the per-image
+    values of the protocols before it; ``chosen``: the linear grid's choice, fitted once for linear and
+    robustness."""
     train, test = feats["train"], feats["test"]
     s, classes, device = bench.settings, bench.classes, bench.device
     if protocol in ("linear", "robustness") and not chosen:
@@ -340,15 +347,16 @@ def _protocol(bench: Bench, b: Backbone, protocol: str, feats: dict[str, Feature
     return RUNNERS[protocol](train, test, classes, s, device)
 
 
-def _clean(found: dict[str, Any], train: Features, test: Features, classes: int, s: dict[str, Any],
-           device: torch.device, chosen: LinearChoice) -> dict[str, float]:
-    """The clean test accuracies robustness is relative to: kNN at ``robustness.k`` and the chosen classifier, read
-    from the figures the knn and linear protocols ``found`` when they ran (with that k), else computed."""
+def _clean(found: dict[str, torch.Tensor], train: Features, test: Features, classes: int, s: dict[str, Any],
+           device: torch.device, chosen: LinearChoice) -> dict[str, torch.Tensor]:
+    """The clean test hits robustness is relative to: kNN at ``robustness.k`` and the chosen classifier's, those
+    the knn and linear protocols ``found`` when they ran (with that k), else computed."""
     k = int(s["robustness"]["k"])
     if f"knn_k{k}" not in found:
-        found = {**found, **RUNNERS["knn"](train, test, classes, {**s, "knn": {**s["knn"], "ks": [k]}}, device).metrics}
-    linear = found["linear"]["value"] if "linear" in found else float(linear_hits(chosen, test, device).mean())
-    return {"knn": found[f"knn_k{k}"]["value"], "linear": linear}
+        found = {**found, **RUNNERS["knn"](train, test, classes, {**s, "knn": {**s["knn"], "ks": [k]}},
+                                           device).per_image}
+    linear = found["linear"] if "linear" in found else linear_hits(chosen, test, device)
+    return {"knn": found[f"knn_k{k}"], "linear": linear}
 
 
 def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
@@ -489,7 +497,7 @@ def _dense_data(cfg: DictConfig, data_name: str, protocols: list[str], named: bo
     checked before anything is extracted; None when dense is not run: not asked for, or, by default, scenes beside
     data other than Fashion-MNIST. A folder without class maps of its images' sizes, or a side that is not a
     multiple of a ViT's patch: a :class:`BenchError` naming the dataset and the protocol."""
-    from sslkit.tools.dense import dense_image_size, segmentation_sets
+    from sslkit.tools.dense import segmentation_sets
 
     if "dense" not in protocols or (not named and cfg.eval.dense.dataset != "folder" and
                                     data_name != "fashion_mnist"):
@@ -500,10 +508,14 @@ def _dense_data(cfg: DictConfig, data_name: str, protocols: list[str], named: bo
         raise BenchError(f"protocols=dense: {exc}") from None
     size = dense_image_size(cfg)
     for b in backbones:
-        patch = getattr(b.module, "patch_size", None)
-        if isinstance(patch, int) and size % patch:
-            raise BenchError(f"protocols=dense: the segmentation images are resized to {size} px "
-                             f"(eval.dense.image_size), not a multiple of {b.name}'s {patch} px patches")
+        if b.module is None or not token_capable(b.module):
+            continue
+        patch = module_patch(b.module, 1)
+        window = dense_window(cfg.eval.dense.window, int(b.transform["image_size"]), size)
+        for what, side in (("the segmentation images are resized to", size), ("its window is", window)):
+            if side and side % patch:
+                raise BenchError(f"protocols=dense: {what} {side} px (eval.dense.image_size, eval.dense.window), not "
+                                 f"a multiple of {b.name}'s {patch} px patches")
     path = str(cfg.eval.dense.path) if described["dataset"] == "folder" else None
     sets = {"train": train, "test": test}
     return {"sets": sets, "classes": classes, "size": size, "described": described,

@@ -33,7 +33,13 @@ from sslkit.evaluation.probes import (
     train_probe_grid,
 )
 from sslkit.evaluation.retrieval import retrieval_scores
-from sslkit.evaluation.stats import bootstrap_interval, draws_summary, miou_statistic, per_class_mean
+from sslkit.evaluation.stats import (
+    bootstrap_interval,
+    draws_summary,
+    miou_statistic,
+    per_class_mean,
+    relative_statistic,
+)
 
 __all__ = ["PROTOCOLS", "Features", "Outcome", "choice_features", "primary_features"]
 
@@ -273,31 +279,37 @@ def retrieval(train: Features, test: Features, num_classes: int, s: dict[str, An
     return out
 
 
-def robustness(train: Features, corrupted: dict[str, Features], clean: dict[str, float], num_classes: int,
+def robustness(train: Features, corrupted: dict[str, Features], clean: dict[str, Tensor], num_classes: int,
                s: dict[str, Any], device: torch.device, chosen: LinearChoice) -> Outcome:
     """kNN (``robustness.k``) and the chosen linear probe on the test split under each corruption and severity
-    (``corrupted``: ``kind/severity`` -> features), relative to their clean accuracy (``clean``): per corruption
-    the mean over its severities, and ``robust_knn`` / ``robust_linear`` the mean over all (ImageNet-C's mean over
-    corruptions and severities, here of accuracy relative to clean rather than the error relative to AlexNet's)."""
+    (``corrupted``: ``kind/severity`` -> features), relative to their clean accuracy (``clean``: each probe's 0/1
+    hits on the clean test images): per corruption the mean over its severities, and ``robust_knn`` /
+    ``robust_linear`` the mean over all (ImageNet-C's mean over corruptions and severities, here of accuracy
+    relative to clean rather than the error relative to AlexNet's), with a bootstrap interval over the test images
+    (each resample's corrupted and clean accuracies of the same images,
+    :func:`~sslkit.evaluation.stats.relative_statistic`)."""
     k = int(s["robustness"]["k"])
     train_x = primary_features(train, device)
     out = Outcome(details={"k": k, "table": s["robustness"]["table"], "severities": list(s["robustness"]
                                                                                         ["severities"])})
+    hits: dict[str, list[Tensor]] = {"knn": [clean["knn"].double()], "linear": [clean["linear"].double()]}
     per: dict[str, dict[str, list[float]]] = {"knn": {}, "linear": {}}
     for tag, feats in corrupted.items():
         kind = tag.split("/")[0]
         pred = knn_predictions(train_x, train.labels.to(device), primary_features(feats, device), num_classes, [k],
                                float(s["knn"]["temperature"]))[k]
-        acc_knn = float((pred == feats.labels).double().mean())
-        acc_lin = float(linear_hits(chosen, feats, device).mean())
-        out.details[tag] = {"knn": acc_knn, "linear": acc_lin}
-        per["knn"].setdefault(kind, []).append(acc_knn / max(clean["knn"], 1e-12))
-        per["linear"].setdefault(kind, []).append(acc_lin / max(clean["linear"], 1e-12))
-    out.details["clean"] = clean
+        found = {"knn": (pred == feats.labels).double(), "linear": linear_hits(chosen, feats, device)}
+        out.details[tag] = {probe: float(h.mean()) for probe, h in found.items()}
+        for probe, h in found.items():
+            hits[probe].append(h)
+            per[probe].setdefault(kind, []).append(float(h.mean()) / max(float(hits[probe][0].mean()), 1e-12))
+    out.details["clean"] = {probe: float(h[0].mean()) for probe, h in hits.items()}
     for probe, kinds in per.items():
-        means = {kind: sum(v) / len(v) for kind, v in kinds.items()}
-        out.details[f"relative_{probe}"] = means
-        out.metrics[f"robust_{probe}"] = {"value": sum(means.values()) / max(len(means), 1)}
+        out.details[f"relative_{probe}"] = {kind: sum(v) / len(v) for kind, v in kinds.items()}
+        values = torch.stack(hits[probe], dim=1)
+        out.per_image[f"robust_{probe}"] = values
+        out.metrics[f"robust_{probe}"] = bootstrap_interval(values, relative_statistic, resamples=int(s["bootstrap"]),
+                                                            level=float(s["level"]), seed=int(s["seed"]))
     return out
 
 

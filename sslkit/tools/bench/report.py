@@ -13,7 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from sslkit.checkpoint import atomic_write
-from sslkit.evaluation.stats import Statistic, miou_statistic, paired_difference
+from sslkit.evaluation.stats import Statistic, miou_statistic, paired_difference, relative_statistic
 
 __all__ = ["compare_folders", "comparisons", "markdown_table", "write_results"]
 
@@ -31,7 +31,8 @@ LEGEND = {
     "robust_": "accuracy under corruptions relative to clean (mean over corruptions and severities)",
 }
 #: The statistic of a metric whose per-image values are not 0/1 hits or scores to average.
-STATISTICS: dict[str, Statistic] = {"dense_miou": miou_statistic}
+STATISTICS: dict[str, Statistic] = {"dense_miou": miou_statistic, "robust_knn": relative_statistic,
+                                     "robust_linear": relative_statistic}
 
 
 def _supported(a: dict[str, Any], b: dict[str, Any], pa: Tensor | None, pb: Tensor | None,
