@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 from sslkit import registry as R
 from sslkit.evaluation.linear import cosine_lr
 from sslkit.evaluation.probes import GridSettings, train_probe_grid
-from sslkit.tools.bench.cache import BenchImages, extract_arrays, summary
+from sslkit.tools.bench.cache import BenchImages, extract_arrays, extraction_workers, summary
 
 
 def _machine(device: torch.device) -> str:
@@ -58,7 +58,7 @@ def extraction(device: torch.device, images: int, rounds: int, trunk_name: str) 
     ours, raw = [], []
     for _ in range(rounds):
         t = time.perf_counter()
-        extract_arrays(model, bench_set, device, 256, 1, summary(model, 4))
+        extract_arrays(model, bench_set, device, 256, extraction_workers(bench_set, 1), summary(model, 4))
         _sync(device)
         ours.append(images / (time.perf_counter() - t))
         t = time.perf_counter()
@@ -72,10 +72,12 @@ def extraction(device: torch.device, images: int, rounds: int, trunk_name: str) 
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """A TensorDataset as sslkit's sources give items: (uint8 image, int label)."""
+    """A TensorDataset as sslkit's in-memory sources (Fashion-MNIST, CIFAR) give items, (uint8 image, int label),
+    with their ``images`` and ``labels`` tensors."""
 
     def __init__(self, ds: TensorDataset) -> None:
         self.ds = ds
+        self.images, self.labels = ds.tensors
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -25,8 +25,8 @@ from sslkit.evaluation.corruptions import corrupt
 from sslkit.evaluation.dense import windowed_maps
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["BenchImages", "FeatureCache", "batched", "data_fingerprint", "extract_arrays", "module_heads",
-           "module_patch", "patch_tokens", "summary", "token_capable", "token_maps", "vit_summary"]
+__all__ = ["BenchImages", "FeatureCache", "batched", "data_fingerprint", "extract_arrays", "extraction_workers",
+           "module_heads", "module_patch", "patch_tokens", "summary", "token_capable", "token_maps", "vit_summary"]
 
 #: Bumped when what an entry holds or how it is computed changes: older entries are then not read.
 FORMAT = 1
@@ -92,6 +92,22 @@ class FeatureCache:
                 with open(meta, encoding="utf-8") as f:
                     found.append({"key": name, **json.load(f)})
         return found
+
+
+def extraction_workers(dataset: Dataset, workers: int) -> int:
+    """The loader processes an extraction of ``dataset`` uses: none for images held in memory and not corrupted
+    (their batched transform costs far less than a worker's hand-over: Fashion-MNIST, CIFAR), else ``workers``
+    (files to decode, corruptions to draw)."""
+    base: Any = dataset
+    while isinstance(base, Subset):
+        base = base.dataset
+    if isinstance(base, BenchImages):
+        if base.corruption is not None:
+            return workers
+        base = base.source
+        while isinstance(base, Subset):
+            base = base.dataset
+    return 0 if isinstance(getattr(base, "images", None), Tensor) else workers
 
 
 def data_fingerprint(dataset: Dataset, path: str | None, spec: dict[str, Any] | None = None) -> str:

@@ -29,6 +29,7 @@ from sslkit.tools.bench.cache import (
     FeatureCache,
     data_fingerprint,
     extract_arrays,
+    extraction_workers,
     module_heads,
     module_patch,
     patch_tokens,
@@ -257,7 +258,8 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
     error, mine = None, None
     try:
         with tqdm(total=len(images), desc=f"{b.name}: {name}", unit="img", disable=None, leave=False) as bar:
-            mine = extract_arrays(b.module, images, bench.device, int(bench.settings["batch_size"]), bench.workers,
+            mine = extract_arrays(b.module, images, bench.device, int(bench.settings["batch_size"]),
+                                  extraction_workers(images, bench.workers),
                                   summarize, target, bar.update, half)
     except Exception as exc:  # (a failure of this backbone, reported in its row)
         if world == 1:
