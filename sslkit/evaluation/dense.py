@@ -126,17 +126,24 @@ def train_dense_epoch(trunk: TokenTrunk, head: nn.Module, optimizer: torch.optim
     total = None
     n = 0
     for images, masks in batches:
-        maps = frozen_maps(trunk, images, amp, window)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        loss = F.cross_entropy(dense_logits(head, maps, tuple(masks.shape[-2:])), masks, ignore_index=IGNORE_INDEX)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total = loss.detach() if total is None else total + loss.detach()
+        loss = _head_step(head, optimizer, frozen_maps(trunk, images, amp, window), masks, lr_at(step))
+        total = loss if total is None else total + loss
         n += 1
         step += 1
     return (float(total) / n if total is not None else math.nan), step
+
+
+def _head_step(head: nn.Module, optimizer: torch.optim.Optimizer, maps: torch.Tensor, masks: torch.Tensor,
+               lr: float) -> torch.Tensor:
+    """One update of the head at ``lr``: cross-entropy of its upsampled logits against the class maps, ignored
+    pixels left out. Returns the loss, detached."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = F.cross_entropy(dense_logits(head, maps, tuple(masks.shape[-2:])), masks, ignore_index=IGNORE_INDEX)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 def area_stats(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
@@ -222,13 +229,8 @@ def train_dense_head(maps: Any, masks: Any, head: nn.Module, optimizer: torch.op
             rows = np.sort(order[start:start + int(batch_size)])
             x = torch.from_numpy(np.asarray(maps[rows], dtype=np.float32)).to(device)
             y = torch.from_numpy(np.asarray(masks[rows], dtype=np.int64)).to(device)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-            loss = F.cross_entropy(dense_logits(head, x, tuple(y.shape[-2:])), y, ignore_index=IGNORE_INDEX)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total = loss.detach() if total is None else total + loss.detach()
+            loss = _head_step(head, optimizer, x, y, lr_at(step))
+            total = loss if total is None else total + loss
             count, step = count + 1, step + 1
             if progress is not None:
                 progress(1)

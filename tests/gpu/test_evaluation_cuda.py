@@ -129,3 +129,33 @@ def test_bench_on_cuda_gives_the_cpus_table(gpu_run: Path, tmp_path: Path) -> No
     assert figures["cuda"].keys() == figures["cpu"].keys()
     for key, value in figures["cuda"].items():
         assert value == pytest.approx(figures["cpu"][key], abs=0.03), key
+
+
+def test_the_patch_token_protocols_on_cuda_give_the_cpus_figures(tmp_path: Path) -> None:
+    """The attentive probe and the dense protocol (on a few Fashion-MNIST scenes, read through the run's own 32 px
+    window) of a GPU-trained ViT, the pixels and its random twin: the same figures on CUDA as on the CPU, within the
+    noise of float16 tokens and of the GPU's kernels."""
+    from helpers import VIT, run_sslkit
+
+    from sslkit.data.sources import DEBIAN_FASHION_MNIST
+
+    out = tmp_path / "vit"
+    run_main("config=simclr_vit", *SMALL, *GPU, *VIT, "optim.max_steps=20", f"output_dir={out}")
+    quick = ["data=synthetic", "data.train.kwargs.num_samples=200", "+data.test.kwargs.num_samples=100",
+             "bench.num_workers=0", "bench.bootstrap=100", "bench.attentive.epochs=3", "bench.attentive.batch_size=32",
+             f"backbones=[{out},pixels,random]"]
+    protocols = "protocols=[attentive]"
+    if Path(DEBIAN_FASHION_MNIST).is_dir():
+        protocols = "protocols=[attentive,dense]"
+        quick += ["eval.dense.scenes.train=64", "eval.dense.scenes.test=32", "eval.dense.epochs=3",
+                  "eval.dense.batch_size=16"]
+    figures = {}
+    for device in ("cuda", "cpu"):
+        code, _, stderr = run_sslkit("bench", *quick, protocols, f"machine.device={device}",
+                                     f"output={tmp_path / device}", f"bench.cache_dir={tmp_path / 'cache'}")
+        assert code == 0, stderr[-3000:]
+        r = json.loads((tmp_path / device / "results.json").read_text())
+        figures[device] = {(n, m): v["value"] for n in r["backbones"] for m, v in r["results"][n]["metrics"].items()}
+    assert figures["cuda"].keys() == figures["cpu"].keys() and len(figures["cuda"]) >= 3
+    for key, value in figures["cuda"].items():
+        assert value == pytest.approx(figures["cpu"][key], abs=0.05), key
