@@ -405,6 +405,9 @@ def test_a_batch_is_transformed_together_into_exactly_the_images_one_by_one() ->
             for j, i in enumerate(asked):
                 assert torch.equal(x[j], data[i][0]), (t, corruption, i)
             assert torch.equal(Subset(data, list(range(12))).__getitems__(asked)[0], x)
+            # a source under a Subset (data.limit, a seeded split): the unreadable image's blank keeps its channels
+            below = BenchImages(Subset(Source(), list(range(12))), t, corruption, seed=1)
+            assert torch.equal(below.__getitems__(asked)[0], x)
 
 
 def test_data_without_a_test_split_gets_a_stated_seeded_one(tmp_path: Path) -> None:

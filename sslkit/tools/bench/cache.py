@@ -98,16 +98,20 @@ def extraction_workers(dataset: Dataset, workers: int) -> int:
     """The loader processes an extraction of ``dataset`` uses: none for images held in memory and not corrupted
     (their batched transform costs far less than a worker's hand-over: Fashion-MNIST, CIFAR), else ``workers``
     (files to decode, corruptions to draw)."""
-    base: Any = dataset
-    while isinstance(base, Subset):
-        base = base.dataset
+    base = _unwrap(dataset)
     if isinstance(base, BenchImages):
         if base.corruption is not None:
             return workers
-        base = base.source
-        while isinstance(base, Subset):
-            base = base.dataset
+        base = _unwrap(base.source)
     return 0 if isinstance(getattr(base, "images", None), Tensor) else workers
+
+
+def _unwrap(dataset: Dataset) -> Any:
+    """The dataset below any :class:`Subset` of it."""
+    base: Any = dataset
+    while isinstance(base, Subset):
+        base = base.dataset
+    return base
 
 
 def data_fingerprint(dataset: Dataset, path: str | None, spec: dict[str, Any] | None = None) -> str:
@@ -182,7 +186,7 @@ class BenchImages(Dataset):
 
     def _blank(self) -> Tensor:
         size = self.transform.image_size
-        return torch.zeros(self.channels or int(getattr(self.source, "channels", 3)), size, size)
+        return torch.zeros(self.channels or int(getattr(_unwrap(self.source), "channels", 3)), size, size)
 
     def __getitem__(self, i: int) -> tuple[Tensor, int, int]:
         image, label = self._read(i)
@@ -302,10 +306,7 @@ def extract_arrays(module: nn.Module | None, dataset: Dataset, device: torch.dev
     names in ``half``: patch tokens and maps, whose size a float32 copy would double), with the items' second
     element as ``target`` (``labels`` int64, or ``masks``: class maps as uint8). The network runs in eval mode under
     ``no_grad``; ``progress(images)`` after every batch."""
-    base = dataset
-    while isinstance(base, Subset):
-        base = base.dataset
-    whole = isinstance(base, BenchImages)
+    whole = isinstance(_unwrap(dataset), BenchImages)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda", persistent_workers=False,
                         collate_fn=batched if whole else None)

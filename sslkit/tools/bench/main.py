@@ -22,7 +22,6 @@ from sslkit.data.dataset import sample_file
 from sslkit.data.segmentation import SegmentationTransform, TransformedSegmentation
 from sslkit.data.sources import cache_dir
 from sslkit.errors import UserError, did_you_mean
-from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.bench.backbones import Backbone, BenchError, load_backbones, parse_list
 from sslkit.tools.bench.cache import (
     BenchImages,
@@ -488,8 +487,7 @@ def _token_checks(backbones: list[Backbone], protocols: list[str], named: bool, 
                              "give(s) none (a CNN): leave the protocol out, or bench the CNN with the other protocols")
     for b in backbones:
         if token_capable(b.module) and b.module is not None:
-            return int(b.module.patch_size if isinstance(b.module, TokenTrunk)
-                       else b.module.patch_embed.patch_size[0])  # type: ignore[union-attr, index]
+            return module_patch(b.module, default_patch)
     return default_patch
 
 
