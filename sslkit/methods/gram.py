@@ -22,8 +22,9 @@ __all__ = ["GRAM_NEGATIVES", "GRAM_TOKENS", "gram_loss", "gram_matrix", "gram_sn
 #: only the masked ones (the student saw mask tokens there) or only the visible ones.
 GRAM_TOKENS = ("all", "masked", "unmasked")
 #: What happens to negative similarities: kept; set to 0 in both Gram matrices (``remove_neg``); set to 0 in the
-#: teacher's, and in the student's only where the teacher's is negative too (``remove_only_teacher_neg``).
-GRAM_NEGATIVES = ("keep", "both", "teacher")
+#: teacher's only (``remove_only_teacher_neg`` as DINOv3's code runs it); set to 0 in the teacher's, and in the
+#: student's where both are negative (the same option as its comment reads it, dinov3 pull request #265).
+GRAM_NEGATIVES = ("keep", "both", "teacher", "shared")
 
 
 def gram_matrix(patches: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -50,7 +51,17 @@ def gram_loss(student: torch.Tensor, teacher: torch.Tensor, *, normalize: bool =
         L = \frac{\sum_{ij} w_i w_j (S_{ij} - T_{ij})^2}{(\sum_i w_i)^2}
 
     which is the reference's MSE over the selected rows. ``negatives`` (:data:`GRAM_NEGATIVES`) treats negative
-    similarities. Computed in float32.
+    similarities:
+
+    * ``both`` (``remove_neg``): ``S <- max(S, 0)``, ``T <- max(T, 0)``;
+    * ``teacher`` (``remove_only_teacher_neg``, as ``dinov3/loss/gram_loss.py`` on DINOv3's main branch runs it):
+      ``T <- max(T, 0)`` and ``S`` unchanged. The reference zeroes the teacher's negatives first and then the
+      student's entries where ``S < 0`` and ``T < 0``, a condition the already-zeroed teacher never meets (dinov3
+      pull requests #167 and #265; a maintainer there: the option is not used by Gram anchoring);
+    * ``shared``: what the reference's comment and pull request #265 (not merged) intend: ``T <- max(T, 0)`` and
+      ``S_ij <- 0`` where ``S_ij < 0`` and ``T_ij < 0`` (both read before either is changed).
+
+    Computed in float32.
     """
     if negatives not in GRAM_NEGATIVES:
         raise ValueError(f"unknown gram negatives {negatives!r}: use one of {', '.join(GRAM_NEGATIVES)}")
@@ -66,6 +77,8 @@ def gram_loss(student: torch.Tensor, teacher: torch.Tensor, *, normalize: bool =
     if negatives == "both":
         s, t = s.clamp(min=0), t.clamp(min=0)
     elif negatives == "teacher":
+        t = t.clamp(min=0)
+    elif negatives == "shared":
         s = torch.where((s < 0) & (t < 0), torch.zeros_like(s), s)
         t = t.clamp(min=0)
     squared = (s - t).square()

@@ -56,17 +56,42 @@ def test_hand_computed_gram_losses() -> None:
 def test_negative_similarities_dropped_in_both_or_only_where_the_teacher_has_them() -> None:
     """Opposite student patches (similarity -1) against an orthogonal teacher (0): kept, the off-diagonal entries
     differ by 1 (loss 1/2); dropped in both, the student's -1 becomes 0 (loss 0); dropped where the teacher is
-    negative, the teacher is not (loss 1/2). The other way round, a negative teacher entry is set to 0, and with
-    it the student's where the student's is negative too."""
+    negative, the teacher is not (loss 1/2). The other way round, a negative teacher entry is set to 0; under
+    ``shared`` the student's goes with it where the student's is negative too."""
     opposite = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
     orthogonal = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     assert gram_loss(opposite, orthogonal).item() == pytest.approx(0.5)
     assert gram_loss(opposite, orthogonal, negatives="both").item() == pytest.approx(0.0)
-    assert gram_loss(opposite, orthogonal, negatives="teacher").item() == pytest.approx(0.5)
-    assert gram_loss(orthogonal, opposite, negatives="teacher").item() == pytest.approx(0.0)  # T -> I, S = I
+    for negatives in ("teacher", "shared"):
+        assert gram_loss(opposite, orthogonal, negatives=negatives).item() == pytest.approx(0.5)
+        assert gram_loss(orthogonal, opposite, negatives=negatives).item() == pytest.approx(0.0)  # T -> I, S = I
     half = torch.tensor([[[1.0, 0.0], [-0.5, math.sqrt(0.75)]]])  # similarity -0.5 against the teacher's -1
-    assert gram_loss(half, opposite, negatives="teacher").item() == pytest.approx(0.0)  # both negative: both 0
+    assert gram_loss(half, opposite, negatives="shared").item() == pytest.approx(0.0)  # both negative: both 0
+    # DINOv3's code: the teacher's -1 becomes 0 and the student's -0.5 stays (two entries of 0.25, over 4)
+    assert gram_loss(half, opposite, negatives="teacher").item() == pytest.approx(2 * 0.25 / 4)
     assert gram_loss(half, opposite).item() == pytest.approx(2 * 0.25 / 4)
+
+
+def test_teacher_only_negatives_run_as_dinov3s_code_and_shared_as_its_comment() -> None:
+    """``dinov3/loss/gram_loss.py`` (main) with ``remove_only_teacher_neg``, its two lines written out on random
+    features: ``target_sim[target_sim < 0] = 0`` and then ``student_sim[(student_sim < 0) & (target_sim < 0)] = 0``
+    on the already-zeroed teacher, then ``MSELoss``; ``shared`` is the same with the condition read first
+    (dinov3 pull request #265)."""
+    torch.manual_seed(0)
+    s_feats, t_feats = torch.randn(3, 7, 5), torch.randn(3, 7, 5)
+    s_sim = F.normalize(s_feats, dim=-1) @ F.normalize(s_feats, dim=-1).transpose(-1, -2)
+    t_sim = F.normalize(t_feats, dim=-1) @ F.normalize(t_feats, dim=-1).transpose(-1, -2)
+    target, student = t_sim.clone(), s_sim.clone()
+    target[target < 0] = 0.0
+    student[(student < 0) & (target < 0)] = 0.0
+    reference = torch.nn.MSELoss()(student, target)
+    assert torch.equal(student, s_sim)  # the student's mask is empty: the reference never changes it
+    assert gram_loss(s_feats, t_feats, negatives="teacher").item() == pytest.approx(reference.item(), rel=1e-6)
+    both_negative = (s_sim < 0) & (t_sim < 0)
+    assert both_negative.any()
+    shared = torch.nn.MSELoss()(s_sim.masked_fill(both_negative, 0.0), t_sim.clamp(min=0))
+    assert gram_loss(s_feats, t_feats, negatives="shared").item() == pytest.approx(shared.item(), rel=1e-6)
+    assert shared.item() != pytest.approx(reference.item(), rel=1e-3)
 
 
 def test_the_batch_level_loss_with_a_token_selection_is_the_references_selected_rows() -> None:
