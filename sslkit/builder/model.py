@@ -85,7 +85,8 @@ def _build_distill(cfg: DictConfig, in_channels: int, model_builder: Any) -> tor
     students = build_students(specs, in_channels, size, patch)
     return model_builder(teacher=teacher, students=students, objective=str(d.objective),
                          dense=float(d.patch_weight) > 0, head_kwargs=section_kwargs(cfg.model.head),
-                         lr_scales={s["name"]: s["lr_scale"] for s in specs}, **section_kwargs(cfg.model.kwargs, ()))
+                         lr_scales={s["name"]: s["lr_scale"] for s in specs}, mask_student=bool(d.mask_student),
+                         teacher_blocks=int(d.teacher_blocks), **section_kwargs(cfg.model.kwargs, ()))
 
 
 def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | None, int]]

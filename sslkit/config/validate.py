@@ -227,6 +227,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.keep_last": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
     "checkpoint.sharded": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "distill.teacher_shard": (lambda v: v in ("auto", True, False), "auto, true or false"),
+    "distill.teacher_blocks": (lambda v: v >= 1, ">= 1 (1: the teacher's final tokens)"),
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.linear.epochs": (lambda v: v >= 1, ">= 1"),
@@ -762,6 +763,10 @@ def _check_distill(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> 
         errors.append(f"'distill.objective' = {d.objective}: use one of {', '.join(OBJECTIVES)}")
     if d.metric not in METRICS:
         errors.append(f"'distill.metric' = {d.metric}: use one of {', '.join(METRICS)}")
+    if d.objective == "dino" and d.teacher_blocks != 1:
+        errors.append(f"'distill.teacher_blocks' = {d.teacher_blocks}: the dino objective reads the teacher's heads on "
+                      "its final tokens; the last blocks concatenated are the feature objective's (LightlyTrain "
+                      "distillationv2): set distill.teacher_blocks=1 or distill.objective=feature")
     try:
         specs = student_specs(OmegaConf.to_container(d.students, resolve=True))
     except DistillError as exc:
@@ -770,7 +775,8 @@ def _check_distill(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> 
     for spec in specs:
         _registered(errors, R.TRUNKS, spec["trunk"], f"distill.students ({spec['name']})")
     routed = {"teacher": "distill.teacher", "students": "distill.students", "objective": "distill.objective",
-              "dense": "distill.patch_weight", "head_kwargs": "model.head", "lr_scales": "distill.students"}
+              "dense": "distill.patch_weight", "head_kwargs": "model.head", "lr_scales": "distill.students",
+              "mask_student": "distill.mask_student", "teacher_blocks": "distill.teacher_blocks"}
     for key in sorted(set(cfg.model.kwargs) & set(routed)):
         errors.append(f"'model.kwargs.{key}' is the builder's to set for a distillation (from {routed[key]}): drop it "
                       f"and set {routed[key]}")

@@ -2,17 +2,22 @@
 
 Two objectives (``distill.objective``), each a small function below with its formula and source:
 
-* ``feature`` (LightlyTrain's ``distillation``, ``lightly_train/_methods/distillationv2``): each student's pooled
+* ``feature`` (LightlyTrain's ``distillationv2``, ``lightly_train/_methods/distillationv2``; its ``distillation`` now
+  names v3, a queue of teacher embeddings as pseudo-classes, not here): each student's pooled
   feature and its feature map, projected to the teacher's width (a linear layer, per location for the map) and the
   map resized to the teacher's patch grid (bilinear), regress the teacher's pooled feature and patch features, as
-  the teacher's trunk gives them after its final norm (:func:`feature_distillation_loss`, cosine or MSE). Works for
-  any student with a feature map (ViTs, torchvision ResNets, the small CNN) and any teacher trunk.
+  the teacher's trunk gives them after its final norm (the last ``teacher_blocks`` blocks' patch tokens
+  concatenated: v2's ``n_teacher_blocks``, 2 there; 1 here by default) (:func:`feature_distillation_loss`, cosine or
+  MSE). Works for any student with a feature map (ViTs, torchvision ResNets, the small CNN) and any teacher trunk.
 * ``dino`` (DINOv3's distillation, facebookresearch/dinov3 ``train/multidist_meta_arch.py``): each student's own
   DINO head learns the frozen teacher's DINO head probabilities of the global crops (Sinkhorn-Knopp or centring, on
   every student crop but the same one) and, for a ViT student of the teacher's patch size, its iBOT head the
-  teacher's iBOT head probabilities at the patches masked for the student; KoLeo on the student's global crops
-  (:func:`dino_distillation_loss`). The teacher must bring its heads: an sslkit ``dino_vit`` / ``ibot`` /
-  ``dinov2`` / ``dinov3`` run.
+  teacher's iBOT head probabilities at the patches the mask generator picks; KoLeo on the student's global crops
+  (:func:`dino_distillation_loss`). As DINOv3's code (``ssl_meta_arch.get_student_output``: ``masks if not
+  self.is_distillation_enabled else None``), the student sees its global crops whole and its iBOT head reads its
+  own patch tokens at those slots; ``distill.mask_student=true`` puts the mask token there instead (iBOT's
+  self-distillation). The teacher must bring its heads: an sslkit ``dino_vit`` / ``ibot`` / ``dinov2`` / ``dinov3``
+  run.
 
 The teacher (:class:`FrozenTeacher`) is not a submodule of :class:`DistillModel`: no optimizer, DDP, FSDP2 or
 checkpoint sees its parameters; it follows the model's device and dtype moves and stays in eval mode. The
@@ -136,13 +141,18 @@ class StudentOutput:
 class FrozenTeacher(nn.Module):
     """A teacher that never trains: ``trunk`` (any trunk :func:`~sslkit.models.dense.dense_features` reads) and, for
     the ``dino`` objective, its DINO ``head`` and iBOT ``patch_head``; every parameter without gradient, every
-    stochastic layer off, eval mode whatever ``train()`` asks. ``source`` names where it was read from."""
+    stochastic layer off, eval mode whatever ``train()`` asks. ``source`` names where it was read from. ``blocks``:
+    a ViT teacher's features per location are the patch tokens of its last ``blocks`` blocks, each through the final
+    norm, concatenated (:meth:`~sslkit.models.tokens.TokenTrunk.last_patch_maps`; LightlyTrain ``distillationv2``'s
+    ``n_teacher_blocks``); 1: its final tokens."""
 
     def __init__(self, trunk: nn.Module, head: nn.Module | None = None, patch_head: nn.Module | None = None,
-                 source: str = "") -> None:
+                 source: str = "", blocks: int = 1) -> None:
         super().__init__()
         self.trunk, self.head, self.patch_head = trunk, head, patch_head
         self.source = source
+        self.blocks = 1
+        self.use_blocks(blocks)
         for p in self.parameters():
             p.requires_grad_(False)
         silence(self)
@@ -154,6 +164,17 @@ class FrozenTeacher(nn.Module):
         """Stays in eval mode (BatchNorm on its running statistics, as DINOv3's teachers)."""
         return super().train(False)
 
+    def use_blocks(self, blocks: int) -> None:
+        """Read the features per location from the last ``blocks`` blocks (``distill.teacher_blocks``)."""
+        blocks = int(blocks)
+        depth = len(getattr(self.trunk, "blocks", ())) if isinstance(self.trunk, TokenTrunk) else 0
+        if blocks != 1 and not 1 <= blocks <= depth:
+            what = f"has {depth} blocks" if depth else f"({type(self.trunk).__name__}) is not a ViT"
+            raise DistillError(f"distill.teacher_blocks={blocks}: the teacher {self.source} {what}; the last blocks' "
+                               "patch tokens concatenated need a ViT teacher with that many blocks (1: its final "
+                               "tokens, any trunk)")
+        self.blocks = blocks
+
     @property
     def dim(self) -> int:
         """The width of the pooled features."""
@@ -162,7 +183,7 @@ class FrozenTeacher(nn.Module):
     @property
     def patch_dim(self) -> int | None:
         """The width of the features per location, or None for a trunk without a map."""
-        return map_channels(self.trunk) if has_feature_map(self.trunk) else None
+        return map_channels(self.trunk) * self.blocks if has_feature_map(self.trunk) else None
 
     @property
     def patch_size(self) -> int | None:
@@ -176,7 +197,11 @@ class FrozenTeacher(nn.Module):
         pooled: list[torch.Tensor] = []
         maps: list[Any] = []
         for n, batch in equal_shape_runs(views):
-            if dense:
+            if dense and self.blocks > 1:
+                pooled_batch, map_batch = self.trunk.last_patch_maps(batch, self.blocks)
+                pooled += list(pooled_batch.chunk(n))
+                maps += list(map_batch.chunk(n))
+            elif dense:
                 out = dense_features(self.trunk, batch)
                 pooled += list(out.pooled.chunk(n))
                 maps += list(out.map.chunk(n))
@@ -200,7 +225,7 @@ class Student(nn.Module):
 
     @property
     def masked(self) -> bool:
-        """The student learns the teacher's masked patches (an iBOT head on a ViT with a mask token)."""
+        """The student learns the teacher's patches at the mask's slots (an iBOT head on a ViT)."""
         return self.patch_head is not None
 
 
@@ -219,8 +244,9 @@ class DistillModel(SSLModel):
     """Students (``students``, by name, in order) and one frozen teacher whose forward runs once per step.
 
     ``forward(views, masks)``: the teacher encodes its views (``feature``: every view; ``dino``: the ``num_global``
-    global crops, whole) under ``no_grad``; then each student runs on every view (a masked ViT student sees its
-    global crops masked). The output's ``teacher`` field is the :class:`TeacherOutput`, ``students`` the
+    global crops, whole) under ``no_grad``; then each student runs on every view (with ``mask_student``, a ViT
+    student with an iBOT head sees the mask token at the masked patches of its global crops; without, DINOv3's
+    distillation, it sees them whole). The output's ``teacher`` field is the :class:`TeacherOutput`, ``students`` the
     :class:`StudentOutput` of each student by name, ``features`` the first student's pooled features.
 
     ``trunk`` is the trunk of the student :attr:`primary` names (the first): what the kNN hook, the evaluation tools
@@ -229,7 +255,7 @@ class DistillModel(SSLModel):
     """
 
     def __init__(self, teacher: FrozenTeacher, students: dict[str, Student], objective: str = "feature",
-                 num_global: int = 2, lr_scales: dict[str, float] | None = None) -> None:
+                 num_global: int = 2, lr_scales: dict[str, float] | None = None, mask_student: bool = False) -> None:
         nn.Module.__init__(self)  # (SSLModel's would register one trunk; this model's trunk is a student's)
         self.head = nn.Identity()
         if objective not in OBJECTIVES:
@@ -238,7 +264,7 @@ class DistillModel(SSLModel):
             raise DistillError("distill.students is empty: name at least one student trunk (distill.students="
                                "[small_cnn], [resnet18, vit_small], ...)")
         self.students = nn.ModuleDict(students)
-        self.objective, self.num_global = objective, int(num_global)
+        self.objective, self.num_global, self.mask_student = objective, int(num_global), bool(mask_student)
         self.primary = next(iter(students))
         self.lr_scales = dict(lr_scales or {})
         # not a submodule: no parameters in the optimizer, DDP or FSDP2, nothing in the state dict (see _apply)
@@ -339,7 +365,8 @@ class DistillModel(SSLModel):
         patch_logits = None
         if student.masked and mask is not None:
             trunk: TokenTrunk = student.trunk  # type: ignore[assignment]
-            tokens = trunk.forward_tokens(torch.cat(views[:g]) if g > 1 else views[0], mask=mask)
+            tokens = trunk.forward_tokens(torch.cat(views[:g]) if g > 1 else views[0],
+                                          mask=mask if self.mask_student else None)
             features = list(trunk.pool_tokens(tokens).chunk(g))
             if len(views) > g:
                 features += forward_views(trunk, views[g:])
@@ -354,21 +381,29 @@ class DistillModel(SSLModel):
 def build_distill(trunk: nn.Module | None = None, head: nn.Module | None = None, teacher: FrozenTeacher | None = None,
                   students: dict[str, nn.Module] | None = None, objective: str = "feature", dense: bool = True,
                   num_global: int = 2, head_kwargs: dict[str, Any] | None = None,
-                  lr_scales: dict[str, float] | None = None) -> DistillModel:
+                  lr_scales: dict[str, float] | None = None, mask_student: bool = False,
+                  teacher_blocks: int = 1) -> DistillModel:
     """Distillation wiring from the builder's teacher (:class:`FrozenTeacher`) and student trunks (by name):
     ``feature`` gives each student its projections (``dense``: the per-location one too), ``dino`` its DINO head
     (``head_kwargs``: the ``model.head`` settings, the teacher head's outputs) and, for a ViT student of the
-    teacher's patch size, an iBOT head. ``trunk`` / ``head`` (the generic builder's) are not used."""
+    teacher's patch size, an iBOT head (``mask_student``: with a mask token, see :class:`DistillModel`).
+    ``teacher_blocks``: the teacher's features per location from its last blocks (:class:`FrozenTeacher`).
+    ``trunk`` / ``head`` (the generic builder's) are not used."""
     if teacher is None or students is None:
         raise DistillError("method.name=distill is built by sslkit's builder from distill.teacher and "
                            "distill.students (config=distill)")
     kwargs = dict(head_kwargs or {})
-    built = {name: _student(name, t, teacher, objective, dense, kwargs) for name, t in students.items()}
-    return DistillModel(teacher, built, objective, num_global, lr_scales)
+    if objective == "dino" and int(teacher_blocks) != 1:
+        raise DistillError(f"distill.teacher_blocks={teacher_blocks}: the dino objective reads the teacher's heads on "
+                           "its final tokens; the last blocks concatenated are the feature objective's (LightlyTrain "
+                           "distillationv2): set distill.teacher_blocks=1 or distill.objective=feature")
+    teacher.use_blocks(teacher_blocks)
+    built = {name: _student(name, t, teacher, objective, dense, kwargs, mask_student) for name, t in students.items()}
+    return DistillModel(teacher, built, objective, num_global, lr_scales, mask_student)
 
 
 def _student(name: str, trunk: nn.Module, teacher: FrozenTeacher, objective: str, dense: bool,
-             head_kwargs: dict[str, Any]) -> Student:
+             head_kwargs: dict[str, Any], mask_student: bool = False) -> Student:
     """Student ``name`` on ``trunk``, fitted to ``teacher`` (the errors say which key to change)."""
     if objective == "feature":
         patch_proj = None
@@ -396,7 +431,8 @@ def _student(name: str, trunk: nn.Module, teacher: FrozenTeacher, objective: str
                                f"{teacher.patch_size} px, so the iBOT term cannot match their patches one to one: "
                                "give the student the teacher's patch size (its trunk_kwargs.patch_size) or set "
                                "distill.patch_weight=0")
-        trunk.enable_mask_token()
+        if mask_student:
+            trunk.enable_mask_token()
         patch_head = DINOHead(in_dim=int(trunk.out_dim), out_dim=int(teacher.patch_head.out_dim), **kwargs)
     return Student(trunk, head=head, patch_head=patch_head)
 

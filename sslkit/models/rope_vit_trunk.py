@@ -75,8 +75,8 @@ class RopeViTTrunk(TimmTokenTrunk, Eva):
             tokens = block(tokens, rope=rope, attn_mask=bias)
         return self.norm(tokens)
 
-    def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
-        """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
+    def last_block_tokens(self, x: torch.Tensor, last_n: int) -> list[torch.Tensor]:
+        """Every token of the last ``last_n`` blocks' outputs, each through the final norm, oldest first."""
         tokens = self.patch_embed(x)
         b, h, w, d = tokens.shape
         rope = self.rope.get_embed(shape=(h, w))
@@ -85,5 +85,5 @@ class RopeViTTrunk(TimmTokenTrunk, Eva):
         for i, block in enumerate(self.blocks):
             tokens = block(tokens, rope=rope)
             if i >= len(self.blocks) - last_n:
-                outs.append(self.norm(tokens)[:, 0])
-        return torch.cat(outs, dim=1)
+                outs.append(self.norm(tokens))
+        return outs

@@ -97,9 +97,27 @@ class TokenTrunk(nn.Module):
         """The trunk's features ``[B, out_dim]`` from its tokens (what ``forward`` returns)."""
         raise NotImplementedError(f"{type(self).__name__} must give pool_tokens")
 
+    def last_block_tokens(self, x: torch.Tensor, last_n: int) -> list[torch.Tensor]:
+        """Every token of the last ``last_n`` blocks' outputs, each through the final norm, oldest first (``[B, 1 +
+        R + N, D]`` each; DINOv2's ``get_intermediate_layers(x, n, norm=True)``)."""
+        raise NotImplementedError(f"{type(self).__name__} must give last_block_tokens for the outputs of its blocks")
+
     def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
         """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
-        raise NotImplementedError(f"{type(self).__name__} must give last_cls_tokens for cls_last_n features")
+        return torch.cat([t[:, 0] for t in self.last_block_tokens(x, last_n)], dim=1)
+
+    def last_patch_maps(self, x: torch.Tensor, last_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled features of the final tokens ``[B, out_dim]`` and the patch tokens of the last ``last_n``
+        blocks, each through the final norm, concatenated along the channels (oldest first) on the patch grid
+        ``[B, h, w, n D]`` (LightlyTrain ``distillationv2``'s teacher features with ``n_teacher_blocks``), in one
+        forward."""
+        grid = self.grid(x.shape[-2], x.shape[-1])
+        r = 1 + self.num_registers
+        outs = self.last_block_tokens(x, last_n)
+        last = outs[-1]
+        pooled = self.pool_tokens(Tokens(cls=last[:, 0], registers=last[:, 1:r], patches=last[:, r:], grid=grid))
+        maps = torch.cat([t[:, r:] for t in outs], dim=-1).reshape(x.shape[0], *grid, -1)
+        return pooled, maps
 
     def features(self, x: torch.Tensor, kind: str = "pool", last_n: int = 4) -> torch.Tensor:
         """The features an evaluation protocol reads (``eval.vit_features``):

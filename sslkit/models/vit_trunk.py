@@ -127,12 +127,12 @@ class ViTTrunk(TimmTokenTrunk, VisionTransformer):
                 tokens = block(tokens, attn_mask=bias)
         return self.norm(tokens)
 
-    def last_cls_tokens(self, x: torch.Tensor, last_n: int) -> torch.Tensor:
-        """The CLS tokens of the last ``last_n`` blocks, each through the final norm, oldest first ``[B, n D]``."""
+    def last_block_tokens(self, x: torch.Tensor, last_n: int) -> list[torch.Tensor]:
+        """Every token of the last ``last_n`` blocks' outputs, each through the final norm, oldest first."""
         tokens = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
         outs = []
         for i, block in enumerate(self.blocks):
             tokens = block(tokens)
             if i >= len(self.blocks) - last_n:
-                outs.append(self.norm(tokens)[:, 0])
-        return torch.cat(outs, dim=1)
+                outs.append(self.norm(tokens))
+        return outs

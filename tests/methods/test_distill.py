@@ -124,6 +124,58 @@ def test_the_teacher_runs_once_per_step_whatever_the_number_of_students() -> Non
     assert all(p.grad is not None for p in model.students["cnn"].parameters() if p.requires_grad)
 
 
+def _masked_pair() -> tuple[list[torch.Tensor], list[Masks], torch.Tensor]:
+    views = [torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(5 + i)) for i in range(2)]
+    masks = [Masks((4, 4), torch.rand(3, 16, generator=torch.Generator().manual_seed(i)) < 0.4) for i in range(2)]
+    return views, masks, torch.cat([m.mask for m in masks])  # [G B, N], crop after crop
+
+
+@pytest.mark.parametrize("mask_student", [False, True])
+def test_the_student_sees_its_crops_whole_unless_mask_student_and_learns_the_masked_slots(mask_student: bool) -> None:
+    """DINOv3's distillation (``ssl_meta_arch.get_student_output``: ``masks if not self.is_distillation_enabled else
+    None``): the student's global crops go in whole and its iBOT head reads its patch tokens at the masked places
+    (``index_select`` of ``mask_indices_list``); ``mask_student=true``: the mask token replaces those patches first.
+    Written out: the trunk's tokens with or without the mask, the patches where the mask is True, raster order."""
+    views, masks, mask = _masked_pair()
+    model = build_distill(teacher=_dino_teacher(), students={"vit": _vit(seed=3)}, objective="dino",
+                          head_kwargs={"hidden_dim": 32, "bottleneck_dim": 8}, mask_student=mask_student)
+    student = model.students["vit"]
+    assert (student.trunk.mask_token is not None) == mask_student  # a mask token only where the student sees one
+    out = model(views, masks)
+    teacher, logits = out["teacher"], out["students"]["vit"].patch_logits
+    tokens = student.trunk.forward_tokens(torch.cat(views), mask=mask if mask_student else None).patches
+    expected = student.patch_head(tokens[mask])  # [masked patches of the two crops, K]
+    kept = teacher.patch_weights > 0
+    assert int(kept.sum()) == int(mask.sum())
+    torch.testing.assert_close(logits[kept], expected, rtol=1e-5, atol=1e-6)
+    assert "ibot_loss_vit" in DistillLoss("dino", out_dim=16, patch_out_dim=16, centering="centering")(out, {})
+
+
+def test_a_vit_teachers_last_blocks_concatenated_are_lightly_trains_v2_targets() -> None:
+    """``distill.teacher_blocks=2`` (LightlyTrain ``distillationv2``, ``n_teacher_blocks=2``: DINOv2's
+    ``get_intermediate_layers(x, n=2, reshape=True)``, each block's output through the final norm, concatenated along
+    the channels): the teacher's features per location, read here by hooks on its last two blocks; the pooled ones
+    stay its final tokens'. The students' projections take the wider target."""
+    teacher = FrozenTeacher(_vit(), source="t")
+    seen: list[torch.Tensor] = []
+    for block in teacher.trunk.blocks[-2:]:
+        block.register_forward_hook(lambda _m, _a, out: seen.append(out))
+    student = R.get(R.TRUNKS, "small_cnn")(in_channels=3)
+    model = build_distill(teacher=teacher, students={"s": student}, teacher_blocks=2)
+    x = torch.randn(2, 3, 32, 32)
+    out = model([x])["teacher"]
+    norm = teacher.trunk.norm
+    expected = torch.cat([norm(seen[0])[:, 1:], norm(seen[1])[:, 1:]], dim=-1)  # [B, 16, 2 x 192]
+    torch.testing.assert_close(out.patches[0], expected)
+    torch.testing.assert_close(out.pooled[0], teacher.trunk(x))
+    assert model.students["s"].patch_proj.out_features == 2 * 192 and teacher.patch_dim == 384
+    with pytest.raises(DistillError, match=re.escape("distill.teacher_blocks=3: the teacher t has 2 blocks")):
+        build_distill(teacher=FrozenTeacher(_vit(), source="t"), students={"s": student}, teacher_blocks=3)
+    with pytest.raises(DistillError, match=re.escape("distill.teacher_blocks=2: the dino objective")):
+        build_distill(teacher=_dino_teacher(), students={"s": _vit(seed=3)}, objective="dino", teacher_blocks=2,
+                      head_kwargs={"hidden_dim": 32, "bottleneck_dim": 8})
+
+
 def test_the_teacher_is_outside_the_state_the_optimizer_and_train_mode_and_follows_moves() -> None:
     teacher = FrozenTeacher(_vit(), source="t")
     model = build_distill(teacher=teacher, students={"s": R.get(R.TRUNKS, "small_cnn")(in_channels=3)})
@@ -315,6 +367,9 @@ def test_a_timm_architecture_with_a_local_weights_file_is_a_teacher(tmp_path: Pa
     (["+model.kwargs.objective=dino"], "'model.kwargs.objective' is the builder's to set for a distillation (from "
                                        "distill.objective)"),
     (["model.trunk=resnet18"], "'model.trunk' = resnet18, but a distillation's model.trunk is its first student's"),
+    (["distill.teacher_blocks=0"], "'distill.teacher_blocks' must be >= 1"),
+    (["distill.objective=dino", "distill.teacher_blocks=2"], "'distill.teacher_blocks' = 2: the dino objective"),
+    (["distill.mask_student=yes"], "distill.mask_student"),
 ])
 def test_bad_distillation_settings_are_config_errors_naming_the_key(extra: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
