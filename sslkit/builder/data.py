@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
 from sslkit.builder.common import preemption_signals, section_kwargs
@@ -23,11 +23,12 @@ from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augm
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
 from sslkit.data.resolution import HighResPhase, PhasedTransform
-from sslkit.data.sources import DataSourceError
+from sslkit.data.sources import DataSourceError, dataset_labels
 from sslkit.distributed import get_rank, get_world_size
+from sslkit.evaluation.probes import stratified_split
 
 __all__ = ["TrainData", "build_train_data", "eval_sources", "eval_specs", "fixed_subset", "high_res_phase",
-           "knn_subsample", "limited", "loader_for"]
+           "knn_subsample", "limited", "loader_for", "open_source", "reference_sets", "select_classes"]
 
 logger = logging.getLogger("sslkit")
 
@@ -47,6 +48,30 @@ def _subset(ds: Dataset, indices: Any) -> Dataset:
     return sub
 
 
+def select_classes(ds: Dataset, classes: Any, where: str = "data.classes") -> Dataset:
+    """The samples of ``ds`` whose label is one of ``classes`` (their labels and ``num_classes`` unchanged: a kNN
+    over classes 5-9 still names them 5-9), or ``ds`` itself for an empty list. A source without labels, or a class
+    it does not have, is a :class:`DataSourceError` naming ``where``."""
+    wanted = [int(c) for c in (classes or [])]
+    if not wanted:
+        return ds
+    num_classes = int(getattr(ds, "num_classes", 0))
+    if num_classes <= 0:
+        raise DataSourceError(f"{where}={wanted}: this data has no labels to select by; drop {where} or give "
+                              "labelled data (a folder of class folders, a file list with labels, a preset)")
+    missing = [c for c in wanted if not 0 <= c < num_classes]
+    if missing:
+        raise DataSourceError(f"{where}={wanted}: the data has classes 0-{num_classes - 1}, not {missing}")
+    keep = torch.isin(dataset_labels(ds), torch.tensor(wanted)).nonzero().flatten()
+    return _subset(ds, keep.tolist())
+
+
+def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwargs: dict[str, Any]) -> Dataset:
+    """One split of a data source as every part of a run reads it: ``data.classes`` kept, then the first
+    ``data.limit`` samples."""
+    return limited(select_classes(build_source(source, split, path, **kwargs), cfg.data.classes), cfg.data.limit)
+
+
 def source_channels(cfg: DictConfig) -> int:
     """The channels of the training images (``data.train``'s source opened, nothing read through the loader)."""
     return int(getattr(_source(cfg, "train"), "channels", 3))
@@ -56,7 +81,7 @@ def _source(cfg: DictConfig, split: str) -> Dataset:
     spec = cfg.data[split]
     name = spec.source or cfg.data.train.source
     path = spec.path if spec.path is not None else cfg.data.train.path
-    return limited(build_source(name, split, path, **section_kwargs(spec.kwargs, ())), cfg.data.limit)
+    return open_source(cfg, name, split, path, section_kwargs(spec.kwargs, ()))
 
 
 def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train: bool, batch_size: int,
@@ -273,7 +298,7 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
             raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
                                   f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
                                   "sets of their own)")
-        sets.append(limited(build_source(source, split, path, **kwargs), cfg.data.limit))
+        sets.append(open_source(cfg, source, split, path, kwargs))
     num_classes = int(getattr(sets[0], "num_classes", 0))
     if num_classes <= 0:
         source, path, _, where = specs["train"]
@@ -300,3 +325,33 @@ def fixed_subset(ds: Dataset, n: int, seed: int) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     return _subset(ds, torch.randperm(size, generator=g)[:n].sort().values.tolist())
 
+
+def reference_sets(cfg: DictConfig) -> list[tuple[str, Dataset, Dataset, int]]:
+    """``eval.reference.sets``: per set ``(name, memory, queries, num_classes)``, the set's samples (``samples``
+    drawn by ``eval.reference.seed``; 0: all) of its source's ``split`` (``test`` by default; source, path and
+    kwargs by default ``data.train``'s) of its ``classes`` (all by default; ``data.classes`` does not apply), halved
+    by class into the kNN's memory and queries. Raises :class:`DataSourceError` naming the set when its data has no
+    labels or too few samples."""
+    r = cfg.eval.reference
+    found = []
+    for i, entry in enumerate(OmegaConf.to_container(r.sets, resolve=True) or []):  # type: ignore[union-attr]
+        name = str(entry["name"])
+        where = f"eval.reference.sets[{i}] ({name})"
+        source = entry.get("source") or cfg.data.train.source
+        path = entry.get("path", cfg.data.train.path if source == cfg.data.train.source else None)
+        kwargs = dict(entry.get("kwargs") or {})
+        ds = build_source(source, str(entry.get("split", "test")), path, **kwargs)
+        if int(getattr(ds, "num_classes", 0)) <= 0:
+            raise DataSourceError(f"{where}: {source}{', ' + str(path) if path else ''} has no labels, and a "
+                                  "reference set is classified by kNN: give labelled images (a folder of class "
+                                  "folders, a file list with labels, a preset)")
+        ds = fixed_subset(select_classes(ds, entry.get("classes"), f"{where}.classes"),
+                          int(entry.get("samples", 2000)), int(r.seed) + i)
+        labels = dataset_labels(ds)
+        if len(labels) < 4:
+            raise DataSourceError(f"{where}: {len(labels)} labelled samples; a reference set needs a few per class "
+                                  "(its halves are the kNN's neighbours and queries)")
+        memory, queries = stratified_split(labels, 0.5, int(r.seed) + i)
+        found.append((name, _subset(ds, memory.tolist()), _subset(ds, queries.tolist()),
+                      int(getattr(ds, "num_classes", 0))))
+    return found

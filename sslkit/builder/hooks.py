@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from sslkit import registry as R
 from sslkit.builder.common import preemption_signals, section_kwargs
-from sslkit.builder.data import TrainData, eval_sources, fixed_subset, knn_subsample, loader_for
+from sslkit.builder.data import TrainData, eval_sources, fixed_subset, knn_subsample, loader_for, reference_sets
 from sslkit.builder.model import ModelParts
 from sslkit.config.schema import ConfigError
 from sslkit.data.sources import DataSourceError
@@ -27,6 +27,7 @@ from sslkit.hooks import (
     SSLHook,
     TensorboardSink,
 )
+from sslkit.hooks.reference import ReferenceSet, ReferenceSetsHook
 from sslkit.hooks.resolution import HighResolutionHook
 from sslkit.reliability import PreemptionHook
 
@@ -81,6 +82,8 @@ def build_hooks(cfg: DictConfig, data: TrainData, parts: ModelParts, device: tor
         knn = _knn_hook(cfg, data.source, sinks, data.workers, data.pin, device)
         if knn is not None:
             hooks.append(knn)
+    if cfg.eval.reference.sets:
+        hooks.append(_reference_hook(cfg, sinks, data.workers, data.pin))
     if rank == 0:  # log.wandb, log.mlflow
         from sslkit.hooks.trackers import build_trackers
 
@@ -162,3 +165,17 @@ def _knn_hook(cfg: DictConfig, train_source: Dataset, sinks: list[Any], workers:
                    every_n_epochs=k.every_n_epochs, baselines=k.baselines, sinks=sinks, raw_pixel_loaders=raw,
                    features=kind, last_n=last_n, curve_loaders=curve, curve_k=curve_k)
 
+
+def _reference_hook(cfg: DictConfig, sinks: list[Any], workers: int, pin: bool) -> SSLHook:
+    """``eval.reference``: the reference sets' loaders (the eval transform) and the hook that watches them."""
+    r = cfg.eval.reference
+    loading = {"batch_size": cfg.eval.knn.batch_size, "workers": workers, "pin": pin}
+    sets = [ReferenceSet(name, loader_for(cfg, memory, cfg.data.eval_transform, train=False, **loading),
+                         loader_for(cfg, queries, cfg.data.eval_transform, train=False, **loading), classes)
+            for name, memory, queries, classes in reference_sets(cfg)]
+    logger.info("reference sets (eval.reference): %s, kNN top-1 (k=%d) at the start, every %s update(s) and at the "
+                "end; a warning below %g of the start", ", ".join(s.name for s in sets), r.k,
+                r.every_n_steps or "no", 1.0 - float(r.warn_drop))
+    return ReferenceSetsHook(sets, every_n_steps=r.every_n_steps, k=r.k, temperature=r.temperature,
+                             warn_drop=r.warn_drop, sinks=sinks, features=str(cfg.eval.vit_features),
+                             last_n=int(cfg.eval.vit_last_n))

@@ -25,7 +25,7 @@ from sslkit.config.schema import (
 )
 from sslkit.errors import did_you_mean as _nearest
 
-__all__ = ["freeze_entries", "per_process_batch", "validate"]
+__all__ = ["REFERENCE_KEYS", "freeze_entries", "per_process_batch", "validate"]
 
 #: Keys that take values of several types; their value rule alone checks them.
 _VALUE_RULES_ONLY = {"log.progress_bar", "checkpoint.sharded", "data.num_workers", "data.pin_memory",
@@ -228,6 +228,11 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.sharded": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "distill.teacher_shard": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "distill.teacher_blocks": (lambda v: v >= 1, ">= 1 (1: the teacher's final tokens)"),
+    "model.pretrained_channels": (lambda v: v in ("fino", "timm", "refuse"), "fino, timm or refuse"),
+    "eval.reference.every_n_steps": (lambda v: v >= 0, ">= 0 (0: at the start and the end only)"),
+    "eval.reference.k": (lambda v: v >= 1, ">= 1"),
+    "eval.reference.temperature": (lambda v: v > 0, "> 0"),
+    "eval.reference.warn_drop": (lambda v: 0 < v < 1, "in (0, 1): a fraction of the start"),
     "log.every_n_steps": (lambda v: v > 0, "> 0"),
     "log.progress_bar": (lambda v: v in ("auto", True, False), "auto, true or false"),
     "eval.linear.epochs": (lambda v: v >= 1, ">= 1"),
@@ -718,8 +723,48 @@ def _check_sections(cfg: DictConfig, ref: DictConfig, trunk: Any, updates: int |
     _check_hooks(cfg, errors)
     _check_gram(cfg, ref.gram, errors)
     _check_distill(cfg, ref.distill, errors)
+    _check_reference(cfg, errors)
     _check_teacher_crops(cfg, trunk, updates, errors)
     _check_required(cfg, errors)
+
+
+#: The keys of one ``eval.reference.sets`` entry (read by :func:`sslkit.builder.data.reference_sets`).
+REFERENCE_KEYS = ("name", "source", "path", "kwargs", "split", "classes", "samples")
+
+
+def _check_reference(cfg: DictConfig, errors: list[str]) -> None:
+    """``eval.reference.sets``: mappings with a distinct ``name`` each, known keys, a registered source, a split
+    and whole numbers where they go; ``data.classes`` as label ids."""
+    entries = OmegaConf.to_container(cfg.eval.reference.sets, resolve=True) or []
+    names: list[str] = []
+    for i, entry in enumerate(entries):  # type: ignore[arg-type]
+        where = f"eval.reference.sets[{i}]"
+        if not isinstance(entry, dict) or not entry.get("name"):
+            errors.append(f"'{where}' = {entry}: each reference set is a mapping with a name, e.g. {{name: old, "
+                          "classes: [0, 1, 2, 3, 4]}")
+            continue
+        if entry["name"] in names:
+            errors.append(f"'{where}': the name {entry['name']} is given twice; each set needs its own")
+        names.append(entry["name"])
+        for key in entry:
+            if key not in REFERENCE_KEYS:
+                errors.append(f"'{where}.{key}' is not a reference set's key.{_nearest(str(key), REFERENCE_KEYS)} "
+                              f"The keys: {', '.join(REFERENCE_KEYS)}")
+        if entry.get("source") is not None:
+            _registered(errors, R.DATASETS, entry["source"], f"eval.reference.sets[{i}].source")
+        if entry.get("split", "test") not in ("train", "test"):
+            errors.append(f"'{where}.split' = {entry['split']}: use train or test")
+        if not isinstance(entry.get("samples", 0), int) or entry.get("samples", 0) < 0:
+            errors.append(f"'{where}.samples' = {entry['samples']}: a whole number >= 0 (0: all)")
+        if not _label_ids(entry.get("classes", [])):
+            errors.append(f"'{where}.classes' = {entry['classes']}: a list of label ids, e.g. [0, 1, 2]")
+    if not _label_ids(OmegaConf.to_container(cfg.data.classes) if isinstance(cfg.data.classes, ListConfig) else
+                      cfg.data.classes):
+        errors.append(f"'data.classes' = {cfg.data.classes}: a list of label ids, e.g. [0, 1, 2, 3, 4] ([]: all)")
+
+
+def _label_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value)
 
 
 def _check_required(cfg: DictConfig, errors: list[str]) -> None:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from sslkit.data.seeding import mix_seed
 from sslkit.errors import UserError, plural
@@ -37,6 +37,7 @@ __all__ = [
     "build_source",
     "build_synthetic",
     "cache_dir",
+    "dataset_labels",
     "holds_images",
     "read_idx",
     "source_shape",
@@ -63,6 +64,27 @@ class UnreadableSampleError(Exception):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+def dataset_labels(ds: Any) -> torch.Tensor:
+    """The label of every sample of ``ds`` ``[N]`` (int64), read without decoding where the source lists them
+    (``labels``, ``targets``, ``samples``; through any ``Subset``), else sample by sample (an unreadable one: -1)."""
+    if isinstance(ds, Subset):
+        return dataset_labels(ds.dataset)[torch.as_tensor(list(ds.indices), dtype=torch.long)]
+    for name in ("labels", "targets"):
+        found = getattr(ds, name, None)
+        if found is not None and len(found) == len(ds):
+            return torch.as_tensor(found, dtype=torch.long)
+    samples = getattr(ds, "samples", None)
+    if samples is not None and len(samples) == len(ds):
+        return torch.tensor([int(y) for _, y in samples], dtype=torch.long)
+    labels = []
+    for i in range(len(ds)):
+        try:
+            labels.append(int(ds[i][1]))
+        except UnreadableSampleError:
+            labels.append(-1)
+    return torch.tensor(labels, dtype=torch.long)
 
 
 def cache_dir() -> Path:

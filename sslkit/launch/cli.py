@@ -208,6 +208,10 @@ def _main(args: list[str]) -> int:
         from sslkit.builder.model import check_external_parts
 
         check_external_parts(cfg)  # a distillation's teacher read and fitted to the students, before the folder
+    if cfg.eval.reference.sets:  # a reference set without labels or samples stops here, before the run folder
+        from sslkit.builder.data import reference_sets
+
+        reference_sets(cfg)
     if cfg.launcher == "slurm" and not in_slurm_task():
         return submit(cfg, args, main)  # (in the job's tasks the same command trains)
     import torchvision  # noqa: F401  (one that does not load with this torch stops here, before the run folder)

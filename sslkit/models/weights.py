@@ -15,7 +15,8 @@ from sslkit.errors import UserError
 from sslkit.models.ssl_model import SSLModel
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["WeightsError", "load_backbone", "load_trunk", "read_weights", "weights_digest"]
+__all__ = ["CHANNEL_RULES", "WeightsError", "adapt_channels", "load_backbone", "load_trunk", "read_weights",
+           "weights_digest"]
 
 logger = logging.getLogger("sslkit")
 
@@ -27,6 +28,46 @@ _PREFIXES = ("module.", "backbone.", "_orig_mod.")
 
 class WeightsError(UserError, ValueError):
     """A weights file that cannot be read or does not fit the trunk: the message says what and what to do."""
+
+
+#: How a file's patch embedding meets data of other channels (``model.pretrained_channels``, :func:`adapt_channels`).
+CHANNEL_RULES = ("fino", "timm", "refuse")
+
+
+def adapt_channels(weight: torch.Tensor, channels: int, rule: str = "fino", where: str = "model.pretrained"
+                   ) -> torch.Tensor:
+    """A patch embedding's weight ``[D, C, p, p]`` for images of ``channels`` channels, by ``rule``:
+
+    * ``fino`` (DINOv3's FINO branch, ``dinov3/utils/expand_patch_embed.py``): wider, every new channel's filter is
+      the mean of the existing ones and the whole weight is multiplied by ``C / channels`` (the activation of a patch
+      whose channels agree keeps its size); narrower to one channel (grey images), the sum of the filters (a grey
+      image read as R = G = B gives the same activation; the branch refuses to narrow);
+    * ``timm`` (``timm.models.adapt_input_conv``): one channel, the sum; any other count, the filters repeated in
+      turn up to ``channels`` and multiplied by ``C / channels``;
+    * ``refuse``: only the file's own channel count.
+
+    Raises :class:`WeightsError` naming ``where`` when the rule has no answer for the counts."""
+    c = int(weight.shape[1])
+    if channels == c:
+        return weight
+    fix = (f"set data channels to {c} (the file's), or model.pretrained_channels=timm (the filters repeated in turn, "
+           f"scaled by {c}/{channels})")
+    if rule == "refuse":
+        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels} "
+                           f"(model.pretrained_channels=refuse): {fix.replace(', or', '; or')}, or =fino")
+    if rule == "timm":
+        from timm.models import adapt_input_conv
+
+        return adapt_input_conv(channels, weight, base_chans=c)
+    if rule != "fino":
+        raise WeightsError(f"model.pretrained_channels={rule}: use one of {', '.join(CHANNEL_RULES)}")
+    if channels == 1:
+        return weight.sum(dim=1, keepdim=True)
+    if channels < c:
+        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels}; "
+                           f"model.pretrained_channels=fino widens, or narrows to one channel only: {fix}")
+    extra = weight.mean(dim=1, keepdim=True).expand(-1, channels - c, -1, -1)
+    return torch.cat([weight, extra], dim=1) * (c / channels)
 
 
 def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, torch.Tensor]:
@@ -126,12 +167,13 @@ def _convert(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> dict[str, tor
     return checkpoint_filter_fn(dict(state), trunk)
 
 
-def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
+def load_backbone(model: nn.Module, path: str | Path, channels_rule: str = "fino") -> list[str]:
     """Load a released backbone into ``model.trunk`` (:func:`load_trunk`) and every frozen copy of it (its
     momentum teachers and DINOv3's Gram teacher, :meth:`~sslkit.models.ssl_model.SSLModel.trunk_copies`: they start
     equal to the trunk); the heads start fresh. Returns the trunk's parameters that kept their fresh values."""
     trunk = getattr(model, "trunk", None)
-    missing = load_trunk(trunk, path)  # (refuses a trunk that is not a ViT, as it refuses a file of another one)
+    missing = load_trunk(trunk, path, channels_rule=channels_rule)  # (refuses a trunk that is not a ViT, as it
+    # refuses a file of another one)
     copies = model.trunk_copies() if isinstance(model, SSLModel) else []
     for copy in copies:
         copy.load_state_dict(trunk.state_dict())
@@ -141,17 +183,25 @@ def load_backbone(model: nn.Module, path: str | Path) -> list[str]:
 
 
 def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained",
-               trunk_key: str = "model.trunk") -> list[str]:
+               trunk_key: str = "model.trunk", channels_rule: str = "fino") -> list[str]:
     """Load a backbone file (:func:`read_weights`: timm's layout, Meta's DINOv2/DINOv3 one, an sslkit model state)
     into the ViT ``trunk``. The file's network must be the trunk's (width, depth, patch size, register tokens); the
     mask token is loaded when the file has one (Meta's releases) and the trunk uses one, else it starts fresh.
-    Returns the trunk's parameters that kept their fresh values. Raises :class:`WeightsError` naming what differs
-    (``key``: the config key of the path; ``trunk_key``: that of the trunk's name)."""
+    A file of other input channels than the data's is widened or narrowed by ``channels_rule`` (:func:`adapt_channels`,
+    logged). Returns the trunk's parameters that kept their fresh values. Raises :class:`WeightsError` naming what
+    differs (``key``: the config key of the path; ``trunk_key``: that of the trunk's name)."""
     if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
         raise WeightsError(f"{key} loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the trunk is "
                            f"{type(trunk).__name__}")
     arch = trunk.timm_spec()[0]
     state = read_weights(path, key)
+    patch = state.get("patch_embed.proj.weight")
+    if patch is not None and patch.dim() == 4 and patch.shape[1] != trunk.in_channels:
+        state = {**state, "patch_embed.proj.weight": adapt_channels(patch, trunk.in_channels, channels_rule,
+                                                                      f"{key}={path}")}
+        logger.info("%s: the file's %d-channel patch embedding %s to the data's %d channels by the %s rule "
+                    "(model.pretrained_channels, docs/vit.md)", key, patch.shape[1],
+                    "widened" if trunk.in_channels > patch.shape[1] else "narrowed", trunk.in_channels, channels_rule)
     differences = _shape_differences(state, trunk)
     if differences:
         raise WeightsError(f"{key}={path} is another network than {trunk_key}={arch}: {'; '.join(differences)}. "

@@ -107,6 +107,10 @@ def summarize(run_dir: str) -> dict[str, Any]:
     curve = _last_per_step(records, "knn_curve_top1", phase="eval")
     if curve:
         info["knn_curve"] = curve
+    reference = {key[len("ref_"):-len("_knn_top1")]: _last_per_step(records, key, phase="eval")
+                 for key in sorted({k for r in records for k in r if k.startswith("ref_") and k.endswith("_knn_top1")})}
+    if reference:
+        info["reference"] = reference
     for name in ("knn", "linear", "finetune"):
         found = _read_json(os.path.join(run_dir, "eval", f"{name}.json"))
         if found is not None and found.get("top1") is not None:
@@ -192,6 +196,12 @@ def _duration(seconds: float | None) -> str:
     return format_duration(seconds)
 
 
+def _change(start: float, end: float) -> str:
+    """``end`` against ``start``: the difference in points and as a fraction of the start."""
+    relative = f", {100 * (end - start) / start:+.1f}% of the start" if start > 0 else ""
+    return f"{100 * (end - start):+.1f} points{relative}"
+
+
 def _text(info: dict[str, Any], plots: list[str]) -> str:
     lines = [f"# Run {info['name']}", ""]
     what = f"{info.get('method', '?')} with a {info.get('trunk', '?')} trunk"
@@ -220,6 +230,11 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
         best_step, best = max(points, key=lambda p: p[1])
         lines.append(f"- kNN curve ({len(points)} points{', the last 8' if len(points) > 8 else ''}): {shown}; best "
                      f"{best:.4f} at step {best_step}")
+    for name, points in info.get("reference", {}).items():
+        start, end = points[0][1], points[-1][1]
+        low_step, low = min(points, key=lambda p: p[1])
+        lines.append(f"- reference set {name} (kNN top-1): {start:.4f} at step {points[0][0]} -> {end:.4f} at step "
+                     f"{points[-1][0]} ({_change(start, end)}); lowest {low:.4f} at step {low_step}")
     if "bench" in info:
         b = info["bench"]
         shown = ", ".join(f"{k} {_fmt(v)}" for k, v in b["figures"].items()) or f"failed: {b['error']}"
@@ -283,6 +298,9 @@ def _plots(run_dir: str, info: dict[str, Any], records: list[dict[str, Any]]) ->
         knn_lines.append(("end of run (every sample)", knn, "*"))
     if knn_lines:
         curves.append(("kNN top-1", "step", knn_lines))
+    if info.get("reference"):
+        curves.append(("reference sets: kNN top-1 (eval.reference)", "step",
+                       [(name, points, "o-") for name, points in info["reference"].items()]))
     for key in sorted({k for r in records for k in r if k.startswith(("online_linear", "rankme_"))}):
         points = [(int(r.get("step", 0)), float(r[key])) for r in records if isinstance(r.get(key), int | float)]
         if points:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from sslkit.builder.model import build_model
 from sslkit.config.compose import compose_config
-from sslkit.models.weights import WeightsError, load_backbone
+from sslkit.models.weights import WeightsError, adapt_channels, load_backbone
 
 ROPE = ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2"]
 
@@ -159,3 +159,51 @@ def test_metas_dinov2_layout_loads_into_sslkits_vit(tmp_path: Path, registers: i
     with torch.no_grad():
         torch.testing.assert_close(model.trunk(x), released(x), rtol=0, atol=0)
     assert torch.equal(model.trunk.mask_token, torch.full((1, 1, model.trunk.out_dim), 0.25))
+
+
+def test_the_fino_rule_widens_with_the_mean_filter_and_narrows_grey_by_the_sum() -> None:
+    """DINOv3's FINO ``expand_patch_embed`` written out (3 -> 5: the new filters the mean of the three, everything
+    times 3/5); narrowed to one channel, the sum. Both keep the activation of an image whose channels agree, which is
+    what a grey image read by an RGB network is."""
+    w = torch.randn(6, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+    wide = adapt_channels(w, 5)
+    torch.testing.assert_close(wide[:, :3], w * 3 / 5)
+    torch.testing.assert_close(wide[:, 3], w.mean(dim=1) * 3 / 5)
+    torch.testing.assert_close(wide[:, 4], w.mean(dim=1) * 3 / 5)
+    torch.testing.assert_close(adapt_channels(w, 1), w[:, :1] + w[:, 1:2] + w[:, 2:])
+    grey = torch.randn(2, 1, 4, 4)
+    conv = torch.nn.functional.conv2d
+    torch.testing.assert_close(conv(grey.expand(-1, 5, -1, -1), wide), conv(grey.expand(-1, 3, -1, -1), w))
+    torch.testing.assert_close(conv(grey, adapt_channels(w, 1)), conv(grey.expand(-1, 3, -1, -1), w))
+    # timm's adapt_input_conv: repeated in turn (channels 0, 1, 2, 0, 1), times 3/5; narrowed to 2: the first two
+    torch.testing.assert_close(adapt_channels(w, 5, "timm"), w[:, [0, 1, 2, 0, 1]] * 3 / 5)
+    torch.testing.assert_close(adapt_channels(w, 2, "timm"), w[:, :2] * 3 / 2)
+    assert adapt_channels(w, 3, "refuse") is w
+    with pytest.raises(WeightsError, match=r"fino widens, or narrows to one channel only: .*pretrained_channels=timm"):
+        adapt_channels(w, 2)
+    with pytest.raises(WeightsError, match=r"reads 3-channel images and the data has 4 \(model.pretrained_channels="
+                                           r"refuse\)"):
+        adapt_channels(w, 4, "refuse")
+
+
+@pytest.mark.parametrize("trunk", ["vit", "rope"])
+@pytest.mark.parametrize("channels", [1, 4])
+def test_an_rgb_release_loads_for_grey_and_four_channel_data_as_the_same_function(tmp_path: Path, trunk: str,
+                                                                                    channels: int) -> None:
+    """An RGB file into a trunk for 1- or 4-channel data: on an image whose channels agree the trunk gives exactly
+    the released network's features of the RGB image with those channels (the rule keeps the activation)."""
+    extra = ROPE if trunk == "rope" else []
+    rgb = _model(*extra)
+    save_file(_released(rgb).state_dict(), str(tmp_path / "w.safetensors"))
+    torch.manual_seed(0)
+    model = build_model(compose_config(["config=dinov2", *SMALL, *RECIPES["dinov2"], *extra]), in_channels=channels)
+    load_backbone(model, tmp_path / "w.safetensors")
+    reference = _released(rgb)
+    model.trunk.eval()
+    grey = torch.rand(2, 1, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model.trunk(grey.expand(-1, channels, -1, -1)), reference(grey.expand(-1, 3, -1, -1))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(WeightsError, match=r"model\.pretrained_channels=refuse"):
+        load_backbone(build_model(compose_config(["config=dinov2", *SMALL, *RECIPES["dinov2"], *extra]),
+                                  in_channels=channels), tmp_path / "w.safetensors", "refuse")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from sslkit.data.dataset import sample_file
 from sslkit.data.segmentation import SegmentationTransform, TransformedSegmentation
-from sslkit.data.sources import cache_dir
+from sslkit.data.sources import cache_dir, dataset_labels
 from sslkit.errors import UserError, did_you_mean
 from sslkit.tools.bench.backbones import Backbone, BenchError, load_backbones, parse_list
 from sslkit.tools.bench.cache import (
@@ -116,8 +116,8 @@ def _data(cfg: DictConfig, protocols: list[str]) -> tuple[Any, Any, int, dict[st
     """The labelled train and test sets, their classes and what identifies them: the data's own splits, or, with
     ``eval.bench.test_fraction``, a stratified seeded part of its train split as the test split (the rest as train).
     A dataset without labels is a :class:`BenchError` naming it and the protocols that need them."""
-    from sslkit.builder import eval_sources, eval_specs, limited
-    from sslkit.data import build_source
+    from sslkit.builder import eval_sources, eval_specs
+    from sslkit.builder.data import open_source
     from sslkit.data.sources import DataSourceError
 
     specs = eval_specs(cfg)
@@ -126,7 +126,7 @@ def _data(cfg: DictConfig, protocols: list[str]) -> tuple[Any, Any, int, dict[st
     try:
         if fraction:
             source, path, kwargs, _ = specs["train"]
-            whole = limited(build_source(source, "train", path, **kwargs), cfg.data.limit)
+            whole = open_source(cfg, source, "train", path, kwargs)
             classes = int(getattr(whole, "num_classes", 0))
             if classes <= 0:
                 raise DataSourceError("it has no labels")
@@ -138,6 +138,7 @@ def _data(cfg: DictConfig, protocols: list[str]) -> tuple[Any, Any, int, dict[st
         raise BenchError(f"data ({where}): {exc}. The protocols {', '.join(protocols)} need labelled train and test "
                          "sets") from None
     described: dict[str, Any] = {"num_classes": classes, "limit": int(cfg.data.limit),
+                                 "classes": [int(c) for c in cfg.data.classes] or "all",
                                  "test_split": (f"a stratified {float(fraction):g} of the train split, seed "
                                                 f"{int(cfg.eval.bench.seed)}") if fraction else "the data's own"}
     for split, ds in (("train", train), ("test", test)):
@@ -156,30 +157,9 @@ def _seeded_split(ds: Any, fraction: float, seed: int) -> tuple[Subset, Subset]:
 
     if not 0.0 < fraction < 1.0:
         raise BenchError(f"eval.bench.test_fraction={fraction}: give a fraction in (0, 1)")
-    labels = _source_labels(ds)
+    labels = dataset_labels(ds)
     rest, test = stratified_split(labels, fraction, seed)
     return Subset(ds, rest.tolist()), Subset(ds, test.tolist())
-
-
-def _source_labels(ds: Any) -> torch.Tensor:
-    if isinstance(ds, Subset):
-        return _source_labels(ds.dataset)[torch.as_tensor(list(ds.indices), dtype=torch.long)]
-    for name in ("labels", "targets"):
-        found = getattr(ds, name, None)
-        if found is not None and len(found) == len(ds):
-            return torch.as_tensor(found, dtype=torch.long)
-    samples = getattr(ds, "samples", None)
-    if samples is not None and len(samples) == len(ds):
-        return torch.tensor([int(y) for _, y in samples], dtype=torch.long)
-    from sslkit.data.sources import UnreadableSampleError
-
-    labels = []
-    for i in tqdm(range(len(ds)), desc="labels", disable=None, leave=False):
-        try:
-            labels.append(int(ds[i][1]))
-        except UnreadableSampleError:  # (its own class here; left out of every protocol later)
-            labels.append(-1)
-    return torch.tensor(labels, dtype=torch.long)
 
 
 def _entries(bench: Bench, b: Backbone) -> dict[str, dict[str, Any]]:
