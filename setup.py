@@ -29,7 +29,7 @@ setup(
     extras_require={
         "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4", "onnx>=1.16", "onnxruntime>=1.18",
                  "onnxscript>=0.1", "wandb>=0.17", "mlflow>=2.12", "umap-learn>=0.5",
-                 "datasets>=2.16", "webdataset>=0.2"],
+                 "datasets>=2.16", "webdataset>=0.2", "tifffile>=2023.1"],
         # launcher=slurm submits jobs through submitit (docs/distributed.md)
         "slurm": ["submitit>=1.5.4"],
         # sslkit export format=onnx writes the trunk with torch.onnx's exporter (onnxscript) and checks it with
@@ -44,6 +44,9 @@ setup(
         "hf": ["datasets>=2.16"],
         # data=webdataset: tar shards (brace patterns through webdataset's braceexpand; docs/data.md)
         "webdataset": ["webdataset>=0.2"],
+        # TIFF images of any channel count and 16 bits in a folder or file list (docs/data.md); without it PIL reads
+        # the 8-bit TIFFs of 1 or 3 channels
+        "tiff": ["tifffile>=2023.1"],
         # benchmarks/throughput.py --tools times kornia's augmentation against sslkit's (docs/data.md)
         "bench": ["kornia>=0.8"],
     },

@@ -108,6 +108,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"invalid config:\n  {sized}")
     import_modules(cfg)
     resolve_method(cfg)
+    apply_stats(cfg)
     validate(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -143,6 +144,31 @@ def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | 
             f"(config={paper.split(', ')[0]} data={data} ...; all: {paper}), or set the sizes for these images: "
             f"{' '.join(to_set)} (the data={data} preset's), or sized_for=null to train this recipe's sizes as "
             f"they are.")
+
+
+def apply_stats(cfg: DictConfig) -> None:
+    """``data.stats=FILE`` (what ``sslkit data stats`` wrote): its per-channel mean and std become the training and
+    evaluation transforms' normalisation where they give none of their own. A file that is missing or holds no
+    mean and std is a :class:`ConfigError` naming it; one of another channel count than the data's is named by
+    validation."""
+    path = cfg.data.get("stats")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
+            found = json.load(f)
+        mean, std = [float(v) for v in found["mean"]], [float(v) for v in found["std"]]
+    except FileNotFoundError:
+        raise ConfigError(f"'data.stats' = {path}: no such file; write it with sslkit data stats path=DATA "
+                          f"output={path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"'data.stats' = {path}: not a statistics file of sslkit data stats ({type(exc).__name__}: "
+                          f"{exc}); write it again with sslkit data stats path=DATA output={path}") from None
+    for section in (cfg.data.transform, cfg.data.eval_transform):
+        if section.get("mean") is None and section.get("std") is None:
+            section.mean, section.std = mean, std
 
 
 def resolve_method(cfg: DictConfig) -> None:

@@ -371,8 +371,11 @@ def _check_transform_fits(cfg: DictConfig, where: str, splits: tuple[str, ...], 
             continue
         for split, name, shape in shapes:
             if shape.channels is not None and len(values) not in (1, shape.channels):
-                errors.append(f"'{where}.{key}' has {len(values)} values but the images of the {split} split "
-                              f"(source {name}) have {shape.channels} channel(s): give one value, or one per channel.")
+                stats = cfg.data.get("stats")
+                origin = f" (from data.stats={stats}: statistics of other images)" if stats else ""
+                errors.append(f"'{where}.{key}' has {len(values)} values{origin} but the images of the {split} split "
+                              f"(source {name}) have {shape.channels} channel(s): give one value, or one per channel"
+                              f"{'; compute them on these images with sslkit data stats' if stats else ''}.")
                 break
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_taps
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_taps, unit_float
 
 __all__ = [
     "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "ReadForDevice",
@@ -156,7 +156,7 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
-    return x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+    return unit_float(x) if x.dtype != torch.float32 else x.float()
 
 
 def _resize_boxes(x: torch.Tensor, boxes: torch.Tensor, s: int) -> torch.Tensor:
@@ -408,7 +408,9 @@ class ReadForDevice:
         self.num_views = num_views
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
-        """``[image, uniforms]``."""
+        """``[image, uniforms]`` (a 16-bit image as float32 in 0..1: the device's uint16 support is thin)."""
+        if image.dtype == torch.uint16:
+            image = unit_float(image)
         return [image, torch.rand(self.num_views, UNIFORMS_PER_VIEW, dtype=torch.float64)]
 
 

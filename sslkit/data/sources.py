@@ -20,6 +20,7 @@ from sslkit.errors import UserError, plural
 from sslkit.registry import DATASETS, get, register_dataset
 
 __all__ = [
+    "ARRAY_EXTENSIONS",
     "DEBIAN_FASHION_MNIST",
     "IMAGE_EXTENSIONS",
     "DataSourceError",
@@ -39,6 +40,7 @@ __all__ = [
     "cache_dir",
     "dataset_labels",
     "holds_images",
+    "read_array_image",
     "read_idx",
     "source_shape",
 ]
@@ -48,8 +50,15 @@ logger = logging.getLogger("sslkit.data")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 """Where the Debian package ``dataset-fashion-mnist`` installs the idx files."""
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".npy")
 """File extensions (lower case) the ``folder`` source reads; matched case-insensitively."""
+
+ARRAY_EXTENSIONS = (".npy", ".tif", ".tiff")
+"""Files read as arrays of any channel count and 8 or 16 bits (:func:`read_array_image`): NumPy's ``.npy``, and TIFF
+through ``tifffile`` (``pip install 'sslkit[tiff]'``; without it, TIFFs of 1 or 3 channels are read by PIL)."""
+
+#: ITU-R 601-2 luma, as PIL's ``convert("L")``: what a 3-channel array becomes for one-channel data.
+_LUMA = np.array([0.299, 0.587, 0.114])
 
 SPLITS = ("train", "test")
 
@@ -312,6 +321,70 @@ def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name:
     return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
 
 
+def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
+    """A decoded array ``[H, W]``, ``[H, W, C]`` or ``[C, H, W]`` as ``[channels, H, W]``: the axis of ``channels``
+    entries is the channel axis (the last when both ends have it); as PIL's conversions, a 2-D image for 3 channels is
+    repeated, a 3- or 4-channel (RGBA) one for one channel becomes its luma, an RGBA one for 3 channels loses alpha."""
+    if arr.ndim == 2:
+        arr = arr[None]
+    elif arr.ndim != 3:
+        raise UnreadableSampleError(f"{where}: an array of shape {arr.shape}; an image is [H, W], [H, W, C] or "
+                                    "[C, H, W]", where)
+    elif arr.shape[-1] == channels or (arr.shape[0] != channels and arr.shape[-1] <= 4 < arr.shape[0]):
+        arr = np.moveaxis(arr, -1, 0)
+    c = arr.shape[0]
+    if c == channels:
+        return arr
+    if c == 1 and channels == 3:
+        return np.repeat(arr, 3, axis=0)
+    if c in (3, 4) and channels == 1:
+        luma = np.tensordot(_LUMA, arr[:3].astype(np.float64), axes=1)
+        return np.clip(np.rint(luma), 0, np.iinfo(arr.dtype).max if arr.dtype.kind == "u" else 1)[None].astype(
+            arr.dtype)
+    if c == 4 and channels == 3:
+        return arr[:3]
+    raise UnreadableSampleError(f"{where}: {c} channels, and the data has {channels} (data.<split>.kwargs.channels)",
+                                where)
+
+
+def read_array_image(path: str, channels: int) -> torch.Tensor:
+    """A ``.npy`` or TIFF file as ``[channels, H, W]``: uint8, uint16 (16-bit files keep their depth: the transforms
+    divide by 65535), or float32 (taken to be in 0..1), by :func:`_channels_first`'s rule. Other pixel types (signed,
+    64-bit) and a missing ``tifffile`` raise with what to do; a file that cannot be read raises
+    :class:`UnreadableSampleError`."""
+    try:
+        if path.lower().endswith(".npy"):
+            arr = np.load(path, allow_pickle=False)
+        else:
+            try:
+                import tifffile
+            except ImportError:
+                raise DataSourceError(f"{path}: TIFF files of {channels} channels or 16 bits are read with tifffile: "
+                                      "pip install 'sslkit[tiff]'") from None
+            arr = tifffile.imread(path)
+    except DataSourceError:
+        raise
+    except Exception as e:  # a truncated or foreign file
+        raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    if arr.dtype not in (np.uint8, np.uint16, np.float32):
+        raise UnreadableSampleError(f"{path}: pixels of type {arr.dtype}; sslkit reads 8- and 16-bit unsigned "
+                                    "images (uint8, uint16) and float ones in 0..1: convert the file", path)
+    return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, path)))
+
+
+def _pil_pixels(img: Any, channels: int) -> np.ndarray:
+    """A PIL image as ``[H, W]`` / ``[H, W, 3]`` of ``channels``: 8-bit through ``convert``; a 16-bit grey one
+    (PNG's ``I;16``) keeps its 16 bits as uint16 (``convert("L")`` would clip it at 255)."""
+    if img.mode.startswith("I;16") or (img.mode == "I" and channels == 1):
+        arr = np.asarray(img)
+        if arr.dtype != np.uint16:
+            arr = np.clip(arr, 0, 65535).astype(np.uint16)
+        return arr if channels == 1 else np.repeat(arr[..., None], 3, axis=-1)
+    return np.asarray(img.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)
+
+
 def _has_image_ext(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
@@ -358,6 +431,20 @@ def _describe_others(others: list[str]) -> str:
     return f"{plural(len(others), 'other file')} ({kinds})"
 
 
+def _reads_as_array(path: str, channels: int) -> bool:
+    """``.npy`` files always; TIFF files when ``tifffile`` is there or the channels are not PIL's 1 or 3."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".npy":
+        return True
+    if ext not in ARRAY_EXTENSIONS:
+        return False
+    if channels not in (1, 3):
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("tifffile") is not None
+
+
 class FolderDataset(Dataset):
     """Images in a folder, decoded lazily with PIL.
 
@@ -376,8 +463,8 @@ class FolderDataset(Dataset):
         dataset (all of them if there are fewer) can be decoded. The probe stops at the first
         readable file, so on a healthy folder it costs one decode.
         """
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        if int(channels) < 1:
+            raise DataSourceError(f"channels must be 1 or more, got {channels}")
         #: Give JPEG files as their bytes (1-D uint8), for a decoder on the training device
         #: (``data.decode_on=device``); other files are still decoded here.
         self.jpeg_bytes = False
@@ -454,11 +541,12 @@ class FolderDataset(Dataset):
                 raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
             if is_jpeg(data):
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+        if _reads_as_array(path, self.channels):
+            return read_array_image(path, self.channels), label
         try:
             with Image.open(path) as img:
                 img.load()
-                img = img.convert("L" if self.channels == 1 else "RGB")
-                arr = np.asarray(img, dtype=np.uint8)
+                arr = _pil_pixels(img, self.channels)
         except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
             raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
         t = torch.from_numpy(arr.copy())
@@ -478,8 +566,8 @@ class FileListDataset(FolderDataset):
     def __init__(self, list_file: str | Path, channels: int = 3, probe: int = 32) -> None:
         """Read ``list_file``; raise :class:`DataSourceError` for a missing list, an empty one, listed files that
         do not exist (counted, the first named with their line), or lines that mix labelled and unlabelled."""
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        if int(channels) < 1:
+            raise DataSourceError(f"channels must be 1 or more, got {channels}")
         self.jpeg_bytes = False
         path = Path(list_file).expanduser()
         if not path.exists():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from sslkit.registry import TRANSFORMS, get, register_transform
 
 __all__ = [
+    "PIXEL_MAX",
     "USUAL_CROP_PCT",
     "EvalTransform",
     "Normalize",
@@ -25,6 +26,7 @@ __all__ = [
     "centred_crop_box",
     "eval_resize",
     "random_resized_crop_box",
+    "unit_float",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,15 +39,26 @@ _HUE_DIFFS = torch.tensor([[0.0, 1.0, -1.0], [-1.0, 0.0, 1.0], [1.0, -1.0, 0.0]]
 _HUE_PHASES = torch.tensor([0.0, 4.0, 2.0]).view(3, 1, 1)  # R, G, B phase in the HSV hexagon
 
 
+#: The integer pixel types images come in and the value of their brightest pixel (8- and 16-bit files).
+PIXEL_MAX = {torch.uint8: 255.0, torch.uint16: 65535.0}
+
+
+def unit_float(images: torch.Tensor) -> torch.Tensor:
+    """Images of any shape as a new float32 tensor in 0..1: 8-bit (uint8) divided by 255, 16-bit (uint16, TIFF and
+    NumPy files of microscopes and satellites) by 65535, float ones copied as they are (taken to be in 0..1)."""
+    top = PIXEL_MAX.get(images.dtype)
+    if top is not None:
+        return images.to(torch.float32).div_(top)
+    if images.is_floating_point():
+        return images.to(torch.float32, copy=True)
+    raise TypeError(f"expected uint8, uint16 or float images, got {images.dtype}")
+
+
 def _to_float(image: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[C,H,W]`` in 0..255 (or a float image in 0..1) to a new float32 tensor in 0..1."""
+    """An image ``[C,H,W]`` (:func:`unit_float`'s types) as a new float32 tensor in 0..1."""
     if image.ndim != 3:
         raise ValueError(f"expected an image tensor [C,H,W], got shape {tuple(image.shape)}")
-    if image.dtype == torch.uint8:
-        return image.to(torch.float32).div_(255.0)
-    if image.is_floating_point():
-        return image.to(torch.float32, copy=True)
-    raise TypeError(f"expected a uint8 or float image tensor, got {image.dtype}")
+    return unit_float(image)
 
 
 class Normalize:
@@ -389,16 +402,11 @@ class EvalTransform:
         return [self.batch(image[None])[0]]
 
     def batch(self, images: torch.Tensor) -> torch.Tensor:
-        """The views ``[B, C, image_size, image_size]`` of images ``[B, C, H, W]`` of one size (uint8, or float in
-        0..1), each exactly what :meth:`__call__` gives it, in a few batched operations."""
+        """The views ``[B, C, image_size, image_size]`` of images ``[B, C, H, W]`` of one size (uint8, uint16, or
+        float in 0..1), each exactly what :meth:`__call__` gives it, in a few batched operations."""
         if images.ndim != 4:
             raise ValueError(f"expected images [B,C,H,W], got shape {tuple(images.shape)}")
-        if images.dtype == torch.uint8:
-            x = images.to(torch.float32).div_(255.0)
-        elif images.is_floating_point():
-            x = images.to(torch.float32, copy=True)
-        else:
-            raise TypeError(f"expected uint8 or float images, got {images.dtype}")
+        x = unit_float(images)
         _, _, h, w = x.shape
         short = self.resize if self.resize is not None else max(self.image_size, min(h, w))
         if min(h, w) != short:

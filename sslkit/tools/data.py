@@ -1,6 +1,6 @@
 """``sslkit data pack`` (a folder or file list into tar shards with their index), ``sslkit data info`` (what a
-source holds: samples, classes, image sizes of a sample of it, unreadable ones) and ``sslkit data scenes`` (the
-offline dense task, written as a segmentation folder)."""
+source holds: samples, classes, image sizes of a sample of it, unreadable ones), ``sslkit data scenes`` (the
+offline dense task, written as a segmentation folder) and ``sslkit data stats`` (each channel's mean and std)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sslkit.data.sources import UnreadableSampleError, build_source
 from sslkit.tools.common import parse_tool_args, run_tool
 from sslkit.tools.pretrained import ToolError
 
-__all__ = ["data_main", "guess_source", "source_info"]
+__all__ = ["channel_stats", "data_main", "guess_source", "source_info"]
 
 logger = logging.getLogger("sslkit")
 
@@ -34,15 +34,25 @@ SCENES_KEYS = {"output": "the folder the scenes go to, in ADE20K's layout (image
                "garments": "fewest and most garments per scene, e.g. [2,4] (default)",
                "jitter": "pixels a garment moves from its cell (default 6)",
                "seed": "the scenes' seed (default 0)"}
+STATS_KEYS = {"path": "a folder of images (any channels, 8 or 16 bits: .npy, TIFF, PNG, ...), a file list, shards or "
+                      "a Hugging Face dataset",
+              "source": "folder | filelist | webdataset | hf (default: guessed from path)",
+              "channels": "the images' channels (default 3; 1 for grey, 4 or 13 for multi-channel files)",
+              "sample": "how many images, spread over the source, are read (default 10000; 0: all)",
+              "output": "the JSON file written (default: data_stats.json in the current folder); train with "
+                        "data.stats=FILE"}
 USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER [shard_mb=256]
        sslkit data info path=SOURCE [source=...] [sample=64]
        sslkit data scenes output=FOLDER [train=4000] [test=1000] [canvas=56] [garments=[2,4]] [seed=0]
+       sslkit data stats path=SOURCE [source=...] [channels=3] [sample=10000] [output=data_stats.json]
 
 pack: {'; '.join(f'{k}= {v}' for k, v in PACK_KEYS.items())}
 info: {'; '.join(f'{k}= {v}' for k, v in INFO_KEYS.items())}
 scenes: Fashion-MNIST garments of several classes on a larger canvas, each pixel labelled with its garment's class
   or background (the dense probe's offline task, eval.dense.dataset=scenes); {'; '.join(f'{k}= {v}' for k, v in
                                                                                     SCENES_KEYS.items())}
+stats: each channel's mean and standard deviation of the pixels in 0..1 (16-bit images divided by 65535), for the
+  transforms' normalisation (data.stats=FILE); {'; '.join(f'{k}= {v}' for k, v in STATS_KEYS.items())}
 Train on the shards with: python tools/run.py config=simclr data=webdataset data.train.path=SHARD_FOLDER"""
 
 
@@ -179,12 +189,67 @@ def _scenes(args: list[str]) -> int:
     return 0
 
 
+def channel_stats(ds: Dataset, sample: int) -> dict[str, Any]:
+    """Each channel's mean and standard deviation over every pixel of ``sample`` images of ``ds`` spread evenly over
+    it (0: all), in 0..1 (:func:`~sslkit.data.transforms.unit_float`), summed in float64; unreadable images are
+    skipped and counted."""
+    import torch
+
+    from sslkit.data.transforms import unit_float
+
+    n = len(ds)  # type: ignore[arg-type]
+    k = n if sample <= 0 else min(n, sample)
+    total = squares = None
+    pixels, read, bad, dtypes = 0, 0, 0, set()
+    for i in sorted({j * n // k for j in range(k)}) if k else []:
+        try:
+            image, _ = ds[i]
+        except UnreadableSampleError:
+            bad += 1
+            continue
+        dtypes.add(str(image.dtype).replace("torch.", ""))
+        x = unit_float(image).to(torch.float64).flatten(1)
+        total = x.sum(1) if total is None else total + x.sum(1)
+        squares = x.square().sum(1) if squares is None else squares + x.square().sum(1)
+        pixels += x.shape[1]
+        read += 1
+    if total is None or squares is None:
+        raise ToolError(f"none of the {k} images tried could be read")
+    mean = total / pixels
+    std = (squares / pixels - mean.square()).clamp(min=0).sqrt()
+    return {"mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std],
+            "channels": int(mean.numel()), "images": read, "unreadable": bad, "pixels_per_channel": pixels,
+            "dtype": sorted(dtypes)}
+
+
+def _stats(args: list[str]) -> int:
+    import json
+
+    from sslkit.checkpoint import atomic_write
+
+    opts, overrides = parse_tool_args("data stats", args, STATS_KEYS)
+    if overrides or "path" not in opts:
+        raise ToolError("sslkit data stats needs path=SOURCE (and takes source=, channels=, sample=, output=)")
+    source = opts.get("source") or guess_source(opts["path"])
+    start = time.perf_counter()
+    ds = build_source(source, "train", opts["path"], channels=_int_key(opts, "channels", 3))
+    found = channel_stats(ds, _int_key(opts, "sample", 10000))
+    found.update({"source": source, "path": opts["path"], "made_by": "sslkit data stats " + " ".join(args)})
+    output = Path(opts.get("output", "data_stats.json")).expanduser()
+    text = json.dumps(found, indent=1)
+    atomic_write(str(output), lambda f: f.write(text.encode()))
+    print(f"{opts['path']} ({source}): {found['channels']} channel(s) of {', '.join(found['dtype'])} over "
+          f"{found['images']} images ({found['unreadable']} unreadable) in {time.perf_counter() - start:.1f} s")
+    print(f"mean {found['mean']}\nstd  {found['std']}\nwritten to {output}; train with data.stats={output}")
+    return 0
+
+
 def data_main(argv: list[str] | None = None) -> int:
     """``sslkit data pack|info|scenes ...``."""
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
-    bodies = {"pack": _pack, "info": _info, "scenes": _scenes}
+    bodies = {"pack": _pack, "info": _info, "scenes": _scenes, "stats": _stats}
     if not args or args[0] not in bodies:
         print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2

@@ -1,0 +1,120 @@
+"""Any number of channels and 16 bits: .npy and TIFF files of 1 to 13 channels and 8 or 16 bits read as they are
+(PIL's conversions where the channel counts differ), a 16-bit PNG not clipped, the transforms in 0..1 by the file's
+depth, each channel's statistics from ``sslkit data stats`` into the normalisation, and a 4-channel 16-bit folder
+trained on, augmented by the workers and on the device."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+from helpers import SMALL, run_main
+from PIL import Image
+
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
+from sslkit.data.sources import FolderDataset, UnreadableSampleError, read_array_image
+from sslkit.data.transforms import SimCLRTransform, unit_float
+from sslkit.tools.data import data_main
+
+QUIET = ["eval.knn.enabled=false", "log.tensorboard=false"]
+#: SMALL on a folder of the test's files: the small CNN, 32 px crops.
+FOLDER = ["data=folder", *(o for o in SMALL if not o.startswith(("data=", "data.train.kwargs."))),
+          "model.trunk=small_cnn", "data.image_size=32", "data.patch_size=8"]
+
+
+def _pixels(shape: tuple[int, ...], dtype: type, seed: int) -> np.ndarray:
+    top = np.iinfo(dtype).max
+    return np.random.default_rng(seed).integers(0, top, size=shape, endpoint=True).astype(dtype)
+
+
+def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) -> None:
+    last = _pixels((6, 5, 4), np.uint16, 0)
+    np.save(tmp_path / "last.npy", last)
+    np.save(tmp_path / "first.npy", np.moveaxis(last, -1, 0))
+    tifffile.imwrite(tmp_path / "planar.tif", _pixels((13, 6, 5), np.uint16, 1))
+    for name in ("last.npy", "first.npy"):
+        got = read_array_image(str(tmp_path / name), 4)
+        assert got.dtype == torch.uint16 and got.shape == (4, 6, 5)
+        assert np.array_equal(got.numpy(), np.moveaxis(last, -1, 0))
+    planar = read_array_image(str(tmp_path / "planar.tif"), 13)
+    assert planar.shape == (13, 6, 5) and np.array_equal(planar.numpy(), tifffile.imread(tmp_path / "planar.tif"))
+    # PIL's conversions where the counts differ: grey for RGB repeated, RGB for grey its ITU-R 601-2 luma
+    rgb = _pixels((6, 5, 3), np.uint8, 2)
+    np.save(tmp_path / "rgb.npy", rgb)
+    pil_luma = np.asarray(Image.fromarray(rgb).convert("L"))
+    assert np.abs(read_array_image(str(tmp_path / "rgb.npy"), 1)[0].numpy().astype(int) - pil_luma).max() <= 1
+    np.save(tmp_path / "grey.npy", rgb[..., 0])
+    assert np.array_equal(read_array_image(str(tmp_path / "grey.npy"), 3).numpy(), np.repeat(rgb[None, ..., 0], 3, 0))
+    with pytest.raises(UnreadableSampleError, match=r"13 channels, and the data has 4"):
+        read_array_image(str(tmp_path / "planar.tif"), 4)
+    np.save(tmp_path / "signed.npy", np.zeros((4, 4), dtype=np.int16))
+    with pytest.raises(UnreadableSampleError, match=r"pixels of type int16; sslkit reads 8- and 16-bit unsigned"):
+        read_array_image(str(tmp_path / "signed.npy"), 1)
+
+
+def test_a_16_bit_png_keeps_its_depth_and_the_transforms_divide_by_65535(tmp_path: Path) -> None:
+    """PIL's ``convert("L")`` clips a 16-bit grey PNG at 255; the folder reads its 16 bits."""
+    (tmp_path / "a").mkdir()
+    deep = _pixels((8, 8), np.uint16, 3)
+    Image.fromarray(deep).save(tmp_path / "a" / "deep.png")
+    image, _ = FolderDataset(tmp_path, channels=1)[0]
+    assert image.dtype == torch.uint16 and np.array_equal(image[0].numpy(), deep)
+    torch.testing.assert_close(unit_float(image), torch.from_numpy(deep.astype(np.float32))[None] / 65535.0)
+    views = SimCLRTransform(8, num_views=2, mean=[0.5], std=[0.25])(image)
+    assert all(v.shape == (1, 8, 8) and v.dtype == torch.float32 and torch.isfinite(v).all() for v in views)
+
+
+def _four_channel_folder(root: Path) -> None:
+    """Two classes of 4-channel 16-bit 32 px .npy images (class 1 brighter in its last channel)."""
+    for c in range(2):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(12):
+            x = _pixels((32, 32, 4), np.uint16, 10 * c + i) // 2
+            x[..., 3] += np.uint16(30000 * c)
+            np.save(root / f"class{c}" / f"{i}.npy", x)
+
+
+def test_data_stats_are_each_channels_mean_and_std_and_normalise_the_run(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    _four_channel_folder(data)
+    out = tmp_path / "stats.json"
+    assert data_main(["stats", f"path={data}", "channels=4", "sample=0", f"output={out}"]) == 0
+    found = json.loads(out.read_text())
+    every = np.stack([np.load(f) for f in sorted(data.rglob("*.npy"))]).astype(np.float64) / 65535.0
+    np.testing.assert_allclose(found["mean"], every.mean(axis=(0, 1, 2)), atol=1e-6)
+    np.testing.assert_allclose(found["std"], every.std(axis=(0, 1, 2)), atol=1e-6)
+    assert found["channels"] == 4 and found["images"] == 24 and found["dtype"] == ["uint16"]
+    assert f"data.stats={out}" in capsys.readouterr().out
+    base = ["config=simclr", *FOLDER, f"data.train.path={data}", f"data.test.path={data}",
+            "data.train.kwargs.channels=4", "data.test.kwargs.channels=4"]
+    cfg = compose_config([*base, f"data.stats={out}"])
+    assert list(cfg.data.transform.mean) == found["mean"] and list(cfg.data.eval_transform.std) == found["std"]
+    rgb = tmp_path / "rgb.json"
+    rgb.write_text(json.dumps({"mean": [0.4, 0.4, 0.4], "std": [0.2, 0.2, 0.2]}))
+    with pytest.raises(ConfigError, match=re.escape(f"has 3 values (from data.stats={rgb}: statistics of other "
+                                                    "images) but the images of the train split")):
+        compose_config([*base, f"data.stats={rgb}"])
+    with pytest.raises(ConfigError, match=re.escape(f"'data.stats' = {tmp_path / 'none.json'}: no such file")):
+        compose_config([*base, f"data.stats={tmp_path / 'none.json'}"])
+
+
+@pytest.mark.parametrize("augment_on", ["workers", "device"])
+def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path: Path, augment_on: str) -> None:
+    data = tmp_path / "data"
+    _four_channel_folder(data)
+    out = tmp_path / "run"
+    run_main("config=simclr", *FOLDER, *QUIET, f"data.train.path={data}", f"data.test.path={data}",
+             "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.batch_size=8", "optim.max_steps=3",
+             f"data.augment_on={augment_on}", f"output_dir={out}")
+    state = torch.load(out / "checkpoints" / "checkpoint_000000003.pt", weights_only=True)
+    first = next(v for k, v in state["model"].items() if k.endswith("weight") and v.dim() == 4)
+    assert first.shape[1] == 4  # the trunk reads the four channels
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
