@@ -60,16 +60,17 @@ class HFDataset(Dataset):
     """Rows of a Hugging Face dataset on local disk, each an image and optionally a label, addressed by row index.
 
     The dataset is memory-mapped (Arrow), so loader workers share its pages instead of copying it. ``image_column``
-    holds images (a ``datasets.Image`` feature, encoded bytes, or file paths), decoded lazily with PIL to uint8
-    ``[C, H, W]`` (a JPEG's bytes, 1-D, with :attr:`jpeg_bytes` for ``data.decode_on=device``); ``label_column`` (None:
-    no labels, -1) holds integer class indices (``num_classes`` from a ``ClassLabel`` feature, else the largest + 1).
+    holds images (a ``datasets.Image`` feature, encoded bytes, or file paths), decoded lazily (PIL, or ``.npy`` / TIFF
+    bytes of any channels and 16 bits: :func:`~sslkit.data.sources.decode_image`) to ``[C, H, W]`` (a JPEG's bytes,
+    1-D, with :attr:`jpeg_bytes` for ``data.decode_on=device``); ``label_column`` (None: no labels, -1) holds integer
+    class indices (``num_classes`` from a ``ClassLabel`` feature, else the largest + 1).
     A row that cannot be decoded raises :class:`UnreadableSampleError` (skipped and counted by the dataset).
     """
 
     def __init__(self, root: str | Path, split: str = "train", image_column: str = "image",
                  label_column: str | None = None, channels: int = 3) -> None:
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        if int(channels) < 1:
+            raise DataSourceError(f"channels must be 1 or more, got {channels}")
         datasets = _datasets()
         self.root = Path(root).expanduser()
         if not self.root.exists():

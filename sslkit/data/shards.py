@@ -130,8 +130,8 @@ class ShardDataset(Dataset):
     when the dataset is built, naming it."""
 
     def __init__(self, spec: str, channels: int = 3) -> None:
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 or 3, got {channels}")
+        if int(channels) < 1:
+            raise DataSourceError(f"channels must be 1 or more, got {channels}")
         self.shards = expand_shards(spec)
         if not self.shards:
             raise DataSourceError(f"{spec} names no shard: give a brace pattern (train-{{000000..000099}}.tar), a "
@@ -174,7 +174,8 @@ class ShardDataset(Dataset):
         return data
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        """Sample ``i``'s image as uint8 ``[C, H, W]`` (a JPEG's bytes with :attr:`jpeg_bytes`) and its label."""
+        """Sample ``i``'s image as ``[C, H, W]`` (uint8, or uint16 for 16-bit members; a JPEG's bytes with
+        :attr:`jpeg_bytes`) and its label."""
         data, label = self.raw(i), int(self.labels[i])
         shard, j = self.locate(i)
         where = f"sample {j} of shard {self.shards[shard]}"

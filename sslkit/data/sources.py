@@ -57,6 +57,10 @@ ARRAY_EXTENSIONS = (".npy", ".tif", ".tiff")
 """Files read as arrays of any channel count and 8 or 16 bits (:func:`read_array_image`): NumPy's ``.npy``, and TIFF
 through ``tifffile`` (``pip install 'sslkit[tiff]'``; without it, TIFFs of 1 or 3 channels are read by PIL)."""
 
+#: The first bytes of a NumPy ``.npy`` file and of a TIFF file (little- and big-endian).
+NPY_MAGIC = b"\x93NUMPY"
+TIFF_MAGICS = (b"II*\x00", b"MM\x00*")
+
 #: ITU-R 601-2 luma, as PIL's ``convert("L")``: what a 3-channel array becomes for one-channel data.
 _LUMA = np.array([0.299, 0.587, 0.114])
 
@@ -305,16 +309,19 @@ def is_jpeg(head: bytes) -> bool:
 
 
 def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name: str) -> torch.Tensor:
-    """Encoded image ``data`` as uint8 ``[C, H, W]`` (PIL; ``channels`` 1 or 3), or, with ``jpeg_bytes`` and a JPEG, its
+    """Encoded image ``data`` as ``[C, H, W]`` (PIL for 1 or 3 channels, 16-bit grey kept; ``.npy`` and TIFF bytes of
+    any channels through :func:`read_array_image`), or, with ``jpeg_bytes`` and a JPEG, its
     bytes as they are (1-D, for the device decoder). An image PIL cannot decode raises :class:`UnreadableSampleError`
     saying ``where`` it was (``name``: the file or sample the skip count names)."""
     if jpeg_bytes and is_jpeg(data[:3]):
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if data[:6] == NPY_MAGIC or (data[:4] in TIFF_MAGICS and _tiff_as_array(channels)):
+        return read_array_image(where, channels, data)
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            arr = np.asarray(img.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)
+            arr = _pil_pixels(img, channels)
     except Exception as e:  # PIL raises many types
         raise UnreadableSampleError(f"cannot decode {where}: {type(e).__name__}: {e}", name) from e
     t = torch.from_numpy(arr.copy())
@@ -347,31 +354,35 @@ def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
                                 where)
 
 
-def read_array_image(path: str, channels: int) -> torch.Tensor:
-    """A ``.npy`` or TIFF file as ``[channels, H, W]``: uint8, uint16 (16-bit files keep their depth: the transforms
-    divide by 65535), or float32 (taken to be in 0..1), by :func:`_channels_first`'s rule. Other pixel types (signed,
+def read_array_image(path: str | Path, channels: int, data: bytes | None = None) -> torch.Tensor:
+    """A ``.npy`` or TIFF image as ``[channels, H, W]``: uint8, uint16 (16-bit files keep their depth: the transforms
+    divide by 65535), or float32 (taken to be in 0..1), by :func:`_channels_first`'s rule; read from ``path``, or
+    from ``data`` (the file's bytes, e.g. a tar shard's member; ``path`` then names it). Other pixel types (signed,
     64-bit) and a missing ``tifffile`` raise with what to do; a file that cannot be read raises
     :class:`UnreadableSampleError`."""
+    where = str(path)
+    npy = data[:6] == NPY_MAGIC if data is not None else where.lower().endswith(".npy")
     try:
-        if path.lower().endswith(".npy"):
-            arr = np.load(path, allow_pickle=False)
+        source: Any = io.BytesIO(data) if data is not None else where
+        if npy:
+            arr = np.load(source, allow_pickle=False)
         else:
             try:
                 import tifffile
             except ImportError:
-                raise DataSourceError(f"{path}: TIFF files of {channels} channels or 16 bits are read with tifffile: "
+                raise DataSourceError(f"{where}: TIFF images of {channels} channels or 16 bits are read with tifffile: "
                                       "pip install 'sslkit[tiff]'") from None
-            arr = tifffile.imread(path)
+            arr = tifffile.imread(source)
     except DataSourceError:
         raise
     except Exception as e:  # a truncated or foreign file
-        raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
+        raise UnreadableSampleError(f"cannot read image {where}: {type(e).__name__}: {e}", where) from e
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)
     if arr.dtype not in (np.uint8, np.uint16, np.float32):
-        raise UnreadableSampleError(f"{path}: pixels of type {arr.dtype}; sslkit reads 8- and 16-bit unsigned "
-                                    "images (uint8, uint16) and float ones in 0..1: convert the file", path)
-    return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, path)))
+        raise UnreadableSampleError(f"{where}: pixels of type {arr.dtype}; sslkit reads 8- and 16-bit unsigned "
+                                    "images (uint8, uint16) and float ones in 0..1: convert the file", where)
+    return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, where)))
 
 
 def _pil_pixels(img: Any, channels: int) -> np.ndarray:
@@ -432,17 +443,17 @@ def _describe_others(others: list[str]) -> str:
 
 
 def _reads_as_array(path: str, channels: int) -> bool:
-    """``.npy`` files always; TIFF files when ``tifffile`` is there or the channels are not PIL's 1 or 3."""
+    """``.npy`` files always; TIFF files as :func:`_tiff_as_array` says."""
     ext = os.path.splitext(path)[1].lower()
-    if ext == ".npy":
-        return True
-    if ext not in ARRAY_EXTENSIONS:
-        return False
-    if channels not in (1, 3):
-        return True
+    return ext == ".npy" or (ext in ARRAY_EXTENSIONS and _tiff_as_array(channels))
+
+
+def _tiff_as_array(channels: int) -> bool:
+    """TIFFs are read by ``tifffile`` when it is installed or the channels are not PIL's 1 or 3 (then without it
+    the read says to install it); else by PIL."""
     import importlib.util
 
-    return importlib.util.find_spec("tifffile") is not None
+    return channels not in (1, 3) or importlib.util.find_spec("tifffile") is not None
 
 
 class FolderDataset(Dataset):

@@ -37,7 +37,7 @@ def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) ->
     last = _pixels((6, 5, 4), np.uint16, 0)
     np.save(tmp_path / "last.npy", last)
     np.save(tmp_path / "first.npy", np.moveaxis(last, -1, 0))
-    tifffile.imwrite(tmp_path / "planar.tif", _pixels((13, 6, 5), np.uint16, 1))
+    tifffile.imwrite(tmp_path / "planar.tif", _pixels((13, 6, 5), np.uint16, 1), photometric="minisblack")
     for name in ("last.npy", "first.npy"):
         got = read_array_image(str(tmp_path / name), 4)
         assert got.dtype == torch.uint16 and got.shape == (4, 6, 5)
@@ -56,6 +56,33 @@ def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) ->
     np.save(tmp_path / "signed.npy", np.zeros((4, 4), dtype=np.int16))
     with pytest.raises(UnreadableSampleError, match=r"pixels of type int16; sslkit reads 8- and 16-bit unsigned"):
         read_array_image(str(tmp_path / "signed.npy"), 1)
+
+
+def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_files(tmp_path: Path) -> None:
+    """``sslkit data pack`` copies the files' bytes into tar shards; the shards and a Hugging Face dataset of the same
+    bytes give each image as the folder does, 16 bits and 4 channels kept."""
+    datasets = pytest.importorskip("datasets")
+    from sslkit.data.hf import HFDataset
+    from sslkit.data.shards import ShardDataset
+
+    data = tmp_path / "data"
+    _four_channel_folder(data)
+    tifffile.imwrite(data / "class0" / "t.tif", _pixels((4, 32, 32), np.uint16, 99), photometric="minisblack")
+    folder = FolderDataset(data, channels=4)
+    assert data_main(["pack", f"input={data}", f"output={tmp_path / 'shards'}"]) == 0
+    shards = ShardDataset(str(tmp_path / "shards"), channels=4)
+    files = [Path(f) for f, _ in folder.samples]
+    table = datasets.Dataset.from_dict({"image": [f.read_bytes() for f in files],
+                                        "label": [y for _, y in folder.samples]})
+    table.save_to_disk(str(tmp_path / "hf"))
+    hf = HFDataset(tmp_path / "hf", label_column="label", channels=4)
+    assert len(shards) == len(hf) == len(folder) == 25
+    for i in (0, 7, 12, 24):
+        image, label = folder[i]
+        assert image.dtype == torch.uint16 and image.shape == (4, 32, 32)
+        for other in (shards, hf):
+            got, got_label = other[i]
+            assert torch.equal(got, image) and got_label == label
 
 
 def test_a_16_bit_png_keeps_its_depth_and_the_transforms_divide_by_65535(tmp_path: Path) -> None:
