@@ -145,3 +145,25 @@ def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path:
     assert first.shape[1] == 4  # the trunk reads the four channels
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def test_bench_on_16_bit_four_channel_images_leaves_the_8_bit_corruptions_out(tmp_path: Path) -> None:
+    """ImageNet-C's corruptions take 8-bit images of 1 or 3 channels: named, the bench stops before extracting and
+    says so; by default it measures the other protocols without robustness."""
+    from helpers import run_sslkit
+
+    data = tmp_path / "data"
+    _four_channel_folder(data)
+    common = ["backbones=[pixels]", "data=folder", f"data.train.path={data}", f"data.test.path={data}",
+              "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.image_size=32", "machine.device=cpu",
+              f"bench.cache_dir={tmp_path / 'cache'}", "bench.knn.ks=[5]"]
+    code, _, err = run_sslkit("bench", *common, "protocols=[knn,robustness]", f"output={tmp_path / 'named'}")
+    assert code == 2 and "the test images are uint16 images of 4 channel(s)" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()
+    small = ["bench.linear.epochs=2", "bench.fewshot.shots=[1]", "bench.fewshot.draws=2", "bench.fewshot.cs=[1.0]",
+             "bench.fewshot.val_fraction=0.2", "bench.attentive.epochs=2", "bench.attentive.batch_size=8"]
+    code, _, err = run_sslkit("bench", *common, *small, f"output={tmp_path / 'default'}")
+    assert code == 0, err[-2000:]
+    found = json.loads((tmp_path / "default" / "results.json").read_text())
+    assert "robustness" not in found["protocols"] and "knn" in found["protocols"]
+    assert 0.5 < found["results"]["pixels"]["metrics"]["knn_k5"]["value"] <= 1.0  # the classes differ in channel 4

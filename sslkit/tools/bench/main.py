@@ -446,6 +446,8 @@ def _ready(cfg: DictConfig, opts: dict[str, str], data_name: str, command: str, 
     seg = _dense_data(cfg, data_name, protocols, named, backbones)
     if seg is None and "dense" in protocols:
         protocols = [p for p in protocols if p != "dense"]
+    if "robustness" in protocols and not _corruptible(test, named):
+        protocols = [p for p in protocols if p != "robustness"]
     cache = FeatureCache(str(settings["cache_dir"] or os.path.join(cache_dir(), "features")))
     workers, _ = resolve_num_workers(settings["num_workers"], device)
     return Bench(settings, protocols, backbones, {"train": train, "test": test}, classes, data, cache, device, workers,
@@ -453,6 +455,29 @@ def _ready(cfg: DictConfig, opts: dict[str, str], data_name: str, command: str, 
                  {"backend": str(cfg.distributed.backend), "timeout_s": float(cfg.distributed.timeout_s),
                   "device": str(cfg.machine.device)},
                  *((0, 1) if alone or not is_distributed() else (get_rank(), get_world_size())))
+
+
+def _corruptible(test: Any, named: bool) -> bool:
+    """Whether the robustness protocol's corruptions (ImageNet-C's, on 8-bit images of 1 or 3 channels) fit the
+    test images, judged on the first readable one. Asked for by name on images that do not fit: a
+    :class:`BenchError` saying what does; by default, the protocol is left out (logged)."""
+    from sslkit.data.sources import UnreadableSampleError
+
+    for i in range(min(len(test), 32)):
+        try:
+            image = test[i][0]
+        except UnreadableSampleError:
+            continue
+        if image.dtype == torch.uint8 and image.dim() == 3 and image.shape[0] in (1, 3):
+            return True
+        what = f"{str(image.dtype).replace('torch.', '')} images of {image.shape[0]} channel(s)"
+        if named:
+            raise BenchError(f"protocols=robustness applies ImageNet-C's corruptions to 8-bit images of 1 or 3 "
+                             f"channels, and the test images are {what}: leave robustness out of protocols")
+        logger.info("bench: robustness left out: its corruptions take 8-bit images of 1 or 3 channels, the data "
+                    "has %s", what)
+        return False
+    return True
 
 
 def _token_checks(backbones: list[Backbone], protocols: list[str], named: bool, default_patch: int) -> int:
