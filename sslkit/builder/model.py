@@ -22,7 +22,7 @@ from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
 from sslkit.methods.distill import student_specs
 from sslkit.models.masking import MaskPlan
-from sslkit.models.weights import load_backbone
+from sslkit.models.weights import check_channels, load_backbone, read_weights
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize, transformer_blocks
 
@@ -136,9 +136,16 @@ def check_external_parts(cfg: DictConfig) -> None:
     """A model with parts read from elsewhere (a distillation's teacher) built once on the CPU before a run writes
     anything (the launcher calls this after validation): what cannot be read or does not fit (the teacher's file,
     its architecture and channels, a student without a feature map, patches that cannot match) is said with
-    nothing written. The teacher is read twice on a fresh start (here, then by the run)."""
+    nothing written. The teacher is read twice on a fresh start (here, then by the run). So is ``model.pretrained``,
+    whose patch embedding must fit the data's channels by ``model.pretrained_channels``' rule."""
     if takes_teacher(R.get(R.MODELS, cfg.model.name, "model.name")):
         build_model(cfg, source_channels(cfg))
+    if cfg.model.pretrained:  # a file whose channels the rule cannot fit to the data's: said before the run folder
+        state = read_weights(str(cfg.model.pretrained))
+        patch = state.get("patch_embed.proj.weight")
+        if patch is not None and patch.dim() == 4:
+            check_channels(int(patch.shape[1]), source_channels(cfg), str(cfg.model.pretrained_channels),
+                           f"model.pretrained={cfg.model.pretrained}")
 
 
 def mask_plan(cfg: DictConfig, trunk: torch.nn.Module) -> MaskPlan | None:

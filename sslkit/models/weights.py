@@ -15,8 +15,8 @@ from sslkit.errors import UserError
 from sslkit.models.ssl_model import SSLModel
 from sslkit.models.tokens import TokenTrunk
 
-__all__ = ["CHANNEL_RULES", "WeightsError", "adapt_channels", "load_backbone", "load_trunk", "read_weights",
-           "weights_digest"]
+__all__ = ["CHANNEL_RULES", "WeightsError", "adapt_channels", "check_channels", "load_backbone", "load_trunk",
+           "read_weights", "weights_digest"]
 
 logger = logging.getLogger("sslkit")
 
@@ -32,6 +32,24 @@ class WeightsError(UserError, ValueError):
 
 #: How a file's patch embedding meets data of other channels (``model.pretrained_channels``, :func:`adapt_channels`).
 CHANNEL_RULES = ("fino", "timm", "refuse")
+
+
+def check_channels(file_channels: int, channels: int, rule: str, where: str = "model.pretrained") -> None:
+    """Raise :class:`WeightsError` (naming ``where``, the key and what would work) when ``rule`` cannot take a patch
+    embedding of ``file_channels`` to ``channels`` (:func:`adapt_channels`)."""
+    c = int(file_channels)
+    if channels == c:
+        return
+    if rule not in CHANNEL_RULES:
+        raise WeightsError(f"model.pretrained_channels={rule}: use one of {', '.join(CHANNEL_RULES)}")
+    fix = (f"set data channels to {c} (the file's), or model.pretrained_channels=timm (the filters repeated in turn, "
+           f"scaled by {c}/{channels})")
+    if rule == "refuse":
+        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels} "
+                           f"(model.pretrained_channels=refuse): {fix.replace(', or', '; or')}, or =fino")
+    if rule == "fino" and 1 < channels < c:
+        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels}; "
+                           f"model.pretrained_channels=fino widens, or narrows to one channel only: {fix}")
 
 
 def adapt_channels(weight: torch.Tensor, channels: int, rule: str = "fino", where: str = "model.pretrained"
@@ -50,22 +68,13 @@ def adapt_channels(weight: torch.Tensor, channels: int, rule: str = "fino", wher
     c = int(weight.shape[1])
     if channels == c:
         return weight
-    fix = (f"set data channels to {c} (the file's), or model.pretrained_channels=timm (the filters repeated in turn, "
-           f"scaled by {c}/{channels})")
-    if rule == "refuse":
-        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels} "
-                           f"(model.pretrained_channels=refuse): {fix.replace(', or', '; or')}, or =fino")
+    check_channels(c, channels, rule, where)
     if rule == "timm":
         from timm.models import adapt_input_conv
 
         return adapt_input_conv(channels, weight, base_chans=c)
-    if rule != "fino":
-        raise WeightsError(f"model.pretrained_channels={rule}: use one of {', '.join(CHANNEL_RULES)}")
     if channels == 1:
         return weight.sum(dim=1, keepdim=True)
-    if channels < c:
-        raise WeightsError(f"{where}: the file's patch embedding reads {c}-channel images and the data has {channels}; "
-                           f"model.pretrained_channels=fino widens, or narrows to one channel only: {fix}")
     extra = weight.mean(dim=1, keepdim=True).expand(-1, channels - c, -1, -1)
     return torch.cat([weight, extra], dim=1) * (c / channels)
 

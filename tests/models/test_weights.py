@@ -131,6 +131,11 @@ def test_the_command_line_continues_from_released_weights_or_says_why_not(tmp_pa
     assert main([*base, f"model.pretrained={tmp_path / 'deep.safetensors'}", f"output_dir={tmp_path / 'deep'}"]) == 2
     err = capsys.readouterr().err
     assert "3 blocks (the trunk's 2)" in err and "Traceback" not in err
+    two = ["data.train.kwargs.channels=2", "data.test.kwargs.channels=2"]
+    assert main([*base, *two, f"model.pretrained={tmp_path / 'w.safetensors'}", f"output_dir={tmp_path / 'two'}"]) == 2
+    err = capsys.readouterr().err
+    assert "reads 3-channel images and the data has 2; model.pretrained_channels=fino widens" in err
+    assert "Traceback" not in err and not (tmp_path / "two").exists()
     assert main([*base, f"model.pretrained={tmp_path / 'none.pth'}", f"output_dir={tmp_path / 'none'}"]) == 2
     err = capsys.readouterr().err
     assert "'model.pretrained' = " in err and "does not exist" in err and not (tmp_path / "none").exists()
