@@ -268,3 +268,23 @@ def ade_folder(root: Path, n_train: int = 4, n_test: int = 2, size: int = 32) ->
             Image.fromarray(image).save(root / "images" / split / f"ADE_{i:04d}.jpg")
             Image.fromarray(mask).save(root / "annotations" / split / f"ADE_{i:04d}.png")
     return root
+
+
+def pixels(shape: tuple[int, ...], dtype: type, seed: int) -> Any:
+    """Random integer pixels of ``dtype`` (uint8, uint16) over its whole range, seeded: a NumPy array."""
+    import numpy as np
+
+    top = np.iinfo(dtype).max
+    return np.random.default_rng(seed).integers(0, top, size=shape, endpoint=True).astype(dtype)
+
+
+def four_channel_folder(root: Path) -> None:
+    """Two classes of 4-channel 16-bit 32 px .npy images, 12 each (class 1 brighter in its last channel)."""
+    import numpy as np
+
+    for c in range(2):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(12):
+            x = pixels((32, 32, 4), np.uint16, 10 * c + i) // 2
+            x[..., 3] += np.uint16(30000 * c)
+            np.save(root / f"class{c}" / f"{i}.npy", x)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from helpers import SMALL, run_main
+from helpers import SMALL, four_channel_folder, pixels, run_main
 from PIL import Image
 
 from sslkit.config.compose import compose_config
@@ -28,16 +28,11 @@ FOLDER = ["data=folder", *(o for o in SMALL if not o.startswith(("data=", "data.
           "model.trunk=small_cnn", "data.image_size=32", "data.patch_size=8"]
 
 
-def _pixels(shape: tuple[int, ...], dtype: type, seed: int) -> np.ndarray:
-    top = np.iinfo(dtype).max
-    return np.random.default_rng(seed).integers(0, top, size=shape, endpoint=True).astype(dtype)
-
-
 def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) -> None:
-    last = _pixels((6, 5, 4), np.uint16, 0)
+    last = pixels((6, 5, 4), np.uint16, 0)
     np.save(tmp_path / "last.npy", last)
     np.save(tmp_path / "first.npy", np.moveaxis(last, -1, 0))
-    tifffile.imwrite(tmp_path / "planar.tif", _pixels((13, 6, 5), np.uint16, 1), photometric="minisblack")
+    tifffile.imwrite(tmp_path / "planar.tif", pixels((13, 6, 5), np.uint16, 1), photometric="minisblack")
     for name in ("last.npy", "first.npy"):
         got = read_array_image(str(tmp_path / name), 4)
         assert got.dtype == torch.uint16 and got.shape == (4, 6, 5)
@@ -45,7 +40,7 @@ def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) ->
     planar = read_array_image(str(tmp_path / "planar.tif"), 13)
     assert planar.shape == (13, 6, 5) and np.array_equal(planar.numpy(), tifffile.imread(tmp_path / "planar.tif"))
     # PIL's conversions where the counts differ: grey for RGB repeated, RGB for grey its ITU-R 601-2 luma
-    rgb = _pixels((6, 5, 3), np.uint8, 2)
+    rgb = pixels((6, 5, 3), np.uint8, 2)
     np.save(tmp_path / "rgb.npy", rgb)
     pil_luma = np.asarray(Image.fromarray(rgb).convert("L"))
     assert np.abs(read_array_image(str(tmp_path / "rgb.npy"), 1)[0].numpy().astype(int) - pil_luma).max() <= 1
@@ -66,8 +61,8 @@ def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_fi
     from sslkit.data.shards import ShardDataset
 
     data = tmp_path / "data"
-    _four_channel_folder(data)
-    tifffile.imwrite(data / "class0" / "t.tif", _pixels((4, 32, 32), np.uint16, 99), photometric="minisblack")
+    four_channel_folder(data)
+    tifffile.imwrite(data / "class0" / "t.tif", pixels((4, 32, 32), np.uint16, 99), photometric="minisblack")
     folder = FolderDataset(data, channels=4)
     assert data_main(["pack", f"input={data}", f"output={tmp_path / 'shards'}"]) == 0
     shards = ShardDataset(str(tmp_path / "shards"), channels=4)
@@ -88,7 +83,7 @@ def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_fi
 def test_a_16_bit_png_keeps_its_depth_and_the_transforms_divide_by_65535(tmp_path: Path) -> None:
     """PIL's ``convert("L")`` clips a 16-bit grey PNG at 255; the folder reads its 16 bits."""
     (tmp_path / "a").mkdir()
-    deep = _pixels((8, 8), np.uint16, 3)
+    deep = pixels((8, 8), np.uint16, 3)
     Image.fromarray(deep).save(tmp_path / "a" / "deep.png")
     image, _ = FolderDataset(tmp_path, channels=1)[0]
     assert image.dtype == torch.uint16 and np.array_equal(image[0].numpy(), deep)
@@ -97,20 +92,10 @@ def test_a_16_bit_png_keeps_its_depth_and_the_transforms_divide_by_65535(tmp_pat
     assert all(v.shape == (1, 8, 8) and v.dtype == torch.float32 and torch.isfinite(v).all() for v in views)
 
 
-def _four_channel_folder(root: Path) -> None:
-    """Two classes of 4-channel 16-bit 32 px .npy images (class 1 brighter in its last channel)."""
-    for c in range(2):
-        (root / f"class{c}").mkdir(parents=True)
-        for i in range(12):
-            x = _pixels((32, 32, 4), np.uint16, 10 * c + i) // 2
-            x[..., 3] += np.uint16(30000 * c)
-            np.save(root / f"class{c}" / f"{i}.npy", x)
-
-
 def test_data_stats_are_each_channels_mean_and_std_and_normalise_the_run(tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
-    _four_channel_folder(data)
+    four_channel_folder(data)
     out = tmp_path / "stats.json"
     assert data_main(["stats", f"path={data}", "channels=4", "sample=0", f"output={out}"]) == 0
     found = json.loads(out.read_text())
@@ -135,7 +120,7 @@ def test_data_stats_are_each_channels_mean_and_std_and_normalise_the_run(tmp_pat
 @pytest.mark.parametrize("augment_on", ["workers", "device"])
 def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path: Path, augment_on: str) -> None:
     data = tmp_path / "data"
-    _four_channel_folder(data)
+    four_channel_folder(data)
     out = tmp_path / "run"
     run_main("config=simclr", *FOLDER, *QUIET, f"data.train.path={data}", f"data.test.path={data}",
              "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.batch_size=8", "optim.max_steps=3",
@@ -153,7 +138,7 @@ def test_bench_on_16_bit_four_channel_images_leaves_the_8_bit_corruptions_out(tm
     from helpers import run_sslkit
 
     data = tmp_path / "data"
-    _four_channel_folder(data)
+    four_channel_folder(data)
     common = ["backbones=[pixels]", "data=folder", f"data.train.path={data}", f"data.test.path={data}",
               "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.image_size=32", "machine.device=cpu",
               f"bench.cache_dir={tmp_path / 'cache'}", "bench.knn.ks=[5]"]
