@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,8 +269,9 @@ def plan(command: str) -> Plan:
             argv[:2] == ["python", "tools/audit.py"]:
         return Plan("quick")
     if _tool(argv) is not None:
-        if _tool(argv) == "export" and not {"twin=none", "format=onnx"} & set(argv):
-            # the tiny run's small CNN has no torchvision twin
+        if _tool(argv) == "export" and not {"twin=none", "format=onnx"} & set(argv) and \
+                not re.search(_READS[DOC_RELEASED], command):
+            # the tiny run's small CNN has no torchvision twin (docs/adapt.md's released ViT has timm's)
             return Plan("refusal", names="no torchvision twin")
         return Plan("tool", names=_tool(argv) or "")
     if argv[:2] in (["python", "benchmarks/overhead.py"], ["python", "benchmarks/throughput.py"]):
@@ -313,25 +314,52 @@ DOC_DISTILL = "runs/distill-fashion_mnist"
 _TINY_OTHERS: dict[str, Path] = {}
 
 
+#: docs/adapt.md's path: the stand-in released model (a run holding its exported teacher.safetensors), the adapted
+#: run and the distilled student; the test puts a tiny run of each there (the recipes' own networks on 64
+#: Fashion-MNIST images, 2 updates), where a command reads them (the patterns: not where a command writes them).
+DOC_RELEASED, DOC_ADAPTED, DOC_STUDENT = "runs/released", "runs/adapted", "runs/student"
+_READS = {DOC_RELEASED: r"(model\.pretrained=runs/released/|checkpoint=runs/released(\s|$)|"
+                        r"backbones=\[[^\]]*runs/released)",
+          DOC_ADAPTED: r"(distill\.teacher=runs/adapted(\s|$)|backbones=\[[^\]]*runs/adapted)",
+          DOC_STUDENT: r"checkpoint=runs/student(\s|$)"}
+#: Those tiny runs: 64 Fashion-MNIST images, 2 updates.
+_FEW = ["data.limit=64", "data.batch_size=16", "data.num_workers=0", "optim.max_steps=2", "eval.knn.k=5",
+        "eval.knn.batch_size=32", "log.tensorboard=false", "log.report=false"]
+
+
 def _tiny_other(factory: pytest.TempPathFactory, which: str) -> Path:
     """A tiny finished run for :data:`DOC_TEACHER` (SimCLR's small CNN on one-channel images: a teacher for
-    Fashion-MNIST) or :data:`DOC_DISTILL` (the small distillation), trained once."""
+    Fashion-MNIST), :data:`DOC_DISTILL` (the small distillation) or docs/adapt.md's (:data:`DOC_RELEASED` with its
+    ``teacher.safetensors``, :data:`DOC_ADAPTED` from that file, :data:`DOC_STUDENT` of that), trained once."""
     if which not in _TINY_OTHERS:
         from helpers import RECIPES, run_main
 
         out = factory.mktemp("doc_tiny_other") / "run"
-        args = (["config=simclr", *SMALL, "data.train.kwargs.channels=1", "data.test.kwargs.channels=1"]
-                if which == DOC_TEACHER else ["config=distill", *SMALL, *RECIPES["distill"]])
-        run_main(*args, "optim.max_steps=2", "log.tensorboard=false", f"output_dir={out}")
+        made: dict[str, Callable[[], list[str]]] = {
+            DOC_TEACHER: lambda: ["config=simclr", *SMALL, "data.train.kwargs.channels=1",
+                                  "data.test.kwargs.channels=1"],
+            DOC_DISTILL: lambda: ["config=distill", *SMALL, *RECIPES["distill"]],
+            DOC_RELEASED: lambda: ["config=dinov3", *_FEW, "gram.start_update=1", "gram.every=1"],
+            DOC_ADAPTED: lambda: ["config=dinov3_adapt_small", *_FEW, "model.pretrained="
+                                  f"{_tiny_other(factory, DOC_RELEASED) / 'teacher.safetensors'}"],
+            DOC_STUDENT: lambda: ["config=distill", *_FEW, f"distill.teacher={_tiny_other(factory, DOC_ADAPTED)}"]}
+        run_main(*made[which](), "optim.max_steps=2", "log.tensorboard=false", f"output_dir={out}")
+        if which == DOC_RELEASED:
+            from sslkit.tools.export import export_main
+
+            assert export_main([f"checkpoint={out}", "features=teacher", f"output={out / 'teacher.safetensors'}"]) == 0
         _TINY_OTHERS[which] = out
     return _TINY_OTHERS[which]
 
 
 def _others(factory: pytest.TempPathFactory, command: str, tool: bool) -> dict[str, Path]:
-    """The tiny runs ``command`` names: the teacher of a distillation; the distillation run of a tool."""
+    """The tiny runs ``command`` names: the teacher of a distillation; the distillation run of a tool; what
+    docs/adapt.md's commands read."""
     keys = {DOC_TEACHER: "distill.teacher", **({DOC_DISTILL: "checkpoint"} if tool else {})}
-    return {name: _tiny_other(factory, name) for name, key in keys.items()
-            if re.search(rf"(?<!\S){re.escape(key)}={re.escape(name)}(\s|/|$)", command)}
+    found = {name: _tiny_other(factory, name) for name, key in keys.items()
+             if re.search(rf"(?<!\S){re.escape(key)}={re.escape(name)}(\s|/|$)", command)}
+    found.update({name: _tiny_other(factory, name) for name, pattern in _READS.items() if re.search(pattern, command)})
+    return found
 
 
 def _tiny_run(factory: pytest.TempPathFactory) -> Path:
@@ -683,6 +711,9 @@ for where, kind, args in json.load(sys.stdin):
         target = next((a.split("=", 1)[1] for a in args if a.startswith("checkpoint=")), None)
         if target and not os.path.isabs(target) and not os.path.isdir(target):
             problems.append(f"{where}: checkpoint={target}, which no command before it made")
+        made = next((a.split("=", 1)[1] for a in args if a.startswith("output=") and "." in a.rsplit("/", 1)[-1]), None)
+        if made and not os.path.isabs(made) and os.path.isdir(os.path.dirname(made) or "."):
+            open(made, "ab").close()  # a file a later command reads (docs/adapt.md's model.pretrained=)
         continue
     cfg = compose_config(args)
     try:
