@@ -102,6 +102,15 @@ class HFDataset(Dataset):
         logger.info("data: %s, %s: %d rows, images in '%s'%s", self.root, what, len(self.ds), image_column,
                     f", labels in '{label_column}' ({self.num_classes} classes)" if label_column else ", no labels")
 
+    @property
+    def labels(self) -> Any:
+        """Every row's label read from the Arrow column without decoding an image (what
+        :func:`~sslkit.data.sources.dataset_labels` reads for ``data.classes`` and the reference sets), or None
+        without a label column."""
+        if not self.label_column:
+            return None
+        return self.ds.data.column(self.label_column).to_numpy()
+
     def _largest_label(self) -> int:
         """The label column's maximum, computed by Arrow on the memory-mapped column (a Python pass over a million
         rows takes seconds)."""

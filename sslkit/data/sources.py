@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import inspect
 import io
@@ -451,9 +452,15 @@ def _reads_as_array(path: str, channels: int) -> bool:
 def _tiff_as_array(channels: int) -> bool:
     """TIFFs are read by ``tifffile`` when it is installed or the channels are not PIL's 1 or 3 (then without it
     the read says to install it); else by PIL."""
+    return channels not in (1, 3) or _has_tifffile()
+
+
+@functools.cache
+def _has_tifffile() -> bool:
+    """Whether ``tifffile`` can be imported: looked up once per process, not for every image read."""
     import importlib.util
 
-    return channels not in (1, 3) or importlib.util.find_spec("tifffile") is not None
+    return importlib.util.find_spec("tifffile") is not None
 
 
 class FolderDataset(Dataset):

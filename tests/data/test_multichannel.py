@@ -18,7 +18,7 @@ from PIL import Image
 
 from sslkit.config.compose import compose_config
 from sslkit.config.schema import ConfigError
-from sslkit.data.sources import FolderDataset, UnreadableSampleError, read_array_image
+from sslkit.data.sources import FolderDataset, UnreadableSampleError, dataset_labels, read_array_image
 from sslkit.data.transforms import SimCLRTransform, unit_float
 from sslkit.tools.data import data_main
 
@@ -72,6 +72,9 @@ def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_fi
     table.save_to_disk(str(tmp_path / "hf"))
     hf = HFDataset(tmp_path / "hf", label_column="label", channels=4)
     assert len(shards) == len(hf) == len(folder) == 25
+    with pytest.MonkeyPatch.context() as m:  # the labels come from the Arrow column, not from decoding every row
+        m.setattr(HFDataset, "__getitem__", lambda *_: pytest.fail("decoded a row to read its label"))
+        assert dataset_labels(hf).tolist() == [y for _, y in folder.samples]
     for i in (0, 7, 12, 24):
         image, label = folder[i]
         assert image.dtype == torch.uint16 and image.shape == (4, 32, 32)
