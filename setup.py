@@ -14,7 +14,7 @@ setup(
     install_requires=[
         "torch>=2.2",
         "torchvision>=0.19",  # decode_jpeg of a list of images on the device (data.decode_on=device)
-        "timm>=1.0",  # the ViT trunks (sslkit/models/vit.py builds on timm's VisionTransformer)
+        "timm>=1.0.30",  # the ViT trunks (timm's VisionTransformer; Eva's RoPE augmentation, DINOv3, came in 1.0.30)
         "fvcore>=0.1.5",
         "iopath>=0.1.9",
         "hydra-core>=1.3",

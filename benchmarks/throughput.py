@@ -28,7 +28,8 @@ nothing). The presets are
   prototypes), the JPEG folder;
 * ``dinov2_vit_s16``, ``ijepa_vit_s16``: the paper-scale recipes as they are;
 * ``dinov3_vit_l16``: ``config=dinov3_vitl16`` (timm's RoPE ViT-L/16 with 4 registers, two 65536-prototype heads)
-  at 2 x 256 + 8 x 112 px crops, batch 64 per process, with its Gram stage's extra forward from the first update;
+  at 2 x 256 + 8 x 112 px crops, batch 64 per process (centring for Sinkhorn-Knopp: one solve needs 256 rows), with
+  its Gram stage's extra forward from the first update;
   DINOv3's own record for ViT-L/16 is about 159 img/s per H100 (docs/results.md says how that is derived);
 * ``distill_vitl16``: ``config=distill_vitl16``, a DINOv3 ViT-L/16 teacher (fresh weights, written once into the
   scratch folder) into a ViT-S/16 and a ResNet-50, 224 px, batch 128; a second table gives the teacher's forward
@@ -141,7 +142,10 @@ PRESETS = {
     # DINOv3's ViT-L/16 (timm's RoPE trunk, 4 registers, two 65536-prototype heads) at the issue's 2 x 256 + 8 x 112
     # crops, batch 64 per GPU as facebookresearch/dinov3's vitl_im1k_lin834.yaml; the Gram loss on from the first
     # update (its Gram teacher's forward: the recipe's heaviest step, that of its last sixth)
-    "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_update=0"], jpeg=True, image_size=256, small_size=112,
+    # (one process of DINOv3's 64 per GPU: too few teacher rows for one Sinkhorn-Knopp solve over 65536 prototypes,
+    # which the config check refuses; centring, a few ops on [128, 65536] either way, keeps the step's work)
+    "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_update=0", "loss.centering=centering"], jpeg=True,
+                             image_size=256, small_size=112,
                              num_small=8, batch=64),
     # config=distill_vitl16: a DINOv3 ViT-L/16 teacher (fresh weights: the speed is the architecture's) into a
     # ViT-S/16 and a ResNet-50 on the same batches, one 224 px view, the feature objective's dense term; the table

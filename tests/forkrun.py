@@ -27,6 +27,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 from sslkit.distributed import WORKER_PRELOAD, ParentFd
 from sslkit.launch.runtime import TUNED_MALLOC
 
@@ -40,6 +42,10 @@ _BASE_PATH: list[str] = []
 #: ensure_server and _base_path are called from several threads at once (tests/test_docs.py runs its commands in a
 #: thread pool): one at a time, so that the environment ensure_server swaps and the path computed once are seen whole.
 _LOCK = threading.Lock()
+#: Composing a config asks torch whether CUDA is there (machine.device=auto), which starts CUDA's driver in the
+#: server where a GPU is: every process forked from it then fails at its first CUDA call ("Cannot re-initialize
+#: CUDA in forked subprocess"). On such a machine the forked processes compose for themselves.
+_WARM = [] if torch.cuda.is_available() else ["forkwarm"]
 
 
 def ensure_server() -> None:
@@ -57,7 +63,7 @@ def _ensure_server() -> None:
     os.environ.update({**TUNED_MALLOC, "SSLKIT_MALLOC_TUNED": "1",
                        "PYTHONPATH": os.pathsep.join([tests, *filter(None, [saved.get("PYTHONPATH")])])})
     try:
-        _CTX.set_forkserver_preload([*WORKER_PRELOAD, "forkwarm"])  # (forkwarm: the small recipes composed)
+        _CTX.set_forkserver_preload([*WORKER_PRELOAD, *_WARM])  # (forkwarm: the small recipes composed)
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.clear()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import timm
@@ -56,13 +57,33 @@ class RopeViTTrunk(TimmTokenTrunk, Eva):
         return int(self.num_prefix_tokens) - 1
 
     # ---------------------------------------------------------------------------------------- forward
+    def rope_embed(self, h: int, w: int) -> torch.Tensor:
+        """timm's rotary embedding of an ``h`` x ``w`` patch grid ([h * w, E], augmented in training), on the
+        trunk's device without a host-device sync.
+
+        timm builds the coordinates on the host (and draws their augmentation from the CPU generator) and copies
+        them to the device with a blocking copy: on CUDA a sync in every forward. There the embedding is computed
+        by a host copy of the RoPE module (its ``periods`` are fixed by the architecture, not learned or saved) and
+        sent from pinned memory without waiting: timm's function and random draws, computed on the host."""
+        if self.rope.periods.device.type == "cpu":
+            return self.rope.get_embed(shape=(h, w))
+        return self._rope_from_host(h, w)
+
+    @torch.compiler.disable
+    def _rope_from_host(self, h: int, w: int) -> torch.Tensor:
+        host = self.__dict__.get("_host_rope")
+        if host is None:  # built once, kept out of the module tree (no state dict entry, not moved by .to)
+            host = self.__dict__["_host_rope"] = copy.deepcopy(self.rope).to("cpu")
+        host.train(self.rope.training)
+        return host.get_embed(shape=(h, w)).pin_memory().to(self.rope.periods.device, non_blocking=True)
+
     def encode(self, x: torch.Tensor, keep: torch.Tensor | None, mask: torch.Tensor | None,
                keep_valid: torch.Tensor | None) -> torch.Tensor:
         """Every output token after the final norm: each patch's rotary embedding (timm's, of its coordinates on
         this input's grid; augmented in training) goes with it into every block's attention."""
         tokens, h, w = self.patch_embeddings(x, mask)
         b, d = tokens.shape[0], tokens.shape[-1]
-        rope = self.rope.get_embed(shape=(h, w))  # [N, E]: one row per patch, raster order
+        rope = self.rope_embed(h, w)  # [N, E]: one row per patch, raster order
         if keep is not None:
             tokens = tokens.gather(1, keep[..., None].expand(-1, -1, d))
             rope = rope[keep][:, None]  # [B, 1, K, .]: each image's kept patches' embeddings
@@ -79,7 +100,7 @@ class RopeViTTrunk(TimmTokenTrunk, Eva):
         """Every token of the last ``last_n`` blocks' outputs, each through the final norm, oldest first."""
         tokens = self.patch_embed(x)
         b, h, w, d = tokens.shape
-        rope = self.rope.get_embed(shape=(h, w))
+        rope = self.rope_embed(h, w)
         tokens = self.norm_pre(self.pos_drop(self.with_prefix(tokens.reshape(b, h * w, d))))
         outs = []
         for i, block in enumerate(self.blocks):

@@ -7,6 +7,7 @@ same properties: tests/models/test_masking.py, tests/models/test_vit.py, tests/l
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -279,6 +280,33 @@ def test_the_dinov3_trunk_trains_in_bf16_with_its_rotary_embeddings_on_the_devic
     assert torch.allclose(half.float(), full, atol=5e-2, rtol=5e-2)
 
 
+def test_the_rotary_embeddings_reach_the_device_without_a_sync_and_as_timms_on_the_cpu() -> None:
+    """timm builds a RoPE ViT's coordinates on the host and copies them with a blocking copy (a sync per forward);
+    the trunk computes them on a host copy of its RoPE module and sends them from pinned memory: timm's values and
+    random draws (the jittered embedding of a seed is the CPU trunk's), no sync after the first call."""
+    from sslkit.models.rope_vit import build_rope_vit
+
+    torch.manual_seed(0)
+    cpu = build_rope_vit("vit_small_patch16_dinov3", 3, 64, rope_jitter_coords=1.5).train()
+    gpu = copy.deepcopy(cpu).cuda()
+    gpu.rope_embed(4, 4)  # (the host copy is made at the first call)
+    for training in (True, False):
+        cpu.train(training), gpu.train(training)
+        torch.manual_seed(1)
+        want = cpu.rope_embed(4, 6)
+        torch.manual_seed(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = gpu.rope_embed(4, 6)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert got.device.type == "cuda" and got.shape == want.shape == (24, want.shape[1])
+        assert torch.equal(got.cpu(), want)
+    torch.manual_seed(2)
+    assert not torch.equal(cpu.train().rope_embed(4, 6), want)  # (training jitters: the check above is not vacuous)
+    assert "_host_rope" not in str(list(gpu.state_dict()))
+
+
 def test_the_gram_loss_runs_on_the_device_in_bf16_without_a_sync() -> None:
     """DINOv3's Gram loss on CUDA (features from a bf16 forward, computed in float32): the CPU's value, at the
     batch level with a token selection too (weights, no boolean indexing), and no host-device sync."""
@@ -288,9 +316,9 @@ def test_the_gram_loss_runs_on_the_device_in_bf16_without_a_sync() -> None:
     s, t = torch.randn(4, 49, 64, generator=g), torch.randn(4, 49, 64, generator=g)
     masks = torch.rand(4, 49, generator=g) < 0.4
     cpu = [gram_loss(s, t), gram_loss(s, t, image_level=False, weights=gram_token_weights(masks, "masked"))]
+    sc, tc, mc = s.cuda().bfloat16(), t.cuda().bfloat16(), masks.cuda()  # (a copy from the host waits: not watched)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sc, tc, mc = s.cuda().bfloat16(), t.cuda().bfloat16(), masks.cuda()
         gpu = [gram_loss(sc, tc), gram_loss(sc, tc, image_level=False, weights=gram_token_weights(mc, "masked"))]
     finally:
         torch.cuda.set_sync_debug_mode("default")
