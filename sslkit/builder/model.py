@@ -289,7 +289,7 @@ def _optimizer(cfg: DictConfig, model: torch.nn.Module, data: TrainData) -> tupl
         optimizer = build_optimizer(model, o.name, lr, weight_decay=o.weight_decay, momentum=o.momentum,
                                     nesterov=o.nesterov, betas=tuple(o.betas), eta=o.eta,
                                     exclude_bias_and_norm=o.exclude_bias_and_norm, layer_decay=o.layer_decay,
-                                    patch_embed_lr_mult=o.patch_embed_lr_mult)
+                                    patch_embed_lr_mult=o.patch_embed_lr_mult, trunk_lr_mult=o.trunk_lr_mult)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     warmup = min(o.warmup_epochs * data.steps_per_epoch / data.max_updates, 0.999)

@@ -196,6 +196,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.patch_size": (lambda v: v > 0, "> 0 (a ViT patch's side in pixels)"),
     "optim.layer_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
     "optim.patch_embed_lr_mult": (lambda v: v > 0 and _finite(v), "> 0 (1 = off)"),
+    "optim.trunk_lr_mult": (lambda v: v > 0 and _finite(v), "> 0 (1 = off)"),
     "optim.clip_grad": (lambda v: v >= 0 and _finite(v), ">= 0 (0 = off)"),
     "optim.clip_grad_mode": (lambda v: v in ("global", "per_parameter"), "global or per_parameter"),
     "eval.vit_features": (lambda v: v in ("pool", "cls", "avg", "cls+avg", "cls_last_n"),

@@ -26,13 +26,15 @@ def build_optimizer(
     exclude_bias_and_norm: bool = True,
     layer_decay: float = 1.0,
     patch_embed_lr_mult: float = 1.0,
+    trunk_lr_mult: float = 1.0,
 ) -> torch.optim.Optimizer:
     """Build optimizer ``name`` over ``model``'s trainable parameters.
 
     Parameters are split by :func:`~sslkit.optim.param_groups` (biases, norm weights, a ViT's position
     embeddings and tokens get no weight decay and no LARS adaptation when ``exclude_bias_and_norm``;
     ``layer_decay`` < 1 scales the learning rate of a ViT's layers, ``layer_decay ** (num_layers - layer)``,
-    and ``patch_embed_lr_mult`` its patch embedding's). ``momentum`` and
+    and ``patch_embed_lr_mult`` its patch embedding's; ``trunk_lr_mult`` every backbone parameter's, any trunk).
+    ``momentum`` and
     ``nesterov`` apply to ``"sgd"`` / ``"lars"``, ``betas`` to ``"adam"`` / ``"adamw"``, ``eta`` to
     ``"lars"``. For ``"adam"`` the weight decay is the coupled L2 penalty of ``torch.optim.Adam``;
     ``"adamw"`` decouples it.
@@ -56,7 +58,7 @@ def build_optimizer(
                          f"trunk with layers and a patch embedding (a ViT: model.trunk=vit_small, ...); "
                          f"{type(model).__name__} has none. Set them to 1.0.")
     groups = param_groups(model, weight_decay, exclude_bias_and_norm=exclude_bias_and_norm, layer_decay=layer_decay,
-                          patch_embed_lr_mult=patch_embed_lr_mult)
+                          patch_embed_lr_mult=patch_embed_lr_mult, trunk_lr_mult=trunk_lr_mult)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no parameters with requires_grad=True to optimize")
 

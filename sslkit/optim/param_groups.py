@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["layer_scales", "no_decay_names", "param_groups", "param_owners"]
+__all__ = ["in_trunk", "layer_scales", "no_decay_names", "param_groups", "param_owners"]
 
 
 def no_decay_names(model: nn.Module) -> set[str]:
@@ -45,6 +45,12 @@ def layer_scales(model: nn.Module, layer_decay: float = 1.0, patch_embed_lr_mult
     return scales
 
 
+def in_trunk(name: str) -> bool:
+    """Whether the parameter of full name ``name`` belongs to a backbone: a module named ``trunk`` (the model's, or
+    a distillation student's ``students.<i>.trunk``)."""
+    return name.startswith("trunk.") or ".trunk." in name
+
+
 def has_layers(model: nn.Module) -> bool:
     """Whether ``model`` holds a module with layers for layer-wise lr decay (a ViT trunk)."""
     return any(callable(getattr(m, "layer_id", None)) and hasattr(m, "num_layers") for m in model.modules())
@@ -56,6 +62,7 @@ def param_groups(
     exclude_bias_and_norm: bool = True,
     layer_decay: float = 1.0,
     patch_embed_lr_mult: float = 1.0,
+    trunk_lr_mult: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Return optimizer parameter groups for ``model``'s trainable parameters.
 
@@ -67,9 +74,11 @@ def param_groups(
     every other parameter to a ``decay`` group. Without it, every parameter decays.
 
     ``layer_decay`` < 1 and ``patch_embed_lr_mult`` give parameters learning-rate scales
-    (:func:`layer_scales`); parameters are then grouped by (decay, scale), each group named
-    ``decay@<scale>`` / ``no_decay@<scale>`` and carrying ``"lr_scale"``, which :func:`~sslkit.optim.set_lr`
-    multiplies the scheduled learning rate by. With neither, the groups are ``decay`` and ``no_decay``.
+    (:func:`layer_scales`), and ``trunk_lr_mult`` multiplies every backbone parameter's (:func:`in_trunk`: fresh
+    heads on a pretrained trunk learn at the full rate, the trunk slower); parameters are then grouped by (decay,
+    scale), each group named ``decay@<scale>`` / ``no_decay@<scale>`` and carrying ``"lr_scale"``, which
+    :func:`~sslkit.optim.set_lr` multiplies the scheduled learning rate by. With none of them, the groups are
+    ``decay`` and ``no_decay``.
 
     Only parameters with ``requires_grad`` are included (a frozen parameter gets no update, no weight
     decay and no optimizer state); each appears exactly once. Empty groups are dropped. Every group
@@ -85,6 +94,10 @@ def param_groups(
     skip = no_decay_names(model) if exclude_bias_and_norm else set()
     scales = layer_scales(model, layer_decay, patch_embed_lr_mult) if (layer_decay != 1.0 or
                                                                          patch_embed_lr_mult != 1.0) else {}
+    if trunk_lr_mult != 1.0:
+        for name, _ in model.named_parameters():
+            if in_trunk(name):
+                scales[name] = scales.get(name, 1.0) * trunk_lr_mult
     owners = param_owners(model)
     buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():

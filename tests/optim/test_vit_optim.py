@@ -69,6 +69,51 @@ def test_layer_decay_and_patch_embedding_multiplier_scale_each_parameters_lr(dec
     assert decay ** 4 * mult == pytest.approx(min(g["lr_scale"] for g in optimizer.param_groups))
 
 
+@pytest.mark.parametrize(("decay", "mult", "trunk"), [(1.0, 1.0, 0.25), (0.75, 0.2, 0.0625)])
+def test_the_trunk_multiplier_scales_every_backbone_parameter_and_no_head(decay: float, mult: float,
+                                                                          trunk: float) -> None:
+    """optim.trunk_lr_mult: fresh heads at the full rate on a slower trunk, on top of layer decay (the trunk's own
+    top layer, its final norm, too), for a ViT, a CNN and a distillation's students.<i>.trunk."""
+    model = _Model()
+    optimizer = build_optimizer(model, "adamw", lr=1e-3, layer_decay=decay, patch_embed_lr_mult=mult,
+                                trunk_lr_mult=trunk)
+    set_lr(optimizer, 2e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            expected = (decay ** (4 - _layer(name)) * (mult if ".patch_embed." in name else 1.0)
+                        * (trunk if name.startswith("trunk.") else 1.0))
+            assert group["lr"] == pytest.approx(2e-3 * expected), name
+    lr = {names[id(p)]: g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    assert lr["trunk.norm.weight"] == pytest.approx(2e-3 * trunk) and lr["head.0.weight"] == pytest.approx(2e-3)
+
+    students = nn.Module()
+    students.students = nn.ModuleList([nn.Module()])
+    students.students[0].trunk = nn.Conv2d(1, 4, 3)
+    students.students[0].head = nn.Linear(4, 2)
+    optimizer = build_optimizer(students, "sgd", lr=0.1, trunk_lr_mult=trunk)
+    lr = {n: g["lr"] for g in optimizer.param_groups for p in g["params"]
+          for n, q in students.named_parameters() if q is p}
+    assert lr == {"students.0.trunk.weight": pytest.approx(0.1 * trunk),
+                  "students.0.trunk.bias": pytest.approx(0.1 * trunk),
+                  "students.0.head.weight": pytest.approx(0.1), "students.0.head.bias": pytest.approx(0.1)}
+
+
+def test_the_trunk_multiplier_reaches_a_cnn_runs_optimizer_and_is_checked() -> None:
+    task = build_task(compose_config(["config=simclr", *SMALL, "optim.trunk_lr_mult=0.5", "optim.max_steps=1"]))
+    try:
+        lr = {n: g["lr"] for g in task.optimizer.param_groups for p in g["params"]
+              for n, q in task.base_model.named_parameters() if q is p}
+        trunk = {v for n, v in lr.items() if n.startswith("trunk.")}
+        heads = {v for n, v in lr.items() if not n.startswith("trunk.")}
+        assert len(trunk) == len(heads) == 1 and trunk.pop() == pytest.approx(0.5 * heads.pop())
+    finally:
+        task.close()
+    with pytest.raises(ConfigError, match=r"'optim.trunk_lr_mult' must be > 0"):
+        compose_config(["config=simclr", "machine.device=cpu", "optim.trunk_lr_mult=0"])
+
+
 def test_layer_decay_on_a_cnn_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"'optim.layer_decay' = 0.75 needs a ViT's layers"):
         compose_config(["config=simclr", "machine.device=cpu", "optim.layer_decay=0.75"])
