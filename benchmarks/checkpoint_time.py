@@ -6,11 +6,11 @@ Builds the SimCLR recipe with a ResNet-50 trunk (2048-d features, the 2048-512-1
 recipe's defaults unless overridden), takes one optimizer step so that SGD's momentum buffers
 exist, then, alternating for ``--rounds`` rounds in this process:
 
-* sslkit: ``CheckpointHook.save`` = ``task.state_dict()`` + write to a temporary file + fsync +
+* sslkit: ``CheckpointHook.save`` = ``Checkpointer.state(task)`` + write to a temporary file + fsync +
   rename + the ``latest.txt`` pointer (also fsynced) + keep-last pruning;
-* plain: ``torch.save(task.state_dict(), path)`` (no fsync, no rename: what a loop without
+* plain: ``torch.save(Checkpointer.state(task), path)`` (no fsync, no rename: what a loop without
   crash safety does);
-* load: ``sslkit.checkpoint.load_checkpoint`` against plain ``torch.load``.
+* load: ``Checkpointer.read_latest`` against plain ``torch.load``.
 
 Prints the checkpoint size and the median of each, and the ratios. The fsync makes the sslkit
 save wait for the disk, which a plain save leaves to the page cache: the ratio is the price of
@@ -28,7 +28,7 @@ import time
 import torch
 
 from sslkit.builder import build_task
-from sslkit.checkpoint import load_checkpoint
+from sslkit.checkpoint import Checkpointer
 from sslkit.config.compose import compose_config
 from sslkit.hooks.checkpoint import CheckpointHook
 from sslkit.launch.console import setup_logging
@@ -64,9 +64,9 @@ def main() -> None:
             task.clock.update = r + 1  # a new file name each round, as in a run
             path = saver.save(task, "benchmark")
             t1 = time.perf_counter()
-            torch.save(task.state_dict(), plain_path)
+            torch.save(Checkpointer.state(task), plain_path)
             t2 = time.perf_counter()
-            load_checkpoint(saver.dir)
+            saver.checkpointer.read_latest()
             t3 = time.perf_counter()
             torch.load(plain_path, weights_only=False)
             t4 = time.perf_counter()

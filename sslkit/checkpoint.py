@@ -1,5 +1,6 @@
 """Checkpoints, one owner: the Checkpointer writes atomic files or sharded folders (async too), commits them through a
-pointer to the latest, keeps the last N, and reads them back without running code, falling back on corruption."""
+pointer to the latest, keeps the last N; it finds a run's latest committed checkpoint, reads it without running code
+(falling back on corruption) and puts it back into the run, resharded and with every rank's RNG."""
 
 from __future__ import annotations
 
@@ -10,20 +11,29 @@ import os
 import pickle
 import re
 import shutil
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from iopath.common.file_io import g_pathmgr
 
 from sslkit.checkpointing import sharded as sharded_checkpoint
-from sslkit.checkpointing.sharded import RefusedCheckpoint, is_complete, read_extra, read_whole, remove_incomplete
-from sslkit.clock import TrainClock
+from sslkit.checkpointing.sharded import (
+    METADATA,
+    RefusedCheckpoint,
+    is_complete,
+    read_extra,
+    read_whole,
+    remove_incomplete,
+)
+from sslkit.checkpointing.state import capture, capture_sharded, hook_states, restore
 from sslkit.distributed import barrier, is_distributed, is_primary
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
 
-__all__ = [
-    "CheckpointError", "Checkpointer", "Stateful",
-    "atomic_write", "checkpoint_dir", "commit", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+if TYPE_CHECKING:
+    from sslkit.task import SSLTask
+
+__all__ = ["CheckpointError", "Checkpointer", "atomic_write", "checkpoint_dir", "commit", "latest_checkpoint",
+           "read_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
 
@@ -176,56 +186,21 @@ def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
             ) from None
 
 
-def load_checkpoint(ckpt_dir: str, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], str] | None:
-    """Load the latest readable checkpoint in ``ckpt_dir``: ``(state, path)``, or None if none exists.
-
-    A latest checkpoint that cannot be read (truncated, corrupt) is reported and the next
-    older one is tried.
-    """
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is None:
-        return None
-    candidates = [latest] + [
-        os.path.join(ckpt_dir, n) for _, n in reversed(_list(ckpt_dir)) if os.path.join(ckpt_dir, n) != latest
-    ]
-    for path in candidates:
-        try:
-            if os.path.isdir(path):  # its model and optimizer are read into the task (SSLTask.load_state_dict)
-                return {**read_extra(path), "sharded": path}, path
-            return read_checkpoint(path, map_location), path
-        except (CheckpointError, RefusedCheckpoint):
-            raise  # not a damaged file: one that would run code
-        except Exception as exc:  # a truncated or corrupt file: fall back to an older one
-            logger.error("checkpoint %s is unreadable (%s: %s); trying an older one", path,
-                         type(exc).__name__, exc)
-    raise CheckpointError(
-        f"no checkpoint in {ckpt_dir} can be read ({len(candidates)} tried; the reasons are logged above). "
-        "To start afresh in the same folder, run the same command with checkpoint.auto_resume=false: the old "
-        "run's files are moved to previous/ in the folder, not deleted. Or set a new output_dir."
-    )
-
-
-class Stateful(Protocol):
-    """What a checkpointer reads from the run (an :class:`~sslkit.task.SSLTask`): the state, whole or sharded, and
-    where it stands. How that state is written is the checkpointer's alone."""
-
-    @property
-    def clock(self) -> TrainClock: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    def state_dict(self, gather_rng: bool = True) -> dict[str, Any]: ...
-
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]: ...
-
-
 class Checkpointer:
-    """How a run's checkpoints are written: one file gathered by rank 0, or (``sharded``) a folder every rank writes
-    its part of (:mod:`sslkit.checkpointing.sharded`), in the background with ``async_save``; a checkpoint becomes
-    the latest (``latest.txt``) only once complete, the last ``keep_last`` are kept, a full disk becomes a
-    :class:`~sslkit.errors.StorageError`, and a halted run's state goes to ``crash_<step>.pt``. When to save is
-    the caller's (:class:`~sslkit.hooks.checkpoint.CheckpointHook`); reading is :func:`load_checkpoint`'s."""
+    """A run's checkpoints, both ways.
+
+    Writing: one file gathered by rank 0, or (``sharded``) a folder every rank writes its part of
+    (:mod:`sslkit.checkpointing.sharded`), in the background with ``async_save``; a checkpoint becomes the latest
+    (``latest.txt``) only once complete, the last ``keep_last`` are kept, a full disk becomes a
+    :class:`~sslkit.errors.StorageError`, and a halted run's state goes to ``crash_<step>.pt``. When to save is the
+    caller's (:class:`~sslkit.hooks.checkpoint.CheckpointHook`).
+
+    Reading: :meth:`find` resolves what a user names (a run folder, its ``checkpoints/``, a file, a sharded folder),
+    :meth:`latest` the newest committed checkpoint, :meth:`read` one without running code (tensors and plain data
+    only; a sharded folder through its allow-list), :meth:`read_latest` falls back past a damaged one, and
+    :meth:`resume` puts the state back into a task (:mod:`sslkit.checkpointing.state`: model, loss, optimizer
+    resharded to this run's processes, hooks, position, every rank's RNG).
+    """
 
     def __init__(self, output_dir: str, keep_last: int = 3, sharded: bool = False, async_save: bool = False) -> None:
         self.dir = checkpoint_dir(output_dir)
@@ -235,18 +210,103 @@ class Checkpointer:
         self._pending: tuple[Any, str] | None = None  # an async save in flight: its future and folder name
         self._async_group: Any = None
 
+    # ------------------------------------------------------------------------------------------- reading
     def latest(self) -> str | None:
         """The checkpoint a resume would read (:func:`latest_checkpoint`)."""
         return latest_checkpoint(self.dir)
 
-    def save(self, source: Stateful, why: str, wait: bool = True) -> tuple[str | None, dict[str, Any]]:
+    @staticmethod
+    def read(path: str) -> dict[str, Any]:
+        """One checkpoint file or sharded folder, whole on the CPU, without running code (:func:`read_checkpoint`)."""
+        return read_checkpoint(path, map_location="cpu")
+
+    def read_latest(self) -> tuple[dict[str, Any], str] | None:
+        """The latest readable checkpoint of the run: ``(state, path)``, or None if there is none. A latest one that
+        cannot be read (truncated, corrupt) is reported and the next older one is tried; one that would run code
+        stops it. A sharded folder gives its shared state and its path under ``sharded``: each rank reads its own
+        part of the model and optimizer when the state is restored."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        candidates = [latest] + [os.path.join(self.dir, n) for _, n in reversed(_list(self.dir))
+                                 if os.path.join(self.dir, n) != latest]
+        for path in candidates:
+            try:
+                if os.path.isdir(path):
+                    return {**read_extra(path), "sharded": path}, path
+                return read_checkpoint(path, map_location="cpu"), path
+            except (CheckpointError, RefusedCheckpoint):
+                raise  # not a damaged file: one that would run code
+            except Exception as exc:  # a truncated or corrupt file: fall back to an older one
+                logger.error("checkpoint %s is unreadable (%s: %s); trying an older one", path,
+                             type(exc).__name__, exc)
+        raise CheckpointError(
+            f"no checkpoint in {self.dir} can be read ({len(candidates)} tried; the reasons are logged above). "
+            "To start afresh in the same folder, run the same command with checkpoint.auto_resume=false: the old "
+            "run's files are moved to previous/ in the folder, not deleted. Or set a new output_dir."
+        )
+
+    def resume(self, task: SSLTask) -> str | None:
+        """Put the run's latest readable checkpoint back into ``task`` (:meth:`read_latest`, then :meth:`restore`);
+        its path, or None when the run has none. Every rank calls it."""
+        found = self.read_latest()
+        if found is None:
+            return None
+        state, path = found
+        self.restore(task, state)
+        return path
+
+    @staticmethod
+    def restore(task: SSLTask, state: dict[str, Any]) -> None:
+        """Put a state read by this checkpointer (or :meth:`state`'s) back into ``task``
+        (:func:`sslkit.checkpointing.state.restore`)."""
+        restore(task, state)
+
+    @staticmethod
+    def state(task: SSLTask, gather_rng: bool = True) -> dict[str, Any]:
+        """``task``'s whole state as a checkpoint file holds it (:func:`sslkit.checkpointing.state.capture`; every
+        rank calls it at the same point unless ``gather_rng=False``)."""
+        return capture(task, gather_rng)
+
+    @staticmethod
+    def hook_states(task: SSLTask) -> dict[str, Any]:
+        """The state of every named hook of ``task``, by name (a checkpoint's ``hooks``)."""
+        return hook_states(task)
+
+    @staticmethod
+    def find(spec: str) -> tuple[str, str]:
+        """``checkpoint=`` as a user gives it: a checkpoint file, a sharded checkpoint folder, a run folder (its
+        latest checkpoint) or its ``checkpoints/`` folder. Returns ``(checkpoint, run folder)``; the run folder of a
+        checkpoint is the folder above its ``checkpoints/`` (or the checkpoint's own folder). Raises
+        :class:`CheckpointError` saying what was found instead."""
+        if not spec:
+            raise CheckpointError("no checkpoint given: add checkpoint=RUN_DIR (a run's output_dir: its latest "
+                                  "checkpoint is used) or checkpoint=FILE.pt")
+        path = os.path.expanduser(spec)
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA)):
+            pass  # a sharded checkpoint folder itself: as a file
+        elif os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("checkpoint_"):
+            raise CheckpointError(f"checkpoint={spec}: this sharded checkpoint folder has no {METADATA}: its save "
+                                  "never finished, so it is not loaded. Give the run folder (its newest complete "
+                                  "checkpoint is used) or an older checkpoint.")
+        elif os.path.isdir(path):
+            return _in_folder(spec, path)
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint={spec}: no such file or folder. Give a run's output_dir (e.g. "
+                                  "runs/simclr-fashion_mnist) or a checkpoint file inside its checkpoints/ folder.")
+        parent = os.path.dirname(os.path.abspath(path))
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+        return path, run_dir
+
+    # ------------------------------------------------------------------------------------------- writing
+    def save(self, source: SSLTask, why: str, wait: bool = True) -> tuple[str | None, dict[str, Any]]:
         """Write ``source``'s state now. Every rank calls it at the same point; a barrier keeps any rank from moving
         on (or exiting) before the file is complete. Sharded, ``wait=False`` with ``async_save`` returns once the
         state is copied, and the folder completes later (:meth:`finish_pending`). Returns the path on rank 0 (None
         elsewhere) and the hook states saved."""
         if self.sharded:
             return self._save_sharded(source, why, wait)
-        state = source.state_dict()
+        state = capture(source)
         path = None
         if is_primary():
             path = save_checkpoint(state, self.dir, source.clock.update, self.keep_last)
@@ -254,9 +314,9 @@ class Checkpointer:
         barrier()
         return path, state["hooks"]
 
-    def _save_sharded(self, source: Stateful, why: str, wait: bool) -> tuple[str | None, dict[str, Any]]:
+    def _save_sharded(self, source: SSLTask, why: str, wait: bool) -> tuple[str | None, dict[str, Any]]:
         self.finish_pending()
-        model_state, optimizer_state, extra, own = source.sharded_state_dict()
+        model_state, optimizer_state, extra, own = capture_sharded(source)
         name = f"checkpoint_{source.clock.update:09d}"
         final = os.path.join(self.dir, name)
         rewrite = is_complete(final)  # the end of the run updating its last epoch's folder
@@ -330,3 +390,17 @@ class Checkpointer:
         state["crash"] = message
         atomic_write(path, lambda f: torch.save(state, f))
         return path
+
+
+def _in_folder(spec: str, path: str) -> tuple[str, str]:
+    """:meth:`Checkpointer.find` of a folder that is not a checkpoint: a run folder or its ``checkpoints/``."""
+    found = latest_checkpoint(checkpoint_dir(path))
+    run_dir = path
+    if found is None:
+        found = latest_checkpoint(path)  # the checkpoints/ folder itself
+        run_dir = os.path.dirname(os.path.abspath(path)) if found else path
+    if found is None:
+        raise CheckpointError(f"checkpoint={spec}: the folder holds no checkpoint (no {checkpoint_dir(path)}/"
+                              "checkpoint_*.pt). Give a run's output_dir after at least one checkpoint was written, "
+                              "or a checkpoint file.")
+    return found, run_dir

@@ -251,5 +251,5 @@ class UpdateGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.skipped = dict(state.get("skipped_steps", {}))
-        self.consecutive = int(state.get("consecutive_skips", 0))
+        self.skipped = dict(state["skipped_steps"])
+        self.consecutive = int(state["consecutive_skips"])

@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from sslkit.checkpointing.sharded import load_into, read_rank_state
 from sslkit.clock import StepContext, TrainClock
 from sslkit.data.seeding import mix_seed
-from sslkit.distributed import all_gather_object
 from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
 from sslkit.optim.schedules import ClockSchedule
-from sslkit.parallel import (
-    full_model_state,
-    full_optimizer_state,
-    is_sharded,
-    load_full_model_state,
-    load_optimizer_state,
-)
 
 __all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
 
@@ -431,146 +420,6 @@ class SSLTask:
         self.clock.step_in_epoch = 0
         self.phase_done = False
         self.data_iterator = iter(())
-
-    # -------------------------------------------------------------------------- checkpoint
-    def state_dict(self, gather_rng: bool = True) -> dict[str, Any]:
-        """Everything needed to continue the run exactly: model, loss, optimizer, scaler,
-        hooks, position and the RNG states of every rank.
-
-        In a distributed run every rank must call it at the same point (the RNG states are
-        gathered); rank 0 then writes the result. ``gather_rng=False`` (error paths) keeps only
-        this rank's RNG state and runs no collective.
-        """
-        if is_sharded(self.model):  # FSDP2: gathered whole onto rank 0 (collectives: every rank is here)
-            model_state = full_model_state(self.model)
-            optimizer_state = full_optimizer_state(self.model, self.optimizer)
-        else:
-            model_state, optimizer_state = self.base_model.state_dict(), self.optimizer.state_dict()
-        return {"model": model_state, "optimizer": optimizer_state, **self._run_state(gather_rng)}
-
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """What a sharded checkpoint holds (:mod:`sslkit.checkpointing.sharded`): this rank's model and optimizer
-        state dicts as torch.distributed.checkpoint reads them (DTensor shards under FSDP2, parameters by name),
-        the rest of :meth:`state_dict` that is the same on every rank, and this rank's own state (its RNG states
-        and rank-local buffers), which it writes under a key of its own: nothing is gathered. Every rank calls it
-        at the same point."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        model_state = get_model_state_dict(self.model)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
-        shared = self._run_state(gather_rng=False)
-        own = {"rng": shared.pop("rng")[0], "rank_local": shared.pop("rank_local")[0]}
-        return model_state, optimizer_state, shared, own
-
-    def _run_state(self, gather_rng: bool) -> dict[str, Any]:
-        """:meth:`state_dict` but the model and the optimizer."""
-        phase_idx, steps = (
-            (self.phase_idx + 1, 0) if self.phase_done else (self.phase_idx, self.clock.step_in_epoch)
-        )
-        return {
-            "loss": self.loss.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "hooks": self.hook_states(),
-            "position": {
-                "phase_idx": phase_idx,
-                "step_in_epoch": steps,
-                "update": self.clock.update,
-                "samples": self.clock.samples,
-                "stage": self.clock.stage,
-                **self.guard.state_dict(),
-            },
-            "rng": all_gather_object(rng_state()) if gather_rng else [rng_state()],  # one entry per rank
-            "rank_local": self._rank_local_state(gather_rng),
-            # the resolved config as YAML text (plain data: weights_only loading reads it), so a checkpoint file
-            # copied out of its run folder still says how to rebuild its model (sslkit knn/linear/export)
-            "config": self.run.config_text(),
-        }
-
-    def hook_states(self) -> dict[str, Any]:
-        """The state of every named hook, by name (what a checkpoint stores under ``hooks``)."""
-        return {h.name: h.state_dict() for h in self.hooks if h.name}
-
-    def _rank_local_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers that hold different values on different ranks, by ``part.module.buffer`` name:
-        those a module lists in its ``rank_local_state`` (e.g. SwAV's per-process queue). Everything
-        else in the model and the loss is identical on every rank (DDP broadcasts buffers; queues of
-        gathered keys and all-reduced centres are the same everywhere)."""
-        found: dict[str, torch.Tensor] = {}
-        for part, root in (("model", self.base_model), ("loss", self.loss)):
-            for prefix, module in root.named_modules():
-                for name in getattr(module, "rank_local_state", ()):
-                    found[".".join(x for x in (part, prefix, name) if x)] = getattr(module, name)
-        return found
-
-    def _rank_local_state(self, gather: bool) -> list[dict[str, torch.Tensor]]:
-        local = {k: v.detach().cpu().clone() for k, v in self._rank_local_buffers().items()}
-        return all_gather_object(local) if gather and local else [local]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, or what :func:`sslkit.checkpoint.load_checkpoint` read of a
-        sharded checkpoint (its ``sharded`` folder: each rank then reads its part of the model and optimizer)."""
-        if "sharded" in state:
-            load_into(state["sharded"], self.model, self.optimizer, self.base_model)
-            saved_world, own = read_rank_state(state["sharded"], self.rank)
-            state = {**state, "rng": [own["rng"]] * saved_world, "rank_local": [own["rank_local"]] * saved_world}
-        else:
-            if is_sharded(self.model):  # every rank read the whole state; each keeps its shards
-                load_full_model_state(self.model, state["model"])
-            else:
-                self.base_model.load_state_dict(state["model"])
-            load_optimizer_state(self.base_model, self.optimizer, state["optimizer"])  # numbered or named
-        self.loss.load_state_dict(state["loss"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        hook_states = state.get("hooks", {})
-        for hook in self.hooks:
-            if hook.name and hook.name in hook_states:
-                hook.load_state_dict(hook_states[hook.name])
-        pos = state["position"]
-        self.phase_idx = pos["phase_idx"]
-        self.clock.step_in_epoch = pos["step_in_epoch"]
-        self.clock.update = pos["update"]
-        self.clock.samples = pos["samples"]
-        self.clock.stage = pos.get("stage", "base")
-        self.guard.load_state_dict(pos)
-        rng = state["rng"]
-        if isinstance(rng, dict):  # written by a single process before per-rank states
-            rng = [rng]
-        if len(rng) != self.world_size:
-            logger.warning(
-                "the checkpoint holds the RNG states of %d process(es) and this run has %d: training "
-                "continues, but not bit-identically to an uninterrupted run", len(rng), self.world_size)
-        set_rng_state(rng[self.rank % len(rng)])
-        rank_local = state.get("rank_local") or [{}]
-        mine = rank_local[self.rank % len(rank_local)]
-        with torch.no_grad():
-            for key, buffer in self._rank_local_buffers().items():
-                if key in mine:
-                    buffer.copy_(mine[key].to(buffer.device))
-
-
-def rng_state() -> dict[str, Any]:
-    """The RNG states of python, numpy, torch (CPU) and CUDA on this process, as plain containers, numbers and
-    tensors only, so that a checkpoint loads with ``torch.load(weights_only=True)`` (no pickled numpy array)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`'s output."""
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]  # the key array is stored as a tensor (a checkpoint holds no numpy object)
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _config_text(config: Any) -> str | None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers import mlp
 from torch import nn
 
+from sslkit.checkpoint import Checkpointer
 from sslkit.distributed import find_free_port, start_processes
 
 
@@ -202,7 +203,8 @@ def recipe_states(rank: int, world: int, recipes: list[str], per_rank_batch: int
         from sslkit.parallel import is_sharded
 
         # under fsdp the whole model is gathered onto rank 0 (the others get an empty dict)
-        whole = task.state_dict(gather_rng=False)["model"] if is_sharded(task.model) else task.base_model.state_dict()
+        whole = (Checkpointer.state(task, gather_rng=False)["model"] if is_sharded(task.model)
+                 else task.base_model.state_dict())
         state = {f"model.{k}": v.detach().clone() for k, v in whole.items()}
         state.update({f"loss.{k}": v.detach().clone() for k, v in task.loss.state_dict().items()})
         states[name] = state
@@ -297,7 +299,7 @@ def strategy_run(rank: int, world: int, recipe: str, strategy: str, steps: int, 
         train(task, standard_train_step)
     finally:
         task.close()
-    state = task.state_dict()
+    state = Checkpointer.state(task)
     return {"losses": torch.stack(losses), "model": state["model"], "layout": layout,
             "sharded": sum(isinstance(p, DTensor) for p in task.model.parameters()),
             "dtypes": {p.dtype for p in task.model.parameters()},

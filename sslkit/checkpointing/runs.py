@@ -4,68 +4,27 @@ an evaluation config (what the tools after training and a distillation teacher r
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from sslkit.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_checkpoint
-from sslkit.checkpointing.sharded import METADATA
+from sslkit.checkpoint import Checkpointer, CheckpointError
 from sslkit.config.compose import apply_overrides, import_modules
 from sslkit.config.schema import schema
 from sslkit.config.validate import validate
 
-__all__ = ["eval_config", "in_channels", "read_run_checkpoint", "resolve_checkpoint", "saved_config"]
+__all__ = ["eval_config", "in_channels", "read_run_checkpoint", "saved_config"]
 
 
-def resolve_checkpoint(spec: str) -> tuple[str, str]:
-    """``checkpoint=`` as given: a checkpoint file, a sharded checkpoint folder, or a run folder (its latest
-    checkpoint, ``latest.txt``).
-
-    Returns ``(checkpoint, run folder)``; the run folder of a checkpoint is the folder above its ``checkpoints/``
-    (or the checkpoint's own folder). Raises :class:`CheckpointError` saying what was found instead.
-    """
-    if not spec:
-        raise CheckpointError("no checkpoint given: add checkpoint=RUN_DIR (a run's output_dir: its latest "
-                              "checkpoint is used) or checkpoint=FILE.pt")
-    path = os.path.expanduser(spec)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA)):
-        pass  # a sharded checkpoint folder itself: as a file
-    elif os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("checkpoint_"):
-        raise CheckpointError(f"checkpoint={spec}: this sharded checkpoint folder has no {METADATA}: its save never "
-                              "finished, so it is not loaded. Give the run folder (its newest complete checkpoint "
-                              "is used) or an older checkpoint.")
-    elif os.path.isdir(path):
-        found = latest_checkpoint(checkpoint_dir(path))
-        if found is None:
-            found = latest_checkpoint(path)  # the checkpoints/ folder itself
-            run_dir = os.path.dirname(os.path.abspath(path)) if found else path
-        else:
-            run_dir = path
-        if found is None:
-            raise CheckpointError(f"checkpoint={spec}: the folder holds no checkpoint (no {checkpoint_dir(path)}/"
-                                  "checkpoint_*.pt). Give a run's output_dir after at least one checkpoint was "
-                                  "written, or a checkpoint file.")
-        return found, run_dir
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint={spec}: no such file or folder. Give a run's output_dir (e.g. "
-                              "runs/simclr-fashion_mnist) or a checkpoint file inside its checkpoints/ folder.")
-    parent = os.path.dirname(os.path.abspath(path))
-    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
-    return path, run_dir
-
-
-def saved_config(state: dict[str, Any], path: str, run_dir: str) -> DictConfig:
-    """The config the checkpoint was trained with: stored in it, else the run folder's config.yaml."""
+def saved_config(state: dict[str, Any], path: str) -> DictConfig:
+    """The config the checkpoint was trained with, which every checkpoint sslkit writes holds."""
     text = state.get("config")
-    if isinstance(text, str) and text:
-        return OmegaConf.create(text)
-    candidate = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(candidate):
-        return OmegaConf.load(candidate)  # type: ignore[return-value]
-    raise CheckpointError(f"checkpoint {path} holds no config (written before sslkit stored it) and {candidate} does "
-                          "not exist: put the run's config.yaml next to its checkpoints/ folder.")
+    if not isinstance(text, str) or not text:
+        raise CheckpointError(f"checkpoint {path} holds no config: every checkpoint sslkit writes stores the config "
+                              "its run was trained with, so this file was not written by this version of sslkit (or "
+                              "was edited). Retrain, or load its weights into a run of your own (model.pretrained).")
+    return OmegaConf.create(text)
 
 
 def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
@@ -99,11 +58,12 @@ def in_channels(model_state: dict[str, torch.Tensor]) -> int:
 
 
 def read_run_checkpoint(spec: str, overrides: list[str] | None) -> tuple[str, str, dict[str, Any], DictConfig]:
-    """The checkpoint ``spec`` names (:func:`resolve_checkpoint`): its file, run folder, contents (read without
-    running code) and the run's config made an evaluation config (:func:`eval_config`, ``overrides`` applied)."""
-    path, run_dir = resolve_checkpoint(spec)
+    """The checkpoint ``spec`` names (:meth:`~sslkit.checkpoint.Checkpointer.find`): its file, run folder, contents
+    (read without running code) and the run's config made an evaluation config (:func:`eval_config`, ``overrides``
+    applied)."""
+    path, run_dir = Checkpointer.find(spec)
     try:
-        state = read_checkpoint(path, map_location="cpu")
+        state = Checkpointer.read(path)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -112,4 +72,4 @@ def read_run_checkpoint(spec: str, overrides: list[str] | None) -> tuple[str, st
                               "one: give the run folder instead.") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an sslkit checkpoint (no 'model' entry)")
-    return path, run_dir, state, eval_config(saved_config(state, path, run_dir), list(overrides or []))
+    return path, run_dir, state, eval_config(saved_config(state, path), list(overrides or []))

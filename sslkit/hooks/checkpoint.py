@@ -22,8 +22,8 @@ __all__ = ["CheckpointHook"]
 
 @register_hook("checkpoint")
 class CheckpointHook(SSLHook):
-    """Save ``task.state_dict()`` every ``every_n_steps`` optimizer steps (0 = never), after every
-    ``every_n_epochs`` train epochs (0 = never) and the last one, and once more at the end of
+    """Save the task's state (:meth:`~sslkit.checkpoint.Checkpointer.state`) every ``every_n_steps`` optimizer steps
+    (0 = never), after every ``every_n_epochs`` train epochs (0 = never) and the last one, and once more at the end of
     the run, and when the run is asked to stop (``task.stop_requested``, a pre-emption). It runs in
     the last slot, so every other hook's state of this step is included. Only rank 0 writes; every
     rank takes part (the RNG states of all ranks are saved). When the update guard halts the run,
@@ -75,14 +75,14 @@ class CheckpointHook(SSLHook):
     def _changed(self, task: SSLTask) -> list[str]:
         """Names of the hooks whose state differs from that in the last save."""
         assert self._saved is not None
-        before, now = self._saved[1], task.hook_states()
+        before, now = self._saved[1], self.checkpointer.hook_states(task)
         return [name for name, state in now.items() if not _same(before.get(name), state)]
 
     def on_start(self, task: SSLTask) -> None:
         """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
         state changes (a finished run started again writes nothing)."""
         if task.clock.update > 0:
-            self._saved = (task.clock.update, task.hook_states())
+            self._saved = (task.clock.update, self.checkpointer.hook_states(task))
             self._saved_path = self.checkpointer.latest() if is_primary() else None
 
     def on_step(self, task: SSLTask) -> None:
@@ -104,7 +104,7 @@ class CheckpointHook(SSLHook):
         if not isinstance(exc, TrainingHalted):
             return
         if is_primary() or is_sharded(task.model):  # under FSDP2 the model is gathered: every rank takes part
-            state = task.state_dict(gather_rng=False)
+            state = self.checkpointer.state(task, gather_rng=False)
         if is_primary():
             exc.crash_path = self.checkpointer.write_crash(state, task.clock.update, exc.message)
         exc.resume_from = self.checkpointer.latest()

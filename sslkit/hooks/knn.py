@@ -166,8 +166,8 @@ class KNNHook(SSLHook):
         return {"done": self.done, "step": self.step, "settings": dict(self.done_with), "results": dict(self.results)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (an older checkpoint without the step is evaluated again)."""
-        self.done = bool(state.get("done", False))
-        self.step = int(state.get("step", -1))
-        self.done_with = dict(state.get("settings", {}))
-        self.results = dict(state.get("results", {}))
+        """Restore :meth:`state_dict`."""
+        self.done = bool(state["done"])
+        self.step = int(state["step"])
+        self.done_with = dict(state["settings"])
+        self.results = dict(state["results"])

@@ -134,7 +134,7 @@ class ReferenceSetsHook(SSLHook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.start = dict(state.get("start", {}))
-        self.last_update = int(state.get("last_update", -1))
-        self.history = list(state.get("history", []))
-        self.below = dict(state.get("below", {}))
+        self.start = dict(state["start"])
+        self.last_update = int(state["last_update"])
+        self.history = list(state["history"])
+        self.below = dict(state["below"])

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
+from sslkit.checkpoint import Checkpointer, atomic_write
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -389,7 +389,7 @@ def build_trackers(cfg: DictConfig) -> list[Tracker]:
     if not (log.wandb.enabled or log.mlflow.enabled):
         return []
     out = str(cfg.output_dir)
-    resume = bool(cfg.checkpoint.auto_resume) and latest_checkpoint(checkpoint_dir(out)) is not None
+    resume = bool(cfg.checkpoint.auto_resume) and Checkpointer(out).latest() is not None
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     trackers: list[Tracker] = []
     if log.wandb.enabled:

@@ -34,7 +34,7 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
     """
     from sslkit import registry as R
     from sslkit.builder import build_task
-    from sslkit.checkpoint import checkpoint_dir, load_checkpoint
+    from sslkit.checkpoint import Checkpointer
     from sslkit.distributed import get_rank
     from sslkit.hooks.trackers import finish_trackers
     from sslkit.launch.console import setup_logging
@@ -53,14 +53,8 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
                     f"{os.path.join(cfg.output_dir, 'config.yaml')}")
     task = build_task(cfg)
     try:
-        if cfg.checkpoint.auto_resume:
-            # Loaded on the CPU: RNG states must be CPU tensors, and load_state_dict moves model, loss and
-            # optimizer state onto the device of the tensors they are copied into.
-            found = load_checkpoint(checkpoint_dir(cfg.output_dir), map_location="cpu")
-            if found is not None:
-                state, path = found
-                task.load_state_dict(state)
-                logger.info("resumed from %s", path)
+        if cfg.checkpoint.auto_resume and (path := Checkpointer(cfg.output_dir).resume(task)) is not None:
+            logger.info("resumed from %s", path)
         step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
         train(task, step)
     except BaseException as exc:

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sslkit.checkpoint import atomic_write, checkpoint_dir, latest_checkpoint
+from sslkit.checkpoint import Checkpointer, atomic_write
 from sslkit.config.diff import flatten_config, show_value
 from sslkit.config.run_keys import ELASTIC_KEYS, LENGTHENING_KEYS, ignored
 from sslkit.config.text import config_yaml
@@ -130,7 +130,7 @@ def _move_aside(out: str) -> str | None:
 def resumable_checkpoint(cfg: DictConfig) -> str | None:
     """The checkpoint a run of ``cfg`` resumes from: its folder's latest under ``checkpoint.auto_resume``, else None."""
     out = str(cfg.output_dir)
-    return latest_checkpoint(checkpoint_dir(out)) if cfg.checkpoint.auto_resume and out else None
+    return Checkpointer(out).latest() if cfg.checkpoint.auto_resume and out else None
 
 
 def prepare_output_dir(cfg: DictConfig, primary: bool = True) -> FolderPlan:

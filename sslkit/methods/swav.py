@@ -194,10 +194,10 @@ class SwAVLoss(nn.Module):
                 "window_sum": float(self._window_sum.item())}
 
     def set_extra_state(self, state: dict[str, int | float]) -> None:
-        """Restore :meth:`get_extra_state` (checkpoints older than the window fields start a new window)."""
+        """Restore :meth:`get_extra_state`."""
         self.queue_filled = int(state["queue_filled"])
-        self._window_count = int(state.get("window_count", 0))
-        self._window_sum.fill_(float(state.get("window_sum", 0.0)))
+        self._window_count = int(state["window_count"])
+        self._window_sum.fill_(float(state["window_sum"]))
 
     @property
     def queue_active(self) -> bool:

@@ -314,7 +314,7 @@ def knn_main(argv: list[str] | None = None) -> int:
 
 
 def _linear(args: list[str]) -> int:
-    from sslkit.checkpoint import read_checkpoint
+    from sslkit.checkpoint import Checkpointer
 
     opts, overrides = parse_tool_args("linear", args, TOOL_KEYS["linear"])
     pre = tool_pretrained("linear", opts, overrides)
@@ -348,7 +348,7 @@ def _linear(args: list[str]) -> int:
     records: list[dict[str, Any]] = []
     done_epochs, step = 0, 0
     if os.path.exists(state_path):
-        saved = read_checkpoint(state_path)
+        saved = Checkpointer.read(state_path)
         if saved.get("key") == key:
             head.load_state_dict(saved["classifier"])
             optimizer.load_state_dict(saved["optimizer"])

@@ -206,10 +206,10 @@ def _resume(path: str, key: str, model: nn.Module, optimizer: torch.optim.Optimi
     """The state file at ``path``, loaded into ``model``, ``optimizer`` and ``scaler`` when it was written with these
     settings (``key``): ``(records, epochs done, next step, RNG state)``; else nothing is loaded and the RNG state is
     the present one (a fresh start)."""
-    from sslkit.checkpoint import read_checkpoint
+    from sslkit.checkpoint import Checkpointer
 
     if os.path.exists(path):
-        saved = read_checkpoint(path)
+        saved = Checkpointer.read(path)
         if saved.get("key") == key:
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])

@@ -10,13 +10,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from sslkit.checkpoint import CheckpointError
-from sslkit.checkpointing.runs import eval_config, in_channels, read_run_checkpoint, resolve_checkpoint
+from sslkit.checkpointing.runs import eval_config, in_channels, read_run_checkpoint
 from sslkit.config.schema import ConfigError
 from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError
 
-__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "resolve_checkpoint",
-           "select_student"]
+__all__ = ["Pretrained", "eval_config", "load_pretrained", "normalisation", "pretrained_config", "select_student"]
 
 
 @dataclass

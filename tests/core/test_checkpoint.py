@@ -7,15 +7,15 @@ import os
 import pytest
 import torch
 
-from sslkit.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from sslkit.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, save_checkpoint
 
 
 def test_save_load_roundtrip_and_pointer(tmp_path) -> None:
-    d = str(tmp_path / "ckpt")
+    d = str(tmp_path / "checkpoints")
     save_checkpoint({"x": torch.tensor([1.0])}, d, 10)
     path = save_checkpoint({"x": torch.tensor([2.0])}, d, 20)
-    assert latest_checkpoint(d) == path
-    state, loaded = load_checkpoint(d)
+    assert latest_checkpoint(d) == path == Checkpointer(str(tmp_path)).latest()
+    state, loaded = Checkpointer(str(tmp_path)).read_latest()
     assert loaded == path and torch.equal(state["x"], torch.tensor([2.0]))
     assert not [f for f in os.listdir(d) if ".tmp." in f]
 
@@ -29,24 +29,23 @@ def test_keep_last(tmp_path) -> None:
 
 
 def test_truncated_latest_falls_back_to_previous(tmp_path, caplog) -> None:
-    d = str(tmp_path)
+    d = str(tmp_path / "checkpoints")
     save_checkpoint({"i": 1}, d, 1)
     path = save_checkpoint({"i": 2}, d, 2)
     with open(path, "r+b") as f:
         f.truncate(10)
-    state, loaded = load_checkpoint(d)
+    state, loaded = Checkpointer(str(tmp_path)).read_latest()
     assert state["i"] == 1 and loaded.endswith("checkpoint_000000001.pt")
     assert "unreadable" in caplog.text
 
 
 def test_no_checkpoint_returns_none_and_all_corrupt_raises(tmp_path) -> None:
-    assert load_checkpoint(str(tmp_path / "none")) is None
-    d = str(tmp_path / "bad")
-    path = save_checkpoint({"i": 1}, d, 1)
+    assert Checkpointer(str(tmp_path / "none")).read_latest() is None
+    path = save_checkpoint({"i": 1}, str(tmp_path / "bad" / "checkpoints"), 1)
     with open(path, "wb") as f:
         f.write(b"garbage")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be read \(1 tried.*auto_resume=false"):
-        load_checkpoint(d)
+        Checkpointer(str(tmp_path / "bad")).read_latest()
 
 
 def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path) -> None:
@@ -56,7 +55,6 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
 
     from helpers import SMALL, run_main
 
-    from sslkit.checkpoint import read_checkpoint
 
     marker = tmp_path / "pwned"
 
@@ -73,9 +71,9 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
     torch.save({**state, "extra": Payload()}, evil)
     (ckpts / "latest.txt").write_text(evil.name)
     with pytest.raises(CheckpointError, match=r"holds .*open.*which loading would call"):
-        load_checkpoint(str(ckpts))
+        Checkpointer(str(tmp_path / "run")).read_latest()
     with pytest.raises(CheckpointError):
-        read_checkpoint(str(evil))
+        Checkpointer.read(str(evil))
     assert not marker.exists()
     proc = run_main(*SMALL, "config=simclr", "optim.max_steps=4", "eval.knn.enabled=false",
                     f"output_dir={tmp_path / 'run'}", check=False)
@@ -88,7 +86,7 @@ def test_numpy_rng_state_round_trips_through_the_plain_form() -> None:
     draws are the same)."""
     import numpy as np
 
-    from sslkit.task import rng_state, set_rng_state
+    from sslkit.checkpointing.state import rng_state, set_rng_state
 
     np.random.seed(3)
     np.random.standard_normal()  # a cached gaussian in the state too

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import make_task
 
+from sslkit.checkpoint import Checkpointer
 from sslkit.hooks.base import SSLHook
 from sslkit.hooks.logging import LogHook
 from sslkit.task import Phase, SSLTask
@@ -39,7 +40,7 @@ def test_fp16_uses_grad_scaler_and_checkpoints_it() -> None:
     w0 = task.model.lin.weight.detach().clone()
     train(task, standard_train_step)
     assert torch.isfinite(task.model.lin.weight).all() and not torch.equal(task.model.lin.weight, w0)
-    assert task.state_dict()["scaler"]["scale"] == pytest.approx(2.0**10)
+    assert Checkpointer.state(task)["scaler"]["scale"] == pytest.approx(2.0**10)
 
 
 def test_no_item_call_between_log_intervals(monkeypatch) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import make_task
 
+from sslkit.checkpoint import Checkpointer
 from sslkit.hooks.base import Event, Slot, SSLHook
 from sslkit.task import Phase, SSLTask
 from sslkit.train_steps.standard import standard_train_step
@@ -62,7 +63,7 @@ def test_max_updates_stops_mid_epoch_and_skips_remaining_epochs() -> None:
     # 2 steps per epoch: epoch 1 was cut after its first step and stays the current phase, so that a run
     # lengthened later goes on from there; epoch 2 never started
     assert (task.phase_idx, task.clock.step_in_epoch, task.phase_done) == (1, 1, False)
-    state = task.state_dict()["position"]
+    state = Checkpointer.state(task)["position"]
     assert (state["phase_idx"], state["step_in_epoch"]) == (1, 1)
     assert not task.done_training
 

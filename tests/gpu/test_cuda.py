@@ -37,7 +37,7 @@ def test_resume_on_cuda_restores_the_state_onto_the_gpu(tmp_path: Path, recipe: 
     """A run killed after step 10 resumes from step 8 on the GPU (the RNG states must come back as CPU tensors,
     the model, loss buffers and optimizer state on the GPU) and finishes."""
     from sslkit.builder import build_task
-    from sslkit.checkpoint import checkpoint_dir, load_checkpoint
+    from sslkit.checkpoint import Checkpointer
     from sslkit.config.compose import compose_config
 
     args = [f"config={recipe}", *BASE, *RECIPE_ARGS[recipe], *GPU, "optim.epochs=2", "checkpoint.every_n_steps=4"]
@@ -48,10 +48,10 @@ def test_resume_on_cuda_restores_the_state_onto_the_gpu(tmp_path: Path, recipe: 
     assert "checkpoint_000000008.pt" in resumed.stdout and latest_state(out)["position"]["update"] == 12
 
     task = build_task(compose_config([*args, f"output_dir={tmp_path / 'fresh'}"]))
-    state, path = load_checkpoint(checkpoint_dir(str(out)), map_location="cpu")
+    state, path = Checkpointer(str(out)).read_latest()
     # a checkpoint written on CUDA (CUDA RNG states included) holds only what weights_only=True loads
     assert torch.load(path, map_location="cpu", weights_only=True)["rng"][0]["cuda"]
-    task.load_state_dict(state)
+    Checkpointer.restore(task, state)
     assert {p.device.type for p in task.base_model.parameters()} == {"cuda"}
     assert {b.device.type for b in task.loss.buffers()} <= {"cuda"}
     moments = [v for s in task.optimizer.state.values() for k, v in s.items()

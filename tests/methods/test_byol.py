@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import SMALL, TinyTrunk, run_main
 
+from sslkit.checkpoint import Checkpointer
 from sslkit.methods.byol import BYOLLoss, build_byol, byol_loss
 from sslkit.models.heads import MLPHead
 from sslkit.optim import build_optimizer
@@ -109,7 +110,7 @@ def test_recipe_checkpoints_the_target_network_and_resumes(tmp_path: Path) -> No
     teacher = [k for k in state["model"] if k.startswith("teacher_") and k.endswith("weight")]
     assert teacher and any(not torch.equal(state["model"][k], init[k]) for k in teacher)
     assert 0.99 < state["hooks"]["momentum_teacher"]["last_momentum"] < 1.0
-    task.load_state_dict(state)
+    Checkpointer.restore(task, state)
     for k in teacher:
         assert torch.equal(task.base_model.state_dict()[k], state["model"][k])
     # a second run in the same folder resumes (the first run's epoch is done: 5 steps need a 2nd epoch)

@@ -11,6 +11,7 @@ import torch
 from helpers import SMALL, TinyTrunk, run_main
 from torch import nn
 
+from sslkit.checkpoint import Checkpointer
 from sslkit.clock import TrainClock
 from sslkit.hooks.ema import MomentumTeacherHook
 from sslkit.methods.moco import (
@@ -337,7 +338,7 @@ def _recipe_run(tmp_path: Path, config: str, extra: list[str]) -> tuple[dict, di
     task = build_task(cfg)
     init = {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in module.state_dict().items()}
             for part, module in (("model", task.base_model), ("loss", task.loss))}
-    task.load_state_dict(state)  # a fresh build takes the checkpoint back
+    Checkpointer.restore(task, state)  # a fresh build takes the checkpoint back
     for key, value in state["model"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(task.base_model.state_dict()[key], value)
