@@ -269,8 +269,8 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
     sample = {"input": views, "target": torch.zeros(b, dtype=torch.int64, device=device),
               "data_valid": torch.ones(b, dtype=torch.bool, device=device),
               "data_idx": torch.arange(b, device=device)}
-    if task.data.masking is not None:  # a masked method: its masks, drawn as the sample stage draws them
-        sample["masks"] = task.data.masking(views, sample["data_idx"], 0)
+    if task.masking is not None:  # a masked method: its masks, drawn as the sample stage draws them
+        sample["masks"] = task.masking(views, sample["data_idx"], 0)
     fire = _dispatcher(method_hooks(task), task)
     model, opt = task.model, task.optimizer
     fire(Event.ON_START)
@@ -312,7 +312,7 @@ def attention_kernels(task: SSLTask, preset: Preset) -> str:
 
     b = min(preset.batch, 8)
     views = [torch.randn(b, 3, s, s, device=task.device) for s in preset.views()]
-    masks = task.data.masking(views, torch.arange(b, device=task.device), 0) if task.data.masking else None
+    masks = task.masking(views, torch.arange(b, device=task.device), 0) if task.masking else None
     sample = {"input": views, "data_idx": torch.arange(b), "masks": masks}
     with profile(activities=[ProfilerActivity.CPU]) as prof, precision(task):
         out = task.model(views, **model_keywords(sample))

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from sslkit.clock import StepContext, TrainClock
-from sslkit.data.seeding import mix_seed
+from sslkit.data.loader import position_loader
 from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
 from sslkit.optim.schedules import ClockSchedule
+from sslkit.train_steps.timing import PerfStats
 
-__all__ = ["DataPlan", "LastBatch", "PerfStats", "Phase", "RunInfo", "SSLTask", "Training"]
+__all__ = ["DataPlan", "LastBatch", "Phase", "RunInfo", "SSLTask", "Training"]
 
 logger = logging.getLogger("sslkit")
 
@@ -53,79 +52,9 @@ class LastBatch:
     unscaled: bool = False
 
 
-class PerfStats:
-    """Timers per step section, true on a GPU without syncing the step.
-
-    On the CPU a section's time is the host's wall-clock time in it. On CUDA, where kernels run
-    after the host has queued them, host time would be charged to whichever section happens to
-    wait (the first sync), so each section records a pair of CUDA events on the current stream
-    instead: its time is the GPU's time between them, which holds the kernels the section
-    queued and, for ``read_sample``, the time the GPU sat idle waiting for data. The events are
-    read only when asked (:meth:`resolve`: by :meth:`table` at phase end and by the log hook at
-    its interval, where it syncs anyway), never inside a step.
-    """
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.cuda = device is not None and device.type == "cuda"
-        self.totals: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self._pending: list[tuple[str, Any, Any]] = []  # (section, start event, end event) not read yet
-        self._free: list[Any] = []  # events read already, for reuse
-
-    def _event(self) -> Any:
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @contextmanager
-    def timer(self, name: str) -> Iterator[None]:
-        """Add the time spent in the ``with`` block to section ``name``."""
-        self.counts[name] = self.counts.get(name, 0) + 1
-        if self.cuda:
-            start = self._event()
-            try:
-                yield
-            finally:
-                self._pending.append((name, start, self._event()))
-            return
-        begin = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - begin
-
-    def resolve(self) -> None:
-        """Read the CUDA events recorded so far into :attr:`totals` (waits for the last one: a sync)."""
-        if not self._pending:
-            return
-        self._pending[-1][2].synchronize()
-        for name, start, end in self._pending:
-            self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end) / 1000.0
-            self._free += (start, end)
-        self._pending.clear()
-
-    def reset(self) -> None:
-        """Forget all timings (called at phase start)."""
-        self._free += [e for _, start, end in self._pending for e in (start, end)]
-        self._pending.clear()
-        self.totals.clear()
-        self.counts.clear()
-
-    def table(self) -> str:
-        """A text table: section, calls, total seconds, mean milliseconds, share of the total."""
-        self.resolve()
-        total = sum(self.totals.values()) or 1.0
-        clock = "GPU time per section (CUDA events)" if self.cuda else "host time per section"
-        lines = [clock, f"{'section':<18}{'calls':>8}{'total s':>10}{'mean ms':>10}{'share':>8}"]
-        for name, secs in self.totals.items():
-            n = self.counts[name]
-            lines.append(f"{name:<18}{n:>8}{secs:>10.2f}{1000 * secs / n:>10.2f}{secs / total:>8.1%}")
-        return "\n".join(lines)
-
-
 @dataclass
 class Training:
-    """The model and how it is optimised (one group of :class:`SSLTask`'s state)."""
+    """The model and how it is optimised: fields the builder hands to :class:`SSLTask` (each becomes the task's)."""
 
     #: The model that is trained (wrapped in DDP in distributed runs).
     model: nn.Module
@@ -195,85 +124,60 @@ class RunInfo:
     output_dir: str = "."
     #: The resolved config (read-only; for logging and checkpoint metadata).
     config: Any = None
-    _text: tuple[int, str | None] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def config_text(self) -> str | None:
-        """The resolved config as YAML text (None when the task was built without one): made once per config
-        object, which a run never changes, rather than at every checkpoint."""
-        if self._text is None or self._text[0] != id(self.config):
-            self._text = (id(self.config), _config_text(self.config))
-        return self._text[1]
-
-
-class _Alias:
-    """``task.<name>`` reads and writes ``task.<group>.<field>`` (``field`` defaults to ``name``): the flat names
-    hooks use, over grouped state."""
-
-    def __init__(self, group: str, field: str | None = None) -> None:
-        self.group = group
-        self.field = field
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.field or name
-        self.__doc__ = f"``{self.group}.{self.name}``."
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(getattr(obj, self.group), self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(getattr(obj, self.group), self.name, value)
 
 
 class SSLTask:
-    """Everything a step and a hook may touch, built by :func:`sslkit.builder.build_task`, in groups:
+    """Everything a step and a hook may touch, built by :func:`sslkit.builder.build_task`: plain state, one name
+    per field, each an attribute of the task.
 
-    * ``training`` (:class:`Training`): model, loss, optimizer, schedules, precision, accumulation;
-    * ``data`` (:class:`DataPlan`): loaders and phases; with ``phase_idx`` and ``data_iterator``, the
-      data position;
-    * ``clock`` (:class:`~sslkit.clock.TrainClock`): epoch, step in epoch, optimizer update, micro-batch;
-    * ``hooks``: the method's hooks and the others, whose states (with the loss's buffers) are the
-      method state a checkpoint holds;
-    * ``run`` (:class:`RunInfo`): device, rank, world size, seed, output folder, config;
-    * ``guard`` (:class:`~sslkit.guard.UpdateGuard`): the fate of updates that ran out of memory or
-      are not finite.
-
-    Every field of the groups is also an attribute of the task (``task.model`` is
-    ``task.training.model``). The clock and the phase index are the resume position: a checkpoint
-    stores them, and a resumed run continues from the same phase and step with the same samples.
+    The builder hands it over in groups, whose fields become the task's: :class:`Training` (``model``, ``loss``,
+    ``optimizer``, the schedules, precision, accumulation, clipping), :class:`DataPlan` (``loaders``, ``phases``
+    and the device-side data parts) and :class:`RunInfo` (``device``, ``rank``, ``world_size``, ``seed``,
+    ``output_dir``, ``config``). Beside them: the ``clock`` (:class:`~sslkit.clock.TrainClock`: epoch, step in
+    epoch, optimizer update, micro-batch), the ``hooks``, whose states (with the loss's buffers) are the method
+    state a checkpoint holds, and the ``guard`` (:class:`~sslkit.guard.UpdateGuard`: the fate of updates that ran
+    out of memory or are not finite). The clock and ``phase_idx`` are the resume position. How the state is saved
+    and restored is the checkpointer's (:mod:`sslkit.checkpointing.state`).
     """
 
-    model = _Alias("training")
-    loss = _Alias("training")
-    optimizer = _Alias("training")
-    lr_schedule = _Alias("training")
-    wd_schedule = _Alias("training")
-    scaler = _Alias("training")
-    amp_dtype = _Alias("training")
-    accumulate_steps = _Alias("training")
-    global_batch_size = _Alias("training")
-    manual_gradient_reduction = _Alias("training")
-    bucket_cap_mb = _Alias("training")
-    channels_last = _Alias("training")
-    loaders = _Alias("data")
-    phases = _Alias("data")
-    device = _Alias("run")
-    rank = _Alias("run")
-    world_size = _Alias("run")
-    seed = _Alias("run")
-    output_dir = _Alias("run")
-    config = _Alias("run")
+    # Training
+    model: nn.Module
+    loss: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_schedule: ClockSchedule
+    wd_schedule: ClockSchedule | None
+    scaler: torch.amp.GradScaler | None
+    amp_dtype: torch.dtype | None
+    accumulate_steps: int
+    global_batch_size: int
+    manual_gradient_reduction: bool
+    bucket_cap_mb: float
+    channels_last: bool
+    clip_grad: float
+    clip_grad_mode: str
+    # DataPlan
+    loaders: dict[str, torch.utils.data.DataLoader]
+    phases: list[Phase]
+    device_augment: Any
+    device_decoder: Any
+    masking: Any
+    # RunInfo
+    device: torch.device
+    rank: int
+    world_size: int
+    seed: int
+    output_dir: str
+    config: Any
 
     def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
                  max_updates: int = 1, guard: UpdateGuard | None = None) -> None:
-        self.training = training
-        self.data = data
-        self.run = run or RunInfo()
+        for group in (training, data, run or RunInfo()):
+            for f in fields(group):
+                setattr(self, f.name, getattr(group, f.name))
         #: Hooks in the order they run: by slot (:class:`~sslkit.events.Slot`), then as given.
         self.hooks = in_order(hooks)
         #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
-        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=training.accumulate_steps)
+        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=self.accumulate_steps)
         #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
         #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
         self.scheduled: dict[str, float] = {}
@@ -300,6 +204,14 @@ class SSLTask:
         self.stop_checkpoint: str | None = None
         #: Decides the fate of an update that ran out of memory or is not finite (docs/reliability.md).
         self.guard = guard or UpdateGuard()
+        self._config_text: tuple[int, str | None] | None = None
+
+    def config_text(self) -> str | None:
+        """The resolved config as YAML text (None when the task was built without one): made once per config
+        object, which a run never changes, rather than at every checkpoint."""
+        if self._config_text is None or self._config_text[0] != id(self.config):
+            self._config_text = (id(self.config), _config_text(self.config))
+        return self._config_text[1]
 
     # -------------------------------------------------------------------------------- clock
     def context(self) -> StepContext:
@@ -322,11 +234,6 @@ class SSLTask:
     def epoch(self) -> int:
         """The current train epoch (0-based)."""
         return self.phase.epoch
-
-    @property
-    def where(self) -> float:
-        """Progress of training in [0, 1): ``clock.where``, the argument of the lr, wd and momentum schedules."""
-        return self.clock.where
 
     @property
     def done_training(self) -> bool:
@@ -375,25 +282,16 @@ class SSLTask:
 
     # ------------------------------------------------------------------------------ phases
     def start_phase(self) -> None:
-        """Position the current phase's sampler (epoch, resume offset) and open its iterator."""
-        loader = self.loader
-        sampler = loader.sampler
-        # DataLoader draws its workers' base seed from this generator at every iter(); without
-        # its own, that draw would consume the global torch RNG and a resumed run would diverge.
-        if loader.generator is None:
-            loader.generator = torch.Generator()
-        loader.generator.manual_seed(mix_seed(self.seed, self.epoch))
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        if hasattr(sampler, "set_start"):
-            sampler.set_start(self.clock.step_in_epoch * self.batches_per_step * loader.batch_size)
-        if self.train and getattr(sampler, "track_updates", False):
-            sampler.updates_from(self.clock.update, self.batches_per_step * loader.batch_size)
+        """Position the current phase's loader (its seeds, epoch and resume offset: :func:`position_loader`) and
+        open its iterator."""
+        per_step = self.batches_per_step
+        position_loader(self.loader, self.seed, self.epoch, start_batch=self.clock.step_in_epoch * per_step,
+                        update=self.clock.update if self.train else None, batches_per_update=per_step)
         self.phase_done = False
         self.clock.epoch = self.epoch
         self.clock.micro_batch = 0
         self.clock.micro_batches = self.batches_per_step
-        self.data_iterator = iter(loader)
+        self.data_iterator = iter(self.loader)
 
     def end_phase(self, exhausted: bool = True) -> None:
         """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut

@@ -16,8 +16,10 @@ from torch.utils.data import DataLoader
 
 from sslkit.data.dataset import SSLDataset
 from sslkit.data.sampler import StatefulDistributedSampler
+from sslkit.data.seeding import mix_seed
 
-__all__ = ["SignalSafeLoader", "build_loader", "collate_views", "ignore_signals_in_worker", "signals_blocked"]
+__all__ = ["SignalSafeLoader", "build_loader", "collate_views", "ignore_signals_in_worker", "position_loader",
+           "signals_blocked"]
 
 
 def collate_views(batch: list[dict[str, Any]],
@@ -149,3 +151,22 @@ def build_loader(
     )
     loader.worker_ignores = tuple(int(s) for s in worker_ignores)
     return loader
+
+
+def position_loader(loader: DataLoader, seed: int, epoch: int, start_batch: int = 0, update: int | None = None,
+                    batches_per_update: int = 1) -> None:
+    """Put ``loader`` where a run stands before an iterator is opened on it: the base seed of its workers drawn from
+    a generator of its own seeded by ``(seed, epoch)`` (without one, DataLoader draws it from the global torch RNG
+    at every ``iter()`` and a resumed run would diverge), its sampler at ``epoch`` and at the sample of batch
+    ``start_batch`` (a resume inside the epoch), and, in a train phase (``update`` given) with a sampler that
+    tracks them, each sample's optimizer update numbered from ``update`` (``batches_per_update`` batches each)."""
+    sampler = loader.sampler
+    if loader.generator is None:
+        loader.generator = torch.Generator()
+    loader.generator.manual_seed(mix_seed(seed, epoch))
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    if hasattr(sampler, "set_start"):
+        sampler.set_start(start_batch * (loader.batch_size or 1))
+    if update is not None and getattr(sampler, "track_updates", False):
+        sampler.updates_from(update, batches_per_update * (loader.batch_size or 1))

@@ -113,19 +113,19 @@ def prepare_sample(task: SSLTask, batch: dict[str, Any]) -> dict[str, Any]:
     ``data.augment_on=device``, decoded and augmented there (each sample brings its own uniforms); with
     ``masking``, each view's masks drawn there too (``sample["masks"]``: from every sample's seed, epoch and
     index, :class:`~sslkit.models.masking.MaskPlan`)."""
-    device_side = task.data.device_augment is not None
+    device_side = task.device_augment is not None
     sample = to_sample(batch, task.device, task.channels_last and not device_side)
     if device_side:
         images, uniforms = sample["input"]
         if isinstance(images, RawImages):  # images of many sizes, JPEGs as bytes
             with task.perf_stats.timer("decode"):
-                decoder = task.data.device_decoder or _PACK_ONLY
+                decoder = task.device_decoder or _PACK_ONLY
                 images = decoder(images, sample, task.device)
         with task.perf_stats.timer("augment"):
             sample["input"] = augment_on_device(task, images, uniforms)
-    if task.data.masking is not None:
+    if task.masking is not None:
         with task.perf_stats.timer("mask"):
-            sample["masks"] = task.data.masking(sample["input"], sample["data_idx"], task.epoch)
+            sample["masks"] = task.masking(sample["input"], sample["data_idx"], task.epoch)
     return sample
 
 
@@ -134,7 +134,7 @@ def augment_on_device(task: SSLTask, images: Images, uniforms: torch.Tensor) -> 
     each sample's uniforms ``[N, views, 54]``, which the loader workers drew from (seed, epoch, index) as the
     per-image transform draws them: a sample's views do not depend on its batch, the number of processes or a
     resume (nothing to checkpoint), and match the workers pipeline's parameter for parameter."""
-    views = task.data.device_augment.apply(images, uniforms)
+    views = task.device_augment.apply(images, uniforms)
     if task.channels_last:
         views = [v.contiguous(memory_format=torch.channels_last) for v in views]
     return views
@@ -273,7 +273,7 @@ def unscale_gradients(task: SSLTask) -> None:
 
 
 def clip_gradients(task: SSLTask) -> torch.Tensor:
-    """Clip the gradients to ``task.training.clip_grad`` and log the norm they had (``grad_norm``, on the device).
+    """Clip the gradients to ``task.clip_grad`` and log the norm they had (``grad_norm``, on the device).
 
     Runs in :func:`update` just before the optimizer step: after the step's last micro-batch (the accumulated
     gradients), after the gradient reduction and ``on_backward`` (a parameter whose gradient a hook dropped
@@ -287,9 +287,9 @@ def clip_gradients(task: SSLTask) -> torch.Tensor:
     owners: dict[str, list[torch.nn.Parameter]] = {}
     for group in task.optimizer.param_groups:
         owners.setdefault(str(group.get("owner", "")), []).extend(p for p in group["params"] if p.grad is not None)
-    clip = task.training.clip_grad
+    clip = task.clip_grad
     with task.perf_stats.timer("clip_grad"):
-        norms = {owner: _clip(params, clip, task.training.clip_grad_mode, is_sharded(task.model))
+        norms = {owner: _clip(params, clip, task.clip_grad_mode, is_sharded(task.model))
                  for owner, params in owners.items() if params}
         if not norms:
             return torch.zeros((), device=task.device)
@@ -337,7 +337,7 @@ def update(task: SSLTask) -> None:
         clock.update += 1
         return
     task.guard.applied()
-    if task.training.clip_grad > 0:
+    if task.clip_grad > 0:
         clip_gradients(task)
     with task.perf_stats.timer("optimizer_step"):
         lr = task.lr_schedule.at(clock)

@@ -112,7 +112,7 @@ def test_no_host_device_sync_inside_the_step(tmp_path: Path, recipe: str) -> Non
 
 def test_step_timers_charge_gpu_time_to_the_section_that_queued_it() -> None:
     """Host timers would give ~0 to 'kernel' (it only queues) and the whole time to 'wait' (it syncs)."""
-    from sslkit.task import PerfStats
+    from sslkit.train_steps.timing import PerfStats
 
     stats = PerfStats(torch.device("cuda"))
     torch.cuda.synchronize()

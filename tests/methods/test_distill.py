@@ -204,7 +204,7 @@ def test_each_student_has_its_own_groups_learning_rate_scale_and_clipping() -> N
         for p in model.students[name].parameters():
             p.grad = torch.full_like(p, scale)
     a_before = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.students["a"].parameters()]))
-    task = SimpleNamespace(optimizer=optimizer, training=SimpleNamespace(clip_grad=1.0, clip_grad_mode="global"),
+    task = SimpleNamespace(optimizer=optimizer, clip_grad=1.0, clip_grad_mode="global",
                            perf_stats=SimpleNamespace(timer=lambda _n: __import__("contextlib").nullcontext()),
                            model=model, scaler=None, device=torch.device("cpu"),
                            last_batch=SimpleNamespace(metrics={}, unscaled=False))

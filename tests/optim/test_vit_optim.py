@@ -132,10 +132,10 @@ def _delta(task) -> list[torch.Tensor]:
 def _task(clip: float = 0.0, mode: str = "global", accumulate: int = 1, fp16: bool = False):
     task = per_sample_task(steps=1, accumulate=accumulate)
     task.optimizer.param_groups[0]["momentum"] = 0.0  # SGD: the update is -lr * gradient
-    task.training.clip_grad, task.training.clip_grad_mode = clip, mode
+    task.clip_grad, task.clip_grad_mode = clip, mode
     if fp16:
         # a small scale: the default 65536 overflows this model's float16 gradients and the scaler skips the step
-        task.training.amp_dtype, task.training.scaler = torch.float16, torch.amp.GradScaler("cpu", init_scale=16.0)
+        task.amp_dtype, task.scaler = torch.float16, torch.amp.GradScaler("cpu", init_scale=16.0)
     return task
 
 
