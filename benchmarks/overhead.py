@@ -15,7 +15,7 @@ to both. The plain loop mirrors what sslkit's standard step does to the numbers:
   ``scaler.update``;
 * per step: ``zero_grad(set_to_none=True)`` before the backward, the lr (and weight decay, when
   the recipe schedules it) for ``where = step / max_steps`` set just before ``optimizer.step``,
-  ``optim.accumulate_steps`` micro-batches with ``backward(loss / K)``, the gradients clipped as
+  ``optim.micro_batches`` micro-batches with ``backward(loss / K)``, the gradients clipped as
   ``optim.clip_grad`` says (after unscaling), and a masked method's masks passed to the model
   (``model(views, masks=...)``, drawn by the same sample stage: ``model_keywords``);
 * the method hooks of the recipe (momentum teachers, SwAV's prototype normalisation, DINO's
@@ -258,7 +258,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
     task = build_task(cfg)  # same seed -> same model init, loader, optimizer, schedules, hooks
     check_supported(task)
     model, loss_fn, opt, scaler = task.model, task.loss, task.optimizer, task.scaler
-    loader, device, accumulate = task.loaders["train"], task.device, task.accumulate_steps
+    loader, device, accumulate = task.loaders["train"], task.device, task.micro_batches
     max_steps, log_every = task.clock.max_updates, cfg.log.every_n_steps
     dtype, clip = task.amp_dtype, float(cfg.optim.clip_grad)
     precision = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
@@ -442,7 +442,7 @@ def _compare(args: argparse.Namespace, cfg: DictConfig) -> int:
         print(line)
     print(f"{args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up), recipe loss {cfg.loss.name}, "
           f"trunk {cfg.model.trunk}, data {cfg.data.train.source} ({workers} loader workers), "
-          f"batch {cfg.data.batch_size} x {cfg.optim.accumulate_steps} accumulated, "
+          f"batch {cfg.data.batch_size} x {cfg.optim.micro_batches} accumulated, "
           f"method hooks in both loops: {', '.join(shared) or 'none'}")
     print(f"median: per-step {'CUDA-event' if device.type == 'cuda' else 'host'} intervals; "
           "mean: synchronised wall time of the block after warm-up / its steps", flush=True)

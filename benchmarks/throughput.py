@@ -144,7 +144,7 @@ PRESETS = {
     # update (its Gram teacher's forward: the recipe's heaviest step, that of its last sixth)
     # (one process of DINOv3's 64 per GPU: too few teacher rows for one Sinkhorn-Knopp solve over 65536 prototypes,
     # which the config check refuses; centring, a few ops on [128, 65536] either way, keeps the step's work)
-    "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_update=0", "loss.centering=centering"], jpeg=True,
+    "dinov3_vit_l16": Preset("dinov3_vitl16", ["gram.start_step=0", "loss.centering=centering"], jpeg=True,
                              image_size=256, small_size=112,
                              num_small=8, batch=64),
     # config=distill_vitl16: a DINOv3 ViT-L/16 teacher (fresh weights: the speed is the architecture's) into a

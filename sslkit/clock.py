@@ -24,7 +24,7 @@ class TrainClock:
       the update guard (out of memory, non-finite loss) still moves it: the schedules stay on
       time;
     * ``micro_batch``: the micro-batch inside the current step, ``0 .. micro_batches - 1``
-      (``optim.accumulate_steps``; 1 without accumulation, and in eval phases).
+      (``optim.micro_batches``; 1 without accumulation, and in eval phases).
 
     ``samples`` counts the images trained on over all ranks (updates actually applied x global
     batch). Only the task's stages move the hands; losses and hooks read them.

@@ -8,8 +8,19 @@ import errno
 import os
 from collections.abc import Iterable
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_STOPPED", "PREEMPTED_EXIT_CODE", "StorageError", "UserError",
-           "did_you_mean", "plural", "storage_error"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_STOPPED", "PREEMPTED_EXIT_CODE", "RENAMED", "StorageError",
+           "UserError", "did_you_mean", "plural", "storage_error"]
+
+#: Keys renamed when every counter took one word, "step" for an optimizer step (docs/configs.md, Renamed keys): the
+#: old last part of a key -> the new one, in any section (``gram.start_update`` -> ``gram.start_step``).
+RENAMED: dict[str, str] = {
+    "start_update": "start_step",
+    "ramp_updates": "ramp_steps",
+    "warmup_teacher_temp_iters": "warmup_teacher_temp_steps",
+    "freeze_prototypes_iters": "freeze_prototypes_steps",
+    "queue_start_iter": "queue_start_step",
+    "accumulate_steps": "micro_batches",
+}
 
 #: Exit status for bad input (a config, a path, a folder that cannot be used): fix it and run again.
 EXIT_BAD_INPUT = 2
@@ -75,7 +86,8 @@ def _shallowest(owners: list[str]) -> str | None:
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
-    """`` Did you mean 'X'?`` for the option closest to ``name``, or "" when none is close.
+    """`` Did you mean 'X'?`` for the option closest to ``name``, or "" when none is close; for a renamed key
+    (:data:`RENAMED`), `` It was renamed 'Y'.``
 
     Dotted keys are compared by their last part when the sections match (``optim.moment`` ->
     ``optim.momentum``; the shared ``optim.`` must not make ``optim.xyz`` look like ``optim.eta``),
@@ -86,6 +98,9 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     """
     close = 0.75  # difflib ratio; "log" for "confg" (0.5) is not close, "optim.lr" for "optim.lrr" (0.8) is
     parent, _, leaf = name.rpartition(".")
+    if leaf in RENAMED:
+        new = f"{parent}.{RENAMED[leaf]}" if parent else RENAMED[leaf]
+        return f" It was renamed '{new}' (docs/configs.md, Renamed keys)."
     leaf_owners: dict[str, list[str]] = {}
     options = list(options)
     for option in options:

@@ -16,7 +16,7 @@ class Event(enum.Enum):
         for phase in task.phases:                 # train epochs, optional eval phases
             on_phase_start
             for step:                             # standard_train_step(task), sslkit/train_steps/stages.py
-                for micro-batch:                  #   optim.accumulate_steps of them in train phases
+                for micro-batch:                  #   optim.micro_batches of them in train phases
                     sample, forward
                     on_forward
                     loss, all-reduce, meters

@@ -142,7 +142,7 @@ class UpdateGuard:
         if not task.train or self.oom != "skip":
             raise OutOfMemoryHalt(
                 f"step {task.clock.update + 1}: out of memory in the forward or backward pass ({exc}). "
-                "Lower data.batch_size (optim.accumulate_steps keeps the global batch), enable amp, or "
+                "Lower data.batch_size (optim.micro_batches keeps the global batch), enable amp, or "
                 "set reliability.oom=skip to drop such steps."
             ) from exc
         self._oom = True

@@ -71,7 +71,7 @@ class Training:
     #: autocast dtype (bfloat16 / float16), or None when AMP is off: the precision policy.
     amp_dtype: torch.dtype | None = None
     #: Micro-batches per optimizer update (gradient accumulation) in train phases.
-    accumulate_steps: int = 1
+    micro_batches: int = 1
     #: Samples per optimizer update over all ranks.
     global_batch_size: int = 1
     #: Backward under ``no_sync`` and an explicit bucketed all-reduce of the gradients.
@@ -86,7 +86,7 @@ class Training:
     clip_grad_mode: str = "global"
 
     def __post_init__(self) -> None:
-        self.accumulate_steps = max(1, self.accumulate_steps)
+        self.micro_batches = max(1, self.micro_batches)
 
 
 @dataclass
@@ -148,7 +148,7 @@ class SSLTask:
     wd_schedule: ClockSchedule | None
     scaler: torch.amp.GradScaler | None
     amp_dtype: torch.dtype | None
-    accumulate_steps: int
+    micro_batches: int
     global_batch_size: int
     manual_gradient_reduction: bool
     bucket_cap_mb: float
@@ -177,7 +177,7 @@ class SSLTask:
         #: Hooks in the order they run: by slot (:class:`~sslkit.events.Slot`), then as given.
         self.hooks = in_order(hooks)
         #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
-        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=self.accumulate_steps)
+        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=self.micro_batches)
         #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
         #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
         self.scheduled: dict[str, float] = {}
@@ -247,8 +247,8 @@ class SSLTask:
 
     @property
     def batches_per_step(self) -> int:
-        """Loader batches one step consumes: ``accumulate_steps`` in train phases, else 1."""
-        return self.accumulate_steps if self.train else 1
+        """Loader batches one step consumes: ``micro_batches`` in train phases, else 1."""
+        return self.micro_batches if self.train else 1
 
     @property
     def base_model(self) -> nn.Module:

@@ -169,7 +169,7 @@ VARIANTS = {"nokoleo": ["loss.koleo_weight=0"],
             "vit": ["distill.students=[{trunk: vit_tiny, name: vit, trunk_kwargs: {patch_size: "
                     "8, depth: 1, num_heads: 2}}]"],
             # a high-resolution phase from the second update, with the Gram teacher's crops (test_dinov3.py)
-            "hires": ["loss.koleo_weight=0", "hires.start_update=1", "hires.global_sizes=[40,48]",
+            "hires": ["loss.koleo_weight=0", "hires.start_step=1", "hires.global_sizes=[40,48]",
                       "hires.local_sizes=[16,24]", "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]"]}
 
 

@@ -210,7 +210,7 @@ def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accu
         model = nn.parallel.DistributedDataParallel(model)
     return SSLTask(
         Training(model=model, loss=_PerSampleLoss(), optimizer=optimizer, lr_schedule=OnProgress(lambda where: 0.1),
-                 global_batch_size=global_batch, accumulate_steps=accumulate, manual_gradient_reduction=manual),
+                 global_batch_size=global_batch, micro_batches=accumulate, manual_gradient_reduction=manual),
         DataPlan(loaders={"train": loader}, phases=[Phase(train=True, epoch=0)]), [],
         run=RunInfo(rank=rank, world_size=world), max_updates=steps,
     )

@@ -83,7 +83,7 @@ def test_plain_loop_matches_sslkit_and_the_check_sees_a_precision_mismatch(overh
     assert overhead.largest_difference(ours.weights, plain.weights) == ("", 0.0)
 
 
-@pytest.mark.parametrize("overrides", [["amp.enabled=true", "amp.dtype=float16"], ["optim.accumulate_steps=2"]],
+@pytest.mark.parametrize("overrides", [["amp.enabled=true", "amp.dtype=float16"], ["optim.micro_batches=2"]],
                          ids=["fp16-gradscaler", "accumulate2"])
 def test_plain_loop_matches_with_gradscaler_and_accumulation(overhead, tmp_path, overrides) -> None:
     cfg = _cfg(overhead, tmp_path, *overrides, "data.train.kwargs.num_samples=128")

@@ -127,10 +127,10 @@ def test_train_step_example_runs_every_recipe(tmp_path: Path, capsys: pytest.Cap
 
 def test_train_step_example_keeps_accumulation(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                doc_steps: str) -> None:
-    """accumulate_steps=2 with batch 8: 4 updates of 16 images per epoch, both epochs run (the old example took
+    """micro_batches=2 with batch 8: 4 updates of 16 images per epoch, both epochs run (the old example took
     one batch per update, so epoch 1 never ran)."""
     out = tmp_path / "run"
-    stdout = _clipped(capsys, doc_steps, out, "config=simclr", "data.batch_size=8", "optim.accumulate_steps=2",
+    stdout = _clipped(capsys, doc_steps, out, "config=simclr", "data.batch_size=8", "optim.micro_batches=2",
                       "optim.epochs=2")
     state = _state(out)["position"]
     assert (state["update"], state["samples"], state["phase_idx"]) == (8, 8 * 16, 2)
@@ -339,7 +339,7 @@ def _tiny_other(factory: pytest.TempPathFactory, which: str) -> Path:
             DOC_TEACHER: lambda: ["config=simclr", *SMALL, "data.train.kwargs.channels=1",
                                   "data.test.kwargs.channels=1"],
             DOC_DISTILL: lambda: ["config=distill", *SMALL, *RECIPES["distill"]],
-            DOC_RELEASED: lambda: ["config=dinov3", *_FEW, "gram.start_update=1", "gram.every=1"],
+            DOC_RELEASED: lambda: ["config=dinov3", *_FEW, "gram.start_step=1", "gram.every=1"],
             DOC_ADAPTED: lambda: ["config=dinov3_adapt_small", *_FEW, "model.pretrained="
                                   f"{_tiny_other(factory, DOC_RELEASED) / 'teacher.safetensors'}"],
             DOC_STUDENT: lambda: ["config=distill", *_FEW, f"distill.teacher={_tiny_other(factory, DOC_ADAPTED)}"]}

@@ -31,7 +31,7 @@ def build_task(cfg: DictConfig) -> SSLTask:
     return SSLTask(
         Training(model=parts.model, loss=parts.loss, optimizer=parts.optimizer, lr_schedule=parts.lr_schedule,
                  wd_schedule=parts.wd_schedule, scaler=parts.scaler, amp_dtype=parts.amp_dtype,
-                 accumulate_steps=o.accumulate_steps, global_batch_size=data.global_batch,
+                 micro_batches=o.micro_batches, global_batch_size=data.global_batch,
                  manual_gradient_reduction=manual_reduction, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                  channels_last=cfg.machine.channels_last, clip_grad=float(o.clip_grad),
                  clip_grad_mode=str(o.clip_grad_mode)),

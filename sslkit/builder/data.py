@@ -119,12 +119,12 @@ def _shard_groups(cfg: DictConfig, source: Dataset) -> list[int] | None:
 
 
 def high_res_phase(cfg: DictConfig) -> HighResPhase | None:
-    """``hires.*``: the run's high-resolution phase, or None (``hires.start_update`` null)."""
+    """``hires.*``: the run's high-resolution phase, or None (``hires.start_step`` null)."""
     h = cfg.hires
-    if h.start_update is None:
+    if h.start_step is None:
         return None
     teacher = list(h.teacher_sizes) or [cfg.gram.teacher_size] * len(h.global_sizes)
-    return HighResPhase(int(h.start_update), tuple(h.global_sizes), tuple(h.local_sizes), tuple(teacher),
+    return HighResPhase(int(h.start_step), tuple(h.global_sizes), tuple(h.local_sizes), tuple(teacher),
                         tuple(float(r) for r in h.ratios), seed=int(cfg.seed))
 
 
@@ -151,7 +151,7 @@ def _device_augment(cfg: DictConfig, device: torch.device) -> DeviceAugment | No
     choice = cfg.data.augment_on
     if choice == "workers":
         return None
-    if cfg.hires.start_update is not None:  # augment_on=device was refused with the config
+    if cfg.hires.start_step is not None:  # augment_on=device was refused with the config
         logger.info("data: augmented in the loader workers: the crops of the high-resolution phase (hires.*) are made "
                     "there")
         return None
@@ -222,12 +222,12 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
     batch = per_process_batch(cfg, world)
     if cfg.data.global_batch_size > 0:
         logger.info("data.global_batch_size=%d: %d image(s) per process and micro-batch (%d process(es) x "
-                    "optim.accumulate_steps=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.accumulate_steps)
+                    "optim.micro_batches=%d)", cfg.data.global_batch_size, batch, world, cfg.optim.micro_batches)
     phase = high_res_phase(cfg)
     train_loader = loader_for(cfg, train_source, cfg.data.transform, train=True, batch_size=batch,
                               workers=workers, pin=pin, device_augment=device_augment, phase=phase)
     device_decoder = _device_decoder(cfg, train_source, device, device_augment, train_loader.dataset.describe)
-    accumulate = cfg.optim.accumulate_steps
+    accumulate = cfg.optim.micro_batches
     steps_per_epoch = len(train_loader) // accumulate
     if steps_per_epoch == 0:
         raise _no_step(cfg, len(train_source), batch, world)  # type: ignore[arg-type]
@@ -243,7 +243,7 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
 
 def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:
     """The error of a batch larger than the training data: no optimizer step would run."""
-    accumulate = cfg.optim.accumulate_steps
+    accumulate = cfg.optim.micro_batches
     per_step = batch * world * accumulate
     most = max(1, n // (world * accumulate))
     cut = " (data.limit keeps only those; raise it)" if 0 < cfg.data.limit <= n else ""
@@ -251,7 +251,7 @@ def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:
            if cfg.data.global_batch_size > 0 else f"Set data.batch_size={min(most, batch)} or lower")
     return ConfigError(
         f"data.batch_size={batch}: one optimizer step takes {batch} x {world} "
-        f"process(es) x optim.accumulate_steps={accumulate} = {per_step} images, and the training data has "
+        f"process(es) x optim.micro_batches={accumulate} = {per_step} images, and the training data has "
         f"{n}{cut}: no step would run. {fix}, or use more data."
     )
 

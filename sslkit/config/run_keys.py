@@ -18,7 +18,7 @@ IGNORED_KEYS = (
 #: Keys that only split the global batch differently when ``data.global_batch_size`` is set: a run resumes with new
 #: values of these without a word (the number of processes, the strategy, the micro-batches).
 ELASTIC_KEYS = ("distributed.nproc_per_node", "distributed.num_nodes", "distributed.strategy", "data.batch_size",
-                "optim.accumulate_steps")
+                "optim.micro_batches")
 #: Keys whose larger value only lengthens the run: it resumes and trains on (``max_steps`` 0 means
 #: "the epochs decide", which lengthens a run that was cut by steps).
 LENGTHENING_KEYS = ("optim.epochs", "optim.max_steps")

@@ -291,7 +291,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.strategy": (lambda v: v in ("ddp", "fsdp"), "ddp or fsdp"),
     "distributed.bucket_cap_mb": (lambda v: v > 0, "> 0"),
     "distributed.consistency_check_every_n_steps": (lambda v: v >= 0, ">= 0 (0 = off)"),
-    "optim.accumulate_steps": (lambda v: v >= 1, ">= 1"),
+    "optim.micro_batches": (lambda v: v >= 1, ">= 1"),
     "reliability.nonfinite_loss": (lambda v: v in ("halt", "skip"), "halt or skip"),
     "reliability.oom": (lambda v: v in ("halt", "skip"), "halt or skip"),
     "reliability.max_consecutive_skips": (lambda v: v >= 1, ">= 1"),
@@ -469,23 +469,23 @@ def _check_shard_paths(split: str, path: Any, errors: list[str]) -> None:
 
 
 def per_process_batch(cfg: DictConfig, world: int) -> int:
-    """The images one process takes per micro-batch: ``data.global_batch_size / (world x optim.accumulate_steps)``
+    """The images one process takes per micro-batch: ``data.global_batch_size / (world x optim.micro_batches)``
     when a global batch is set (it must divide; :func:`compose_config` says so), else ``data.batch_size``."""
     g = cfg.data.global_batch_size
-    return g // (world * cfg.optim.accumulate_steps) if g > 0 else cfg.data.batch_size
+    return g // (world * cfg.optim.micro_batches) if g > 0 else cfg.data.batch_size
 
 
 def _global_batch_errors(cfg: DictConfig) -> list[str]:
     """``data.global_batch_size`` must split evenly over the processes and micro-batches."""
-    g, world, acc = cfg.data.global_batch_size, _world_size(cfg), cfg.optim.accumulate_steps
+    g, world, acc = cfg.data.global_batch_size, _world_size(cfg), cfg.optim.micro_batches
     per = world * acc
     if g <= 0 or acc < 1 or g % per == 0:
         return []
     lower, higher = g // per * per, -(-g // per) * per
     options = " or ".join(str(v) for v in dict.fromkeys((lower, higher)) if v > 0)
-    return [f"'data.global_batch_size' = {g} does not split over {world} process(es) x optim.accumulate_steps={acc} "
+    return [f"'data.global_batch_size' = {g} does not split over {world} process(es) x optim.micro_batches={acc} "
             f"= {per} micro-batches: set it to a multiple of {per} ({options}), or change the number of processes "
-            "or optim.accumulate_steps"]
+            "or optim.micro_batches"]
 
 
 def _world_size(cfg: DictConfig) -> int:
@@ -510,7 +510,7 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> int | None:
         n = limit if n is None else min(n, limit)
     if not n:
         return cfg.optim.max_steps or None
-    acc, world = cfg.optim.accumulate_steps, _world_size(cfg)
+    acc, world = cfg.optim.micro_batches, _world_size(cfg)
     b = per_process_batch(cfg, world)
     drop = cfg.data.drop_last
     per_rank = n // world if drop else -(-n // world)
@@ -519,7 +519,7 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> int | None:
         where = "data.limit" if limit > 0 and limit == n else "data.train.kwargs.num_samples"
         key = "data.global_batch_size" if cfg.data.global_batch_size > 0 else "data.batch_size"
         errors.append(f"'{key}' = {cfg.data[key.split('.')[1]]}: a step takes {b} x {world} process(es) x "
-                      f"optim.accumulate_steps={acc} = {b * world * acc} samples, more than the {n} training samples "
+                      f"optim.micro_batches={acc} = {b * world * acc} samples, more than the {n} training samples "
                       f"({where}={n}): no optimizer step would run. Lower {key} or raise {where}.")
         return None
     return cfg.optim.max_steps or cfg.optim.epochs * (batches // acc)
@@ -665,7 +665,7 @@ def validate(cfg: DictConfig) -> None:
     global_batch = _global_batch_errors(cfg)
     errors.extend(global_batch)
     updates = None
-    if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
+    if cfg.data.batch_size > 0 and cfg.optim.micro_batches >= 1 and not global_batch:
         updates = _check_steps(cfg, errors)
     _check_sources(cfg, errors)
 
@@ -675,7 +675,7 @@ def validate(cfg: DictConfig) -> None:
     import sslkit.models
     import sslkit.train_steps.standard  # noqa: F401
 
-    if cfg.data.batch_size > 0 and cfg.optim.accumulate_steps >= 1 and not global_batch:
+    if cfg.data.batch_size > 0 and cfg.optim.micro_batches >= 1 and not global_batch:
         _check_method_rules(cfg, errors, updates)
 
     _registered(errors, R.TRAIN_STEPS, cfg.train_step, "train_step")
@@ -840,7 +840,7 @@ def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, error
     from sslkit.data.resolution import phase_errors
 
     h = cfg.hires
-    teacher_sizes = [t for t in h.teacher_sizes if t is not None] if h.start_update is not None else []
+    teacher_sizes = [t for t in h.teacher_sizes if t is not None] if h.start_step is not None else []
     if cfg.gram.teacher_size is not None or teacher_sizes:
         key = "gram.teacher_size" if cfg.gram.teacher_size is not None else "hires.teacher_sizes"
         if "gram_weight" not in _loss_arguments(cfg):
@@ -854,12 +854,12 @@ def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, error
             errors.append(f"'{key}' is set, but data.transform.teacher_size does not follow gram.teacher_size (the "
                           "multicrop transform makes the teacher's crops): set data.transform.teacher_size="
                           "${gram.teacher_size}, as the dinov3 recipes do")
-    if h.start_update is None or trunk is None:
+    if h.start_step is None or trunk is None:
         return
-    errors.extend(phase_errors(h.start_update, list(h.global_sizes), list(h.local_sizes), list(h.teacher_sizes),
+    errors.extend(phase_errors(h.start_step, list(h.global_sizes), list(h.local_sizes), list(h.teacher_sizes),
                                list(h.ratios), _patch_size(cfg, trunk), updates))
     if cfg.data.augment_on == "device":
-        errors.append("'hires.start_update' is set with data.augment_on=device: the crops of a high-resolution phase "
+        errors.append("'hires.start_step' is set with data.augment_on=device: the crops of a high-resolution phase "
                       "are made in the loader workers (the device augmentation has one size per view): set "
                       "data.augment_on=workers or auto")
 
@@ -1043,8 +1043,8 @@ def _check_masking(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
 
 
 def freeze_entries(spec: Any) -> list[tuple[str, str | None, int]]:
-    """``model.freeze`` as ``(glob, unit, n)``: unit None (the whole run), ``updates`` or ``epochs``. Raises
-    :class:`ConfigError` for an entry that is neither a glob nor ``{params: GLOB, updates|epochs: N}``."""
+    """``model.freeze`` as ``(glob, unit, n)``: unit None (the whole run), ``steps`` or ``epochs``. Raises
+    :class:`ConfigError` for an entry that is neither a glob nor ``{params: GLOB, steps|epochs: N}``."""
     entries: list[tuple[str, str | None, int]] = []
     if spec is None:
         return entries
@@ -1057,12 +1057,15 @@ def freeze_entries(spec: Any) -> list[tuple[str, str | None, int]]:
             entries.append((item, None, 0))
             continue
         if not isinstance(item, DictConfig | dict) or not isinstance(item.get("params"), str):
-            raise ConfigError(f"'{where}' must be a glob (like trunk.patch_embed.*) or {{params: GLOB, updates: N}} / "
+            raise ConfigError(f"'{where}' must be a glob (like trunk.patch_embed.*) or {{params: GLOB, steps: N}} / "
                               f"{{params: GLOB, epochs: N}}, got {item!r}")
-        extra = set(item.keys()) - {"params", "updates", "epochs"}
-        units = [u for u in ("updates", "epochs") if u in item]
+        extra = set(item.keys()) - {"params", "steps", "epochs"}
+        units = [u for u in ("steps", "epochs") if u in item]
+        if "updates" in extra:
+            raise ConfigError(f"'{where}.updates' was renamed '{where}.steps' (one word for an optimizer step: "
+                              "docs/configs.md, Renamed keys)")
         if extra or len(units) > 1:
-            raise ConfigError(f"'{where}' takes params and one of updates / epochs, got {sorted(item.keys())}")
+            raise ConfigError(f"'{where}' takes params and one of steps / epochs, got {sorted(item.keys())}")
         if not units:
             entries.append((item["params"], None, 0))
             continue

@@ -22,14 +22,14 @@ _SIZE_STREAM = 0x48525253
 class HighResPhase:
     """DINOv3's high-resolution adaptation (Siméoni et al. 2025, section 5.1; facebookresearch/dinov3
     ``configs/train/dinov3_vit7b16_high_res_adapt.yaml`` and ``train/train.py``,
-    ``build_multi_resolution_data_loader_from_cfg``): from update ``start_update`` on, each batch is cropped at one
+    ``build_multi_resolution_data_loader_from_cfg``): from update ``start_step`` on, each batch is cropped at one
     of several ``(global, local, teacher)`` size triples, drawn with probabilities ``ratios`` (DINOv3's
     ``global_local_crop_pairs_ratios``; its ``CombinedDataLoader`` draws one loader per batch with one seeded
     generator shared by every rank). Here the draw is a pure function of ``(seed, update)`` (:meth:`choice`): every
     rank and every micro-batch of an update crop alike, and a resumed run, on any number of processes, draws what
     the run it continues drew. ``teacher`` sizes are the Gram teacher's crops (None: none)."""
 
-    start_update: int
+    start_step: int
     global_sizes: tuple[int, ...]
     local_sizes: tuple[int, ...]
     teacher_sizes: tuple[int | None, ...]
@@ -38,7 +38,7 @@ class HighResPhase:
 
     def choice(self, update: int) -> int | None:
         """The size triple of ``update``: its index, or None before the phase."""
-        if update < self.start_update:
+        if update < self.start_step:
             return None
         if len(self.ratios) == 1:
             return 0
@@ -52,8 +52,8 @@ class HighResPhase:
         return self.global_sizes[index], self.local_sizes[index], self.teacher_sizes[index]
 
     def stage(self, update: int) -> str:
-        """``"high_res"`` from :attr:`start_update` on, ``"base"`` before: the phase the clock reports."""
-        return "base" if update < self.start_update else "high_res"
+        """``"high_res"`` from :attr:`start_step` on, ``"base"`` before: the phase the clock reports."""
+        return "base" if update < self.start_step else "high_res"
 
 
 class PhasedTransform:
@@ -90,15 +90,15 @@ def phase_errors(start: Any, global_sizes: Sequence[Any], local_sizes: Sequence[
         return []
     errors = []
     if patch is None:
-        return ["'hires.start_update' is set, but the trunk has no patch grid: a high-resolution phase feeds a ViT "
+        return ["'hires.start_step' is set, but the trunk has no patch grid: a high-resolution phase feeds a ViT "
                 "(its rotary or interpolated positions take any grid) crops of other sizes; a CNN's features would "
                 "change meaning with the crop size. Use a ViT trunk (model.trunk=vit_small_patch16_dinov3, ...) or "
-                "drop hires.start_update"]
+                "drop hires.start_step"]
     if not isinstance(start, int) or start < 0:
-        errors.append(f"'hires.start_update' must be an update number >= 0 (or null: no phase), got {start!r}")
+        errors.append(f"'hires.start_step' must be an update number >= 0 (or null: no phase), got {start!r}")
     elif updates is not None and start >= updates:
-        errors.append(f"'hires.start_update' = {start} is after the run's end: it makes {updates} updates (0 to "
-                      f"{updates - 1}), so the phase would never run. Lower hires.start_update (below {updates}) or "
+        errors.append(f"'hires.start_step' = {start} is after the run's end: it makes {updates} updates (0 to "
+                      f"{updates - 1}), so the phase would never run. Lower hires.start_step (below {updates}) or "
                       "lengthen the run (optim.epochs, optim.max_steps)")
     lengths = {"hires.global_sizes": len(global_sizes), "hires.local_sizes": len(local_sizes),
                "hires.ratios": len(ratios)}

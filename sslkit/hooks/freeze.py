@@ -1,4 +1,4 @@
-"""FreezeParametersHook: parameters frozen by name for the first N updates or epochs (``model.freeze``)."""
+"""FreezeParametersHook: parameters frozen by name for the first N steps or epochs (``model.freeze``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class FreezeParametersHook(SSLHook):
     """Drop the gradients of named parameters while they are frozen, after backward (``on_backward``).
 
     Each entry ``(names, unit, n)`` freezes the parameters ``names`` (full names in the model, without a DDP
-    wrapper's prefix) while ``task.clock.update < n`` (``unit`` ``updates``) or ``task.clock.epoch < n``
+    wrapper's prefix) while ``task.clock.update < n`` (``unit`` ``steps``) or ``task.clock.epoch < n``
     (``epochs``). A dropped gradient is ``None``, as DINO's ``cancel_gradients_last_layer`` leaves it, so
     the optimizer skips the parameter altogether: no update, no weight decay, no moment estimates; the
     gradient norm and its clipping (``optim.clip_grad``, in the update stage, after this hook) leave it
@@ -29,15 +29,15 @@ class FreezeParametersHook(SSLHook):
 
     def __init__(self, entries: list[tuple[list[str], str, int]]) -> None:
         for _, unit, n in entries:
-            if unit not in ("updates", "epochs") or n < 0:
-                raise ValueError(f"a frozen span is (names, 'updates' | 'epochs', n >= 0), got ({unit!r}, {n})")
+            if unit not in ("steps", "epochs") or n < 0:
+                raise ValueError(f"a frozen span is (names, 'steps' | 'epochs', n >= 0), got ({unit!r}, {n})")
         self.entries = [(list(names), unit, int(n)) for names, unit, n in entries]
 
     def frozen(self, task: SSLTask) -> list[str]:
         """The names frozen at the clock's current update and epoch."""
         out: list[str] = []
         for names, unit, n in self.entries:
-            now = task.clock.update if unit == "updates" else task.clock.epoch
+            now = task.clock.update if unit == "steps" else task.clock.epoch
             if now < n:
                 out += names
         return out

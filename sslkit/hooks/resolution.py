@@ -32,7 +32,7 @@ class HighResolutionHook(SSLHook):
         """Set the clock's stage for the update the run starts at, and say what is coming."""
         task.clock.stage = self.phase.stage(task.clock.update)
         logger.info("high-resolution phase from update %d (now %s, update %d): global crops %s, local %s, teacher %s, "
-                    "drawn per update with ratios %s", self.phase.start_update, task.clock.stage, task.clock.update,
+                    "drawn per update with ratios %s", self.phase.start_step, task.clock.stage, task.clock.update,
                     list(self.phase.global_sizes), list(self.phase.local_sizes), list(self.phase.teacher_sizes),
                     list(self.phase.ratios))
 
@@ -42,7 +42,7 @@ class HighResolutionHook(SSLHook):
             return
         clock = task.clock
         clock.stage = self.phase.stage(clock.update)
-        if clock.update == self.phase.start_update and clock.micro_batch == 0:
+        if clock.update == self.phase.start_step and clock.micro_batch == 0:
             logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
         sample = task.last_batch.sample
         task.scheduled["crop_size"] = float(sample["input"][0].shape[-1])

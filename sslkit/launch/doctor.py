@@ -51,7 +51,7 @@ SMALL_RECIPES: dict[str, list[str]] = {
     "mocov3": ["model.kwargs.predictor_hidden_dim=32"],
     "byol": ["model.kwargs.predictor_hidden_dim=32"],
     "simsiam": ["model.kwargs.predictor_hidden_dim=8"],
-    "swav": ["loss.queue_length=16", "loss.queue_start_iter=0", "model.kwargs.num_prototypes=10",
+    "swav": ["loss.queue_length=16", "loss.queue_start_step=0", "model.kwargs.num_prototypes=10",
              "data.transform.num_small=2"],
     "dino": ["data.transform.num_small=2", "model.head.bottleneck_dim=8"],
     "barlow_twins": [],
@@ -69,7 +69,7 @@ SMALL_RECIPES: dict[str, list[str]] = {
     # timm's DINOv3 trunk (4 register tokens), the Gram teacher a snapshot before update 1, refreshed every update
     "dinov3": ["model.trunk_kwargs={patch_size: 8, depth: 2, num_heads: 2, embed_dim: 32}",
                "data.transform.num_small=2", "data.small_image_size=16", "model.head.bottleneck_dim=8",
-               "gram.start_update=1", "gram.every=1", "gram.ramp_updates=0"],
+               "gram.start_step=1", "gram.every=1", "gram.ramp_steps=0"],
     "ijepa": ["model.trunk_kwargs={patch_size: 4, depth: 2, num_heads: 2}", "model.head.hidden_dim=null",
               "model.head.out_dim=null", "model.kwargs.predictor_dim=16", "model.kwargs.predictor_depth=1"],
 }
@@ -111,7 +111,7 @@ PAPER_RECIPES: dict[str, list[str]] = {
     "dinov2_vits16": ["data.batch_size=128"], "dinov2_vitb16": ["data.batch_size=128"],
     "ibot_vits16": [], "ibot_vitb16": [], "ijepa_vits16": [], "ijepa_vitb16": [],
     # DINOv3's ViT-S/16 with its Gram teacher from the first update (the recipe starts it at 5/6 of an ImageNet run)
-    "dinov3_vits16": ["data.batch_size=128", "gram.start_update=0"],
+    "dinov3_vits16": ["data.batch_size=128", "gram.start_step=0"],
 }
 
 #: Libraries sslkit uses (required), and optional ones with what they are for.

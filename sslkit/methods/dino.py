@@ -234,7 +234,7 @@ class DINOLoss(nn.Module):
     """DINO loss: the centre is the loss's state, the teacher temperature a schedule on the training clock.
 
     Config: ``loss: {name: dino, out_dim, student_temp, teacher_temp, warmup_teacher_temp,
-    warmup_teacher_temp_iters or
+    warmup_teacher_temp_steps or
     warmup_teacher_temp_epochs, center_momentum}``. Reads ``output["projections"]`` (student,
     every crop) and ``output["targets"]`` (teacher, global crops) of the ``dino`` model.
 
@@ -260,13 +260,13 @@ class DINOLoss(nn.Module):
         student_temp: float = 0.1,
         teacher_temp: float = 0.07,
         warmup_teacher_temp: float = 0.04,
-        warmup_teacher_temp_iters: int = 0,
+        warmup_teacher_temp_steps: int = 0,
         center_momentum: float = 0.9,
         warmup_teacher_temp_epochs: float = 0.0,
     ) -> None:
         super().__init__()
         self.student_temp, self.teacher_temp = dino_temperatures(student_temp, teacher_temp, warmup_teacher_temp,
-                                                                 warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
+                                                                 warmup_teacher_temp_steps, warmup_teacher_temp_epochs)
         self.out_dim = int(out_dim)
         self.center = Center(self.out_dim, center_momentum)
 

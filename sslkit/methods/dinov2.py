@@ -66,7 +66,7 @@ class DINOv2Loss(IBOTLoss):
     """
 
     def __init__(self, out_dim: int = 65536, patch_out_dim: int | None = None, student_temp: float = 0.1,
-                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_steps: int = 0,
                  teacher_patch_temp: float | None = None, warmup_teacher_patch_temp: float | None = None,
                  center_momentum: float = 0.9, centering: str = "centering", sinkhorn_iterations: int = 3,
                  dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
@@ -76,7 +76,7 @@ class DINOv2Loss(IBOTLoss):
         if sinkhorn_iterations < 1:
             raise ValueError(f"loss.sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
         super().__init__(out_dim, patch_out_dim, student_temp, teacher_temp, warmup_teacher_temp,
-                         warmup_teacher_temp_iters,
+                         warmup_teacher_temp_steps,
                          teacher_temp if teacher_patch_temp is None else teacher_patch_temp,
                          warmup_teacher_temp if warmup_teacher_patch_temp is None else warmup_teacher_patch_temp,
                          center_momentum, lambda_cls=dino_weight, lambda_patch=ibot_weight,

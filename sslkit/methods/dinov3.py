@@ -52,7 +52,7 @@ __all__ = ["DINOV3", "GRAM_TEACHERS", "DINOv3Loss", "DINOv3Model", "GramError", 
 logger = logging.getLogger("sslkit")
 
 #: Where the Gram teacher comes from (``gram.teacher``): ``snapshot``, a copy of the EMA teacher taken before
-#: ``gram.start_update`` (and refreshed every ``gram.every`` updates); ``file``, backbone weights read from
+#: ``gram.start_step`` (and refreshed every ``gram.every`` updates); ``file``, backbone weights read from
 #: ``gram.checkpoint`` (an sslkit checkpoint's EMA teacher, or released DINOv2/DINOv3 weights), refreshed from the
 #: EMA teacher as ``snapshot``; ``ema``, the EMA teacher itself (DINOv3's ``gram.ema_teacher``: no second network).
 GRAM_TEACHERS = ("snapshot", "file", "ema")
@@ -82,7 +82,7 @@ class DINOv3Model(IBOTModel):
         super().__init__(trunk, head, num_global, separate_patch_head, patch_out_dim)
         self.gram_teacher = gram_teacher
         self.gram_trunk = frozen_copy(self.trunk) if gram_teacher != "ema" else None
-        #: the Gram loss is on (from ``gram.start_update``): a Python flag the hook sets, so no step reads a tensor
+        #: the Gram loss is on (from ``gram.start_step``): a Python flag the hook sets, so no step reads a tensor
         self.gram_active = False
 
     def trunk_copies(self) -> list[nn.Module]:
@@ -152,26 +152,26 @@ class DINOv3Loss(DINOv2Loss):
 
     ``L_DINOv2`` is :class:`~sslkit.methods.dinov2.DINOv2Loss` (DINO on the CLS tokens, iBOT on the masked
     patches, KoLeo). ``L_Gram`` (:func:`~sslkit.methods.gram.gram_loss`) is added on the steps whose output holds
-    the Gram fields (:class:`DINOv3Model` from ``gram_start_update`` on): the mean squared difference of the
+    the Gram fields (:class:`DINOv3Model` from ``gram_start_step`` on): the mean squared difference of the
     student's and the Gram teacher's patch Gram matrices, over ``gram_tokens`` (:data:`~sslkit.methods.gram.
     GRAM_TOKENS`), per image (``gram_image_level``) or over the local batch, of the L2-normalised features
     (``gram_normalize``), negatives treated by ``gram_negatives`` (:data:`~sslkit.methods.gram.GRAM_NEGATIVES`).
-    ``w_gram`` is ``gram_weight`` from ``gram_start_update``, reached by a half cosine from 0 over
-    ``gram_ramp_updates`` updates (DINOv3's ViT-7B Gram stage: 0 until the stage, then up to 2.0 over 1,000
+    ``w_gram`` is ``gram_weight`` from ``gram_start_step``, reached by a half cosine from 0 over
+    ``gram_ramp_steps`` updates (DINOv3's ViT-7B Gram stage: 0 until the stage, then up to 2.0 over 1,000
     updates, its ``loss_weight_schedule``); 0 before. Logged: ``gram_loss`` (on the steps with it) and the
     weight ``gram_weight``.
     """
 
     def __init__(self, out_dim: int = 65536, patch_out_dim: int | None = None, student_temp: float = 0.1,
-                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_steps: int = 0,
                  teacher_patch_temp: float | None = None, warmup_teacher_patch_temp: float | None = None,
                  center_momentum: float = 0.9, centering: str = "centering", sinkhorn_iterations: int = 3,
                  dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
                  koleo_global: bool = True, warmup_teacher_temp_epochs: float = 0.0, gram_weight: float = 1.0,
-                 gram_start_update: int = 0, gram_ramp_updates: int = 0, gram_tokens: str = "all",
+                 gram_start_step: int = 0, gram_ramp_steps: int = 0, gram_tokens: str = "all",
                  gram_image_level: bool = True, gram_normalize: bool = True, gram_negatives: str = "keep") -> None:
         super().__init__(out_dim, patch_out_dim, student_temp, teacher_temp, warmup_teacher_temp,
-                         warmup_teacher_temp_iters, teacher_patch_temp, warmup_teacher_patch_temp, center_momentum,
+                         warmup_teacher_temp_steps, teacher_patch_temp, warmup_teacher_patch_temp, center_momentum,
                          centering, sinkhorn_iterations, dino_weight, ibot_weight, koleo_weight, koleo_global,
                          warmup_teacher_temp_epochs)
         if gram_tokens not in GRAM_TOKENS:
@@ -181,7 +181,7 @@ class DINOv3Loss(DINOv2Loss):
         if gram_tokens != "all" and gram_image_level:
             raise GramError(f"gram.tokens={gram_tokens} selects patches across the images of a batch: it needs "
                             "gram.image_level=false (the batch-level Gram matrix, as DINOv3's)")
-        self.gram_weight = WarmupCosine(0.0, 0.0, gram_weight, 0, gram_ramp_updates, offset=gram_start_update)
+        self.gram_weight = WarmupCosine(0.0, 0.0, gram_weight, 0, gram_ramp_steps, offset=gram_start_step)
         self.gram_tokens, self.gram_image_level = gram_tokens, bool(gram_image_level)
         self.gram_normalize, self.gram_negatives = bool(gram_normalize), gram_negatives
 
@@ -203,11 +203,11 @@ class DINOv3Loss(DINOv2Loss):
 
 @register_hook("gram_teacher")
 class GramTeacherHook(SSLHook):
-    """When the Gram teacher changes: a snapshot of the EMA teacher before update ``start_update`` and every
+    """When the Gram teacher changes: a snapshot of the EMA teacher before update ``start_step`` and every
     ``every`` updates after it (0: never again), at most ``max_refreshes`` times after the first
     (:func:`~sslkit.methods.gram.gram_snapshot_at`; DINOv3's ``it_load_ema_teacher``, ``update_frequency`` and
     ``max_updates``); with ``teacher=file`` the first Gram teacher is read from ``checkpoint`` when the run starts
-    and the refreshes follow; with ``teacher=ema`` nothing is copied. From ``start_update`` on the model gives the
+    and the refreshes follow; with ``teacher=ema`` nothing is copied. From ``start_step`` on the model gives the
     Gram fields (:attr:`DINOv3Model.gram_active`).
 
     A snapshot for update ``u`` is taken after step ``u - 1`` is done (its EMA update included), before the
@@ -217,9 +217,9 @@ class GramTeacherHook(SSLHook):
 
     name = "gram_teacher"
 
-    def __init__(self, start_update: int = 0, every: int = 0, max_refreshes: int | None = None,
+    def __init__(self, start_step: int = 0, every: int = 0, max_refreshes: int | None = None,
                  teacher: str = "snapshot", checkpoint: str | None = None) -> None:
-        self.start, self.every, self.max_refreshes = int(start_update), int(every), max_refreshes
+        self.start, self.every, self.max_refreshes = int(start_step), int(every), max_refreshes
         self.teacher, self.checkpoint = teacher, checkpoint
         #: the last clock value (``clock.update``) whose snapshot was decided; -1 before the run's first
         self.handled = -1
@@ -232,9 +232,9 @@ class GramTeacherHook(SSLHook):
         model = self._model(task)
         clock = task.clock
         if self.start >= clock.max_updates:
-            raise GramError(f"gram.start_update={self.start} is after the run's last update ({clock.max_updates} "
+            raise GramError(f"gram.start_step={self.start} is after the run's last update ({clock.max_updates} "
                             f"updates: updates 0 to {clock.max_updates - 1}): the Gram loss would never run. Lower "
-                            "gram.start_update or lengthen the run (optim.epochs, optim.max_steps)")
+                            "gram.start_step or lengthen the run (optim.epochs, optim.max_steps)")
         if clock.update == 0 and self.handled < 0 and self.teacher == "file" and model.gram_trunk is not None:
             load_trunk(model.gram_trunk, str(self.checkpoint), "gram.checkpoint")
             self.snapshots.append(-1)
@@ -281,7 +281,7 @@ def gram_rule(shape: RunShape) -> list[str]:
     known here), refreshes that have something to refresh, one start for the loss and the hook."""
     hook = shape.hooks.get("gram_teacher") or {}
     teacher = shape.model_kwargs.get("gram_teacher", "snapshot")
-    start = hook.get("start_update", 0)
+    start = hook.get("start_step", 0)
     errors = []
     if teacher not in GRAM_TEACHERS:
         errors.append(f"'gram.teacher' = {teacher}: use one of {', '.join(GRAM_TEACHERS)}")
@@ -292,7 +292,7 @@ def gram_rule(shape: RunShape) -> list[str]:
     if teacher == "file" and not checkpoint:
         errors.append("'gram.teacher' = file: a Gram teacher without a source. Set gram.checkpoint=PATH (an sslkit "
                       "checkpoint or released DINOv2/DINOv3 weights), or gram.teacher=snapshot (the EMA teacher "
-                      "copied at gram.start_update)")
+                      "copied at gram.start_step)")
     elif checkpoint and teacher != "file":
         errors.append(f"'gram.checkpoint' = {checkpoint} is read with gram.teacher=file only (now {teacher}): set "
                       "gram.teacher=file or drop gram.checkpoint")
@@ -303,14 +303,14 @@ def gram_rule(shape: RunShape) -> list[str]:
         errors.append("'gram.every' > 0 with gram.teacher=ema: the EMA teacher is never a snapshot, there is nothing "
                       "to refresh; set gram.every=0 or gram.teacher=snapshot")
     if not isinstance(start, int) or start < 0:
-        errors.append(f"'gram.start_update' must be an update number >= 0, got {start!r}")
+        errors.append(f"'gram.start_step' must be an update number >= 0, got {start!r}")
     elif shape.updates is not None and start >= shape.updates:
-        errors.append(f"'gram.start_update' = {start} is after the run's end: it makes {shape.updates} updates (0 to "
-                      f"{shape.updates - 1}), so the Gram loss would never run. Lower gram.start_update (below "
+        errors.append(f"'gram.start_step' = {start} is after the run's end: it makes {shape.updates} updates (0 to "
+                      f"{shape.updates - 1}), so the Gram loss would never run. Lower gram.start_step (below "
                       f"{shape.updates}) or lengthen the run (optim.epochs, optim.max_steps)")
-    if shape.loss.get("gram_start_update", start) != start:
-        errors.append(f"'loss.gram_start_update' = {shape.loss['gram_start_update']} but "
-                      f"'method.hooks.gram_teacher.start_update' = {start}: route both from gram.start_update")
+    if shape.loss.get("gram_start_step", start) != start:
+        errors.append(f"'loss.gram_start_step' = {shape.loss['gram_start_step']} but "
+                      f"'method.hooks.gram_teacher.start_step' = {start}: route both from gram.start_step")
     tokens, negatives = shape.loss.get("gram_tokens", "all"), shape.loss.get("gram_negatives", "keep")
     if tokens not in GRAM_TOKENS:
         errors.append(f"'gram.tokens' = {tokens}: use one of {', '.join(GRAM_TOKENS)}")

@@ -498,13 +498,13 @@ class DistillLoss(nn.Module):
     :func:`dino_distillation_loss` with the teacher's probabilities computed once per step for all students:
     ``centering=sinkhorn_knopp`` (DINOv3's distillation, ``sinkhorn_iterations``) or ``centering`` (a centre of the
     teacher's logits, as DINO: ``out_dim`` / ``patch_out_dim`` the teacher heads' prototypes), sharpened by
-    ``teacher_temp`` after a warm-up from ``warmup_teacher_temp`` over ``warmup_teacher_temp_iters`` updates.
+    ``teacher_temp`` after a warm-up from ``warmup_teacher_temp`` over ``warmup_teacher_temp_steps`` updates.
     """
 
     def __init__(self, objective: str = "feature", metric: str = "cosine", global_weight: float = 1.0,
                  patch_weight: float = 1.0, out_dim: int | None = None, patch_out_dim: int | None = None,
                  student_temp: float = 0.1, teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04,
-                 warmup_teacher_temp_iters: int = 0, centering: str = "sinkhorn_knopp", sinkhorn_iterations: int = 3,
+                 warmup_teacher_temp_steps: int = 0, centering: str = "sinkhorn_knopp", sinkhorn_iterations: int = 3,
                  center_momentum: float = 0.9, koleo_weight: float = 0.1, koleo_global: bool = True) -> None:
         super().__init__()
         if objective not in OBJECTIVES:
@@ -516,8 +516,8 @@ class DistillLoss(nn.Module):
         self.objective, self.metric = objective, metric
         self.global_weight, self.patch_weight = float(global_weight), float(patch_weight)
         self.student_temp, self.teacher_temp = dino_temperatures(student_temp, teacher_temp, warmup_teacher_temp,
-                                                                 warmup_teacher_temp_iters)
-        self.patch_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_iters)
+                                                                 warmup_teacher_temp_steps)
+        self.patch_temp = TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_teacher_temp_steps)
         self.koleo_weight, self.koleo_global = float(koleo_weight), bool(koleo_global)
         self.teacher_rule: Any = SinkhornKnoppTeacher(int(sinkhorn_iterations))
         if objective == "dino" and centering == "centering":

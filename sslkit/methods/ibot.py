@@ -178,14 +178,14 @@ class IBOTLoss(nn.Module):
     masked-patch loss (:func:`~sslkit.methods.dinov2_parts.masked_patch_loss`), each global crop's student patches
     against the teacher's patches of the same crop, centred by their own centre (``patch_center``) and sharpened by the
     patch teacher temperature (warm-up ``warmup_teacher_patch_temp`` -> ``teacher_patch_temp`` over
-    ``warmup_teacher_temp_iters`` updates, or ``warmup_teacher_temp_epochs`` epochs), averaged over the global crops.
+    ``warmup_teacher_temp_steps`` updates, or ``warmup_teacher_temp_epochs`` epochs), averaged over the global crops.
 
     Logged: ``cls_loss``, ``patch_loss``, ``teacher_entropy`` (CLS) and ``teacher_patch_entropy`` (the mean
     entropy of the teacher's distribution over the masked patches: ``ln K`` if uniform).
     """
 
     def __init__(self, out_dim: int = 8192, patch_out_dim: int | None = None, student_temp: float = 0.1,
-                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_iters: int = 0,
+                 teacher_temp: float = 0.07, warmup_teacher_temp: float = 0.04, warmup_teacher_temp_steps: int = 0,
                  teacher_patch_temp: float = 0.07, warmup_teacher_patch_temp: float = 0.04,
                  center_momentum: float = 0.9, lambda_cls: float = 1.0, lambda_patch: float = 1.0,
                  warmup_teacher_temp_epochs: float = 0.0) -> None:
@@ -195,9 +195,9 @@ class IBOTLoss(nn.Module):
         self.out_dim, self.patch_out_dim = int(out_dim), int(patch_out_dim or out_dim)
         #: the CLS teacher temperature; the patch one warms up over the same updates
         self.student_temp, self.teacher_temp = dino_temperatures(student_temp, teacher_temp, warmup_teacher_temp,
-                                                                 warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
+                                                                 warmup_teacher_temp_steps, warmup_teacher_temp_epochs)
         self.teacher_patch_temp = TeacherTemperature(teacher_patch_temp, warmup_teacher_patch_temp,
-                                                     warmup_teacher_temp_iters, warmup_teacher_temp_epochs)
+                                                     warmup_teacher_temp_steps, warmup_teacher_temp_epochs)
         self.cls_center = Center(self.out_dim, center_momentum)
         self.patch_center = Center(self.patch_out_dim, center_momentum)
         self.lambda_cls, self.lambda_patch = float(lambda_cls), float(lambda_patch)

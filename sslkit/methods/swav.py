@@ -115,7 +115,7 @@ class SwAVLoss(nn.Module):
     """SwAV loss: Sinkhorn codes of the assignment crops, predicted from every other crop.
 
     Config: ``loss: {name: swav, temperature, epsilon, sinkhorn_iterations, crops_for_assign,
-    queue_length, queue_start_iter, embedding_dim}``.
+    queue_length, queue_start_step, embedding_dim}``.
 
     Reads ``output["scores"]``, ``output["projections"]`` and ``output["prototypes"]`` (from the
     ``swav`` model). For each assignment crop i, ``q_i = sinkhorn_knopp(scores_i)`` (in float64); with a queue, the
@@ -130,7 +130,7 @@ class SwAVLoss(nn.Module):
       the reference code's ``queue_length // world_size``);
     * extra state ``queue_filled`` (valid queue rows) and the collapse check's open window.
 
-    The queue starts filling at optimizer update ``queue_start_iter`` of the training clock
+    The queue starts filling at optimizer update ``queue_start_step`` of the training clock
     (``ctx.clock.update``: with gradient accumulation, the same update as a run with the whole
     batch) and is used once full (the reference starts it at epoch 15 of 800 with batch 256).
     Every train micro-batch then pushes its embeddings. State advances only on train forwards:
@@ -156,7 +156,7 @@ class SwAVLoss(nn.Module):
         sinkhorn_iterations: int = 3,
         crops_for_assign: Sequence[int] = (0, 1),
         queue_length: int = 0,
-        queue_start_iter: int = 0,
+        queue_start_step: int = 0,
         embedding_dim: int = 128,
         collapse_check_every: int = 200,
         collapse_tolerance: float = 0.02,
@@ -168,15 +168,15 @@ class SwAVLoss(nn.Module):
             raise ValueError(f"swav sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
         if not crops_for_assign:
             raise ValueError("swav crops_for_assign must name at least one crop")
-        if queue_length < 0 or queue_start_iter < 0:
-            raise ValueError(f"swav queue_length and queue_start_iter must be >= 0, got {queue_length}, "
-                             f"{queue_start_iter}")
+        if queue_length < 0 or queue_start_step < 0:
+            raise ValueError(f"swav queue_length and queue_start_step must be >= 0, got {queue_length}, "
+                             f"{queue_start_step}")
         self.temperature = float(temperature)
         self.epsilon = float(epsilon)
         self.sinkhorn_iterations = int(sinkhorn_iterations)
         self.crops_for_assign = [int(c) for c in crops_for_assign]
         self.queue_length = int(queue_length)
-        self.queue_start_iter = int(queue_start_iter)
+        self.queue_start_step = int(queue_start_step)
         self.embedding_dim = int(embedding_dim)
         self.collapse_check_every = int(collapse_check_every)
         self.collapse_tolerance = float(collapse_tolerance)
@@ -232,7 +232,7 @@ class SwAVLoss(nn.Module):
     @torch.no_grad()
     def _advance(self, output: dict[str, Any], loss: torch.Tensor, num_prototypes: int, update: int) -> None:
         length = self.queue_length
-        if length > 0 and update >= self.queue_start_iter:  # update: the 0-based optimizer update of this forward
+        if length > 0 and update >= self.queue_start_step:  # update: the 0-based optimizer update of this forward
             proj = output["projections"]
             if proj[0].shape[1] != self.embedding_dim:
                 raise ValueError(f"swav loss embedding_dim={self.embedding_dim} but the projections have "
@@ -260,7 +260,7 @@ class SwAVLoss(nn.Module):
             logger.warning(
                 "swav: the loss has stayed at %.4f, near ln(K)=%.4f (K=%d prototypes), for %d steps up to "
                 "train step %d: the codes are uniform, the embeddings may have collapsed. Try a smaller "
-                "epsilon, more prototypes, freeze_prototypes_iters, or a lower learning rate.",
+                "epsilon, more prototypes, freeze_prototypes_steps, or a lower learning rate.",
                 mean, ln_k, num_prototypes, self.collapse_check_every, update + 1,
             )
 
@@ -272,7 +272,7 @@ class SwAVPrototypesHook(SSLHook):
 
     * ``on_start`` and ``on_update``: L2-normalise the rows of the prototype weight (the
       reference normalises before every forward; after every update is the same thing).
-    * ``on_backward``: while ``task.clock.update < freeze_prototypes_iters`` (optimizer updates),
+    * ``on_backward``: while ``task.clock.update < freeze_prototypes_steps`` (optimizer updates),
       drop the prototypes' gradient (``grad = None``, as the reference code does), so the optimizer skips them:
       no step, no momentum, no weight decay (paper: 313 iterations, the first ImageNet epoch at
       batch 4096).
@@ -282,10 +282,10 @@ class SwAVPrototypesHook(SSLHook):
 
     name = "swav_prototypes"
 
-    def __init__(self, freeze_prototypes_iters: int = 313, module: str = "prototypes") -> None:
-        if freeze_prototypes_iters < 0:
-            raise ValueError(f"freeze_prototypes_iters must be >= 0, got {freeze_prototypes_iters}")
-        self.freeze_prototypes_iters = int(freeze_prototypes_iters)
+    def __init__(self, freeze_prototypes_steps: int = 313, module: str = "prototypes") -> None:
+        if freeze_prototypes_steps < 0:
+            raise ValueError(f"freeze_prototypes_steps must be >= 0, got {freeze_prototypes_steps}")
+        self.freeze_prototypes_steps = int(freeze_prototypes_steps)
         self.module = module
 
     def _layer(self, task: SSLTask) -> nn.Module:
@@ -308,8 +308,8 @@ class SwAVPrototypesHook(SSLHook):
             self._normalize(task)
 
     def on_backward(self, task: SSLTask) -> None:
-        """Drop the prototypes' gradient during the first ``freeze_prototypes_iters`` steps."""
-        if task.clock.update < self.freeze_prototypes_iters:
+        """Drop the prototypes' gradient during the first ``freeze_prototypes_steps`` steps."""
+        if task.clock.update < self.freeze_prototypes_steps:
             for p in self._layer(task).parameters():
                 p.grad = None
 

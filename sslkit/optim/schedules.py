@@ -145,7 +145,7 @@ class TeacherTemperature(ClockSchedule):
 
     def __init__(self, final: float, warmup: float, warmup_updates: int = 0, warmup_epochs: float = 0.0) -> None:
         if warmup_updates > 0 and warmup_epochs > 0:
-            raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_iters) or in "
+            raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_steps) or in "
                              "epochs (loss.warmup_teacher_temp_epochs), not both")
         self.final, self.warmup = float(final), float(warmup)
         self.warmup_updates, self.warmup_epochs = int(warmup_updates), float(warmup_epochs)

@@ -223,7 +223,7 @@ def _sync_context(task: SSLTask, last_micro_batch: bool) -> contextlib.AbstractC
 
 
 def run_micro_batches(task: SSLTask, body: Callable[[SSLTask], None] = forward_backward) -> None:
-    """Run ``body`` once per micro-batch of this step (``optim.accumulate_steps`` in train phases, else once),
+    """Run ``body`` once per micro-batch of this step (``optim.micro_batches`` in train phases, else once),
     each under the phase's grad mode and, but for the last, DDP's ``no_sync``; ``task.clock.micro_batch`` says
     which. An out-of-memory error is reported to the update guard (which halts, or lets :func:`update` drop the
     step on every rank); the step's remaining micro-batches are then read and dropped, so the data position stays

@@ -13,7 +13,7 @@ __all__ = ["standard_train_step"]
 def standard_train_step(task: SSLTask) -> None:
     """One step: ``run_micro_batches(task, forward_backward)`` then ``update(task)`` (sslkit/train_steps/stages.py).
 
-    With ``optim.accumulate_steps = K`` (train phases) it runs K micro-batches, each forward followed by
+    With ``optim.micro_batches = K`` (train phases) it runs K micro-batches, each forward followed by
     ``backward(loss / K)``, DDP's reduction only after the last, then one optimizer update; ``on_forward`` and
     ``on_loss_and_meter`` fire per micro-batch, ``on_backward`` and ``on_update`` once. Raises StopIteration when
     the phase's data runs out. No host-device synchronisation happens here (the skip policies of the update guard

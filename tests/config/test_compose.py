@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import MAE_VIT_S16_224
+from helpers import MAE_VIT_S16_224, REPO
 from omegaconf import open_dict
 
 from sslkit.config.compose import compose_config
@@ -99,6 +100,26 @@ def test_group_choice_and_overrides() -> None:
 def test_unknown_key_names_closest() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'.*Did you mean 'optim.lr'"):
         compose_config(["optim.lrr=0.1"])
+
+
+@pytest.mark.parametrize(("recipe", "old", "new"), [
+    ("dinov3", "gram.start_update=5", "unknown config key 'gram.start_update'. It was renamed 'gram.start_step'"),
+    ("dinov3", "hires.start_update=5", "It was renamed 'hires.start_step'"),
+    ("dinov3", "gram.ramp_updates=5", "It was renamed 'gram.ramp_steps'"),
+    ("simclr", "optim.accumulate_steps=2", "It was renamed 'optim.micro_batches'"),
+    ("dino", "loss.warmup_teacher_temp_iters=3", "It was renamed 'warmup_teacher_temp_steps'"),
+    ("swav", "loss.queue_start_iter=3", "It was renamed 'queue_start_step'"),
+    ("swav", "method.hooks.swav_prototypes={freeze_prototypes_iters: 3}", "It was renamed 'freeze_prototypes_steps'"),
+    ("dino_vit", "model.freeze=[{params: 'head.*', updates: 3}]",
+     "'model.freeze[0].updates' was renamed 'model.freeze[0].steps'"),
+])
+def test_a_renamed_key_stops_with_its_new_name(recipe: str, old: str, new: str) -> None:
+    """One word per counter (a step is an optimizer update): each old name stops the config with the new one, which
+    docs/configs.md lists."""
+    with pytest.raises(ConfigError, match=re.escape(new)):
+        compose_config([f"config={recipe}", "machine.device=cpu", old])
+    renamed = new.split("renamed '")[1].rstrip("'").split(".")[-1]
+    assert renamed in (REPO / "docs" / "configs.md").read_text()
 
 
 def test_added_unknown_key_is_rejected_with_closest() -> None:
@@ -354,9 +375,9 @@ def test_fsdp_accepts_a_vit_recipe_with_bf16_and_checkpointing() -> None:
 def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
     from sslkit.config.validate import per_process_batch
 
-    args = ["config=simclr", "machine.device=cpu", "distributed.nproc_per_node=3", "optim.accumulate_steps=2"]
+    args = ["config=simclr", "machine.device=cpu", "distributed.nproc_per_node=3", "optim.micro_batches=2"]
     with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 100 does not split over 3 process\(es\) x "
-                                          r"optim.accumulate_steps=2 = 6 micro-batches: set it to a multiple of 6 "
+                                          r"optim.micro_batches=2 = 6 micro-batches: set it to a multiple of 6 "
                                           r"\(96 or 102\)"):
         compose_config([*args, "data.global_batch_size=100"])
     cfg = compose_config([*args, "data.global_batch_size=96"])
@@ -364,7 +385,7 @@ def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
     assert per_process_batch(compose_config(args), 3) == cfg.data.batch_size  # 0: data.batch_size per process
     # more images per step than the data holds: the message names the key the user set
     with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 96: a step takes 16 x 3 process\(es\) x "
-                                          r"optim.accumulate_steps=2 = 96 samples.*Lower data.global_batch_size"):
+                                          r"optim.micro_batches=2 = 96 samples.*Lower data.global_batch_size"):
         compose_config([*args, "data.global_batch_size=96", "data=synthetic", "data.train.kwargs.num_samples=64"])
 
 

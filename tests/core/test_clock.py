@@ -50,7 +50,7 @@ def test_every_loss_is_called_one_way_with_the_step_context(monkeypatch: pytest.
 def _schedules(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, *overrides: str) -> list[dict]:
     out = tmp_path / name
     args = ["config=dino", *SMALL, *RECIPES["dino"], "optim.epochs=2", "log.every_n_steps=1", "eval.knn.enabled=false",
-            "log.tensorboard=false", "loss.warmup_teacher_temp_iters=5", f"output_dir={out}", *overrides]
+            "log.tensorboard=false", "loss.warmup_teacher_temp_steps=5", f"output_dir={out}", *overrides]
     assert main(args) == 0
     capsys.readouterr()
     return [r for r in metrics(out) if r.get("phase") == "train" and "teacher_temp" in r]
@@ -62,7 +62,7 @@ def test_accumulation_sees_every_schedule_at_the_value_of_the_whole_batch(
     momentum and teacher temperature are the same numbers; the temperature climbs 0.04 -> 0.07 over 5 updates
     in both (it ran twice as fast under accumulation when the loss counted its own calls)."""
     whole = _schedules(tmp_path, capsys, "whole", "data.batch_size=16")
-    accumulated = _schedules(tmp_path, capsys, "accumulated", "data.batch_size=8", "optim.accumulate_steps=2")
+    accumulated = _schedules(tmp_path, capsys, "accumulated", "data.batch_size=8", "optim.micro_batches=2")
     assert [r["step"] for r in whole] == [r["step"] for r in accumulated] == list(range(1, 9))
     for a, b in zip(whole, accumulated, strict=True):
         assert {k: a[k] for k in SCHEDULED} == {k: b[k] for k in SCHEDULED}

@@ -57,7 +57,7 @@ def test_a_compiled_dinov3_follows_a_high_resolution_phase(tmp_path) -> None:
     amplifying float rounding; 2e-3 relative is asserted on the first update, before any size change)."""
     from sslkit.data.resolution import HighResPhase
 
-    hires = ["hires.start_update=1", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+    hires = ["hires.start_step=1", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
              "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"]
     proc = _run("dinov3", tmp_path / "compiled", "machine.compile_backend=aot_eager", *hires)
     assert "module(s) compiled with torch.compile" in proc.stdout

@@ -88,7 +88,7 @@ def test_float16_with_low_temperatures_is_named_at_the_start_and_in_the_guards_h
 def test_a_too_hot_teacher_is_warned_once_in_the_log_and_metrics(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_main("config=dino", *SMALL, *RECIPES["dino"], "loss.teacher_temp=50.0", "loss.warmup_teacher_temp=50.0",
-                    "loss.warmup_teacher_temp_iters=0", "optim.max_steps=8", "log.every_n_steps=2",
+                    "loss.warmup_teacher_temp_steps=0", "optim.max_steps=8", "log.every_n_steps=2",
                     "eval.knn.enabled=false", "log.report=true", f"output_dir={out}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     warnings = [r for r in rows if "warning" in r]

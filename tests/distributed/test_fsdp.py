@@ -26,7 +26,7 @@ STEPS = 10
 CASES = {
     "dino_vit": [],
     "mae": [],
-    "dinov2": ["optim.accumulate_steps=2"],  # 2 micro-batches per update: FSDP's gradient sync held off on the first
+    "dinov2": ["optim.micro_batches=2"],  # 2 micro-batches per update: FSDP's gradient sync held off on the first
     "mae-bf16": ["amp.enabled=true", "amp.dtype=bfloat16"],
     # dinov3: timm's DINOv3 trunk (rotary position embeddings, registers, LayerScale 1e-5) and the Gram teacher
     # (sharded like the EMA teacher, a snapshot before update 1 and refreshed at every update up to 4), KoLeo off:
@@ -58,7 +58,7 @@ def _compare(case: str, extra: list[str], ddp: list[dict[str, Any]], fsdp: list[
     assert fsdp[0]["sharded"] == fsdp[0]["params"] > 0 and ddp[0]["sharded"] == 0
     assert fsdp[0]["dtypes"] == {torch.float32}
     bf16 = "amp.enabled=true" in extra
-    micro = 2 if "optim.accumulate_steps=2" in extra else 1
+    micro = 2 if "optim.micro_batches=2" in extra else 1
     for rank in range(2):
         a, b = ddp[rank]["losses"], fsdp[rank]["losses"]
         assert a.shape == b.shape == (STEPS * micro,) and torch.isfinite(b).all()

@@ -180,10 +180,10 @@ def test_accumulation_schedules_on_cuda(tmp_path: Path) -> None:
     every logged update (the clock, and the centre's one all-reduce per update, on CUDA)."""
     keys = ("lr", "weight_decay", "teacher_momentum", "teacher_temp")
     runs = []
-    for name, extra in (("whole", ["data.batch_size=16"]), ("acc", ["data.batch_size=8", "optim.accumulate_steps=2"])):
+    for name, extra in (("whole", ["data.batch_size=16"]), ("acc", ["data.batch_size=8", "optim.micro_batches=2"])):
         out = tmp_path / name
         run_cli("config=dino", *SMALL, *RECIPES["dino"], *GPU, *extra, "optim.epochs=2", "log.every_n_steps=1",
-                "eval.knn.enabled=false", "loss.warmup_teacher_temp_iters=5", f"output_dir={out}")
+                "eval.knn.enabled=false", "loss.warmup_teacher_temp_steps=5", f"output_dir={out}")
         records = [r for r in metrics(out) if r.get("phase") == "train" and "teacher_temp" in r]
         runs.append([{k: r[k] for k in keys} for r in records])
     assert len(runs[0]) == 8 and runs[0] == runs[1]

@@ -362,7 +362,7 @@ def test_dinov3_grows_its_crops_on_the_device_with_the_gram_teachers_high_resolu
     phase's draw and the crops depend on (seed, update) only)."""
     from sslkit.data.resolution import HighResPhase
 
-    hires = ["hires.start_update=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+    hires = ["hires.start_step=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
              "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"]
     runs = []
     for name in ("a", "b"):

@@ -83,7 +83,7 @@ def test_no_recipe_step_makes_cpu_tensors_syncs_or_nondeterministic_calls(recipe
 
 @pytest.mark.slow
 def test_amp_and_accumulation_steps_are_clean_too() -> None:
-    findings = audit_recipe(["config=swav", *SMALL, *RECIPES["swav"], "amp.enabled=true", "optim.accumulate_steps=2",
+    findings = audit_recipe(["config=swav", *SMALL, *RECIPES["swav"], "amp.enabled=true", "optim.micro_batches=2",
                              "data.batch_size=8"])
     assert findings == [], "\n".join(map(str, findings))
 

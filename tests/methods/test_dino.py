@@ -70,7 +70,7 @@ def test_loss_matches_reference_loops(tau_t: float) -> None:
 
 def test_loss_module_matches_reference_and_logs_terms() -> None:
     student, teacher = logits(3, 4, 6, seed=3), logits(2, 4, 6, seed=4)
-    loss = DINOLoss(out_dim=6, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_iters=10)
+    loss = DINOLoss(out_dim=6, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_steps=10)
     ctx = StepContext(clock=TrainClock(update=5), train=True, device=torch.device("cpu"))
     out = loss({"projections": student, "targets": teacher}, {}, ctx)
     # at update 5 of a 10-update warm-up the teacher temperature is halfway: 0.055
@@ -153,7 +153,7 @@ def test_teacher_temperature_schedule() -> None:
     assert teacher_temp_at(30, 0.04, 0.07, 30) == pytest.approx(0.07)
     assert teacher_temp_at(1000, 0.04, 0.07, 30) == pytest.approx(0.07)
     assert teacher_temp_at(0, 0.04, 0.07, 0) == pytest.approx(0.07)  # no warmup
-    loss = DINOLoss(out_dim=4, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_iters=4)
+    loss = DINOLoss(out_dim=4, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_steps=4)
     temps = []
     clock = TrainClock(micro_batches=2)
     for update in range(6):  # the temperature follows the clock's updates, not the calls (2 per update here)

@@ -144,7 +144,7 @@ def _drive(hook: GramTeacherHook, model: DINOv3Model, updates: int, first: int =
 def test_the_gram_teacher_is_the_ema_teacher_of_the_update_before_each_snapshot(start: int, every: int,
                                                                                   most: int | None) -> None:
     model = _model()
-    hook = GramTeacherHook(start_update=start, every=every, max_refreshes=most)
+    hook = GramTeacherHook(start_step=start, every=every, max_refreshes=most)
     seen = _drive(hook, model, 16)
     expected = _snapshot_updates(start, every, most, 16)
     assert hook.snapshots == expected
@@ -163,7 +163,7 @@ def test_a_gram_teacher_read_from_a_file_is_the_first_one_and_refreshes_follow(t
     path = tmp_path / "model.pth"
     torch.save({"model": donor.state_dict()}, path)  # an sslkit checkpoint: its EMA teacher is the Gram teacher
     model = _model("gram.teacher=file", f"gram.checkpoint={path}")
-    hook = GramTeacherHook(start_update=2, every=3, max_refreshes=1, teacher="file", checkpoint=str(path))
+    hook = GramTeacherHook(start_step=2, every=3, max_refreshes=1, teacher="file", checkpoint=str(path))
     clock = TrainClock(max_updates=10)
     task = SimpleNamespace(base_model=model, clock=clock, train=True)
     hook.on_start(task)
@@ -179,26 +179,26 @@ def test_a_gram_teacher_read_from_a_file_is_the_first_one_and_refreshes_follow(t
 
 def test_a_resumed_hook_takes_no_snapshot_twice_and_one_it_missed_at_once() -> None:
     model = _model()
-    hook = GramTeacherHook(start_update=3, every=2, max_refreshes=None)
+    hook = GramTeacherHook(start_step=3, every=2, max_refreshes=None)
     _drive(hook, model, 6)  # snapshots before 3 and 5: handled up to update 5
     state = hook.state_dict()
     assert state == {"handled": 5, "snapshots": [3, 5]}
-    again = GramTeacherHook(start_update=3, every=2, max_refreshes=None)
+    again = GramTeacherHook(start_step=3, every=2, max_refreshes=None)
     again.load_state_dict(state)
     clock = TrainClock(max_updates=10, update=5)
     task = SimpleNamespace(base_model=model, clock=clock, train=True)
     again.on_start(task)
     assert again.snapshots == [3, 5] and model.gram_active
-    behind = GramTeacherHook(start_update=3, every=2, max_refreshes=None)
+    behind = GramTeacherHook(start_step=3, every=2, max_refreshes=None)
     behind.load_state_dict({"handled": 4, "snapshots": [3]})  # a checkpoint written before the snapshot of 5
     behind.on_start(task)
     assert behind.snapshots == [3, 5]
 
 
 def test_a_gram_start_after_the_run_stops_the_hook_before_training() -> None:
-    hook = GramTeacherHook(start_update=10)
+    hook = GramTeacherHook(start_step=10)
     task = SimpleNamespace(base_model=_model(), clock=TrainClock(max_updates=10), train=True)
-    with pytest.raises(GramError, match=r"gram.start_update=10 is after the run's last update \(10 updates"):
+    with pytest.raises(GramError, match=r"gram.start_step=10 is after the run's last update \(10 updates"):
         hook.on_start(task)
 
 
@@ -234,7 +234,7 @@ def test_the_loss_is_dinov2s_plus_the_weighted_gram_loss() -> None:
     gram = _gram_mse(out["gram_patches"], out["gram_targets"])
     assert got["gram_loss"].item() == pytest.approx(gram, rel=1e-5)
     assert got["loss"].item() == pytest.approx(dinov2["loss"].item() + 0.7 * gram, rel=1e-5)
-    without = {k: v for k, v in out.items() if not k.startswith("gram_")}  # before gram.start_update
+    without = {k: v for k, v in out.items() if not k.startswith("gram_")}  # before gram.start_step
     plain = DINOv3Loss(**common, gram_weight=0.7).eval()(without, {})
     assert "gram_loss" not in plain and plain["loss"].item() == pytest.approx(dinov2["loss"].item(), rel=1e-6)
 
@@ -249,7 +249,7 @@ def test_masked_tokens_compare_the_masked_patches_of_the_whole_batch() -> None:
 
 
 def test_the_gram_weight_is_zero_before_the_start_then_rises_by_a_half_cosine() -> None:
-    loss = DINOv3Loss(out_dim=6, gram_weight=2.0, gram_start_update=10, gram_ramp_updates=5)
+    loss = DINOv3Loss(out_dim=6, gram_weight=2.0, gram_start_step=10, gram_ramp_steps=5)
     for update in range(25):
         if update < 10:
             expected = 0.0
@@ -276,9 +276,9 @@ def test_bad_gram_options_are_refused() -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["optim.max_steps=5", "gram.start_update=5"],
-     "'gram.start_update' = 5 is after the run's end: it makes 5 updates"),
-    (["gram.start_update=8"], "'gram.start_update' = 8 is after the run's end: it makes 8 updates"),
+    (["optim.max_steps=5", "gram.start_step=5"],
+     "'gram.start_step' = 5 is after the run's end: it makes 5 updates"),
+    (["gram.start_step=8"], "'gram.start_step' = 8 is after the run's end: it makes 8 updates"),
     (["gram.teacher=file"], "'gram.teacher' = file: a Gram teacher without a source. Set gram.checkpoint=PATH"),
     (["gram.checkpoint=/no/such.pth"], "'gram.checkpoint' = /no/such.pth is read with gram.teacher=file only"),
     (["gram.teacher=file", "gram.checkpoint=/no/such.pth"], "'gram.checkpoint' = /no/such.pth: no such file"),
@@ -286,7 +286,7 @@ def test_bad_gram_options_are_refused() -> None:
     (["gram.tokens=masked"], "'gram.tokens' = masked selects patches across the images of a batch: set "
                              "gram.image_level=false"),
     (["gram.teacher=snap"], "'gram.teacher' = snap: use one of snapshot, file, ema"),
-    (["gram.start_update=-1"], "'gram.start_update' must be an update number >= 0, got -1"),
+    (["gram.start_step=-1"], "'gram.start_step' must be an update number >= 0, got -1"),
 ])
 def test_bad_gram_settings_are_config_errors_naming_the_key(extra: list[str], message: str) -> None:
     """The small recipe makes 2 epochs of 64 / 16 = 4 updates: 8."""
@@ -302,10 +302,10 @@ def test_gram_settings_for_a_method_without_gram_anchoring_are_a_config_error() 
 
 @pytest.mark.slow
 def test_the_recipe_trains_with_the_gram_loss_from_its_start(tmp_path: Path) -> None:
-    """Through the CLI: no Gram loss before gram.start_update, then logged; the Gram teacher is in the checkpoint,
+    """Through the CLI: no Gram loss before gram.start_step, then logged; the Gram teacher is in the checkpoint,
     equal to the EMA teacher as it was after the step before the last snapshot."""
     out = tmp_path / "run"
-    run_main(*D3, "optim.max_steps=4", "gram.start_update=2", "gram.every=0", "log.every_n_steps=1",
+    run_main(*D3, "optim.max_steps=4", "gram.start_step=2", "gram.every=0", "log.every_n_steps=1",
              "eval.knn.enabled=false", f"output_dir={out}")
     import json
 
@@ -398,12 +398,12 @@ def test_with_teacher_crops_the_gram_targets_are_the_gram_teachers_patches_resiz
     (["gram.teacher_size=44"], "'gram.teacher_size' = 44"),
     (["gram.teacher_size=48", "data.transform.teacher_size=null"],
      "'gram.teacher_size' is set, but data.transform.teacher_size does not follow gram.teacher_size"),
-    (["hires.start_update=8", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
-     "'hires.start_update' = 8 is after the run's end: it makes 8 updates"),
-    (["hires.start_update=2", "hires.global_sizes=[44]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
+    (["hires.start_step=8", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
+     "'hires.start_step' = 8 is after the run's end: it makes 8 updates"),
+    (["hires.start_step=2", "hires.global_sizes=[44]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
      "'hires.global_sizes' holds 44: every size must be a multiple of the trunk's 8 px patch"),
-    (["hires.start_update=2", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]",
-      "data.augment_on=device"], "'hires.start_update' is set with data.augment_on=device"),
+    (["hires.start_step=2", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]",
+      "data.augment_on=device"], "'hires.start_step' is set with data.augment_on=device"),
 ])
 def test_bad_teacher_crops_and_high_resolution_phases_are_config_errors(extra: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -412,8 +412,8 @@ def test_bad_teacher_crops_and_high_resolution_phases_are_config_errors(extra: l
 
 
 def test_a_high_resolution_phase_on_a_cnn_or_teacher_crops_without_a_gram_teacher_are_config_errors() -> None:
-    phase = ["hires.start_update=1", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"]
-    with pytest.raises(ConfigError, match=re.escape("'hires.start_update' is set, but the trunk has no patch grid")):
+    phase = ["hires.start_step=1", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"]
+    with pytest.raises(ConfigError, match=re.escape("'hires.start_step' is set, but the trunk has no patch grid")):
         validate(compose_config(["config=simclr", *SMALL, *phase]))
     with pytest.raises(ConfigError, match=re.escape("'hires.teacher_sizes' sizes the crops of a Gram teacher, and "
                                                     "method.name=simclr has none")):
@@ -422,7 +422,7 @@ def test_a_high_resolution_phase_on_a_cnn_or_teacher_crops_without_a_gram_teache
 
 
 #: A phase from update 2 of the small recipe: two size triples, the Gram teacher's crops at 1.5 x the global ones.
-HIRES = ["hires.start_update=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+HIRES = ["hires.start_step=2", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
          "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"]
 
 

@@ -39,7 +39,7 @@ def test_every_method_names_registered_parts_and_its_recipe_keeps_its_required_h
     assert methods["swav"].required_hooks == ("swav_prototypes",) and methods["swav"].transform == "multicrop"
     assert methods["dino"].accepted_keys() == {
         "model.kwargs": ["num_global"],
-        "loss": ["out_dim", "student_temp", "teacher_temp", "warmup_teacher_temp", "warmup_teacher_temp_iters",
+        "loss": ["out_dim", "student_temp", "teacher_temp", "warmup_teacher_temp", "warmup_teacher_temp_steps",
                  "center_momentum", "warmup_teacher_temp_epochs"]}
 
 

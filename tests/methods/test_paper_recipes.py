@@ -45,9 +45,9 @@ def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tm
         assert cfg.loss.out_dim == cfg.loss.patch_out_dim == 65536 and cfg.model.kwargs.separate_patch_head
         assert cfg.loss.centering == "sinkhorn_knopp" and cfg.optim.layer_decay == 0.9
         assert cfg.masking.max_patches == 0.5  # half of any grid: 98 at 224 px, 1152 at a phase's 768 px
-        assert (cfg.gram.every, cfg.gram.max_refreshes, cfg.gram.weight, cfg.gram.ramp_updates) == (10000, 3, 2.0, 1000)
-        assert cfg.loss.gram_weight == 2.0 and cfg.method.hooks.gram_teacher.start_update == cfg.gram.start_update
-        assert cfg.gram.start_update == 5 * (1281167 // 1024) * 100 // 6  # 5/6 of ImageNet-1k's 100 epochs
+        assert (cfg.gram.every, cfg.gram.max_refreshes, cfg.gram.weight, cfg.gram.ramp_steps) == (10000, 3, 2.0, 1000)
+        assert cfg.loss.gram_weight == 2.0 and cfg.method.hooks.gram_teacher.start_step == cfg.gram.start_step
+        assert cfg.gram.start_step == 5 * (1281167 // 1024) * 100 // 6  # 5/6 of ImageNet-1k's 100 epochs
     if method == "ibot":
         assert cfg.loss.out_dim == 8192 and cfg.data.transform.num_small == 10
         assert cfg.loss.teacher_temp == {"vits16": 0.04, "vitb16": 0.07}[size]
@@ -73,7 +73,7 @@ def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp
 
     photo_folder(tmp_path / "images", n=6)
     extra = ["loss.centering=centering"] if recipe.startswith("dinov") else []
-    extra += ["gram.start_update=0"] if recipe.startswith("dinov3") else []  # the Gram loss in the one step
+    extra += ["gram.start_step=0"] if recipe.startswith("dinov3") else []  # the Gram loss in the one step
     own = compose_config([f"config={recipe}", "data=folder", f"data.train.path={tmp_path}", "machine.device=cpu",
                           *SIXTEEN]).amp
     assert own.enabled and own.dtype == "bfloat16"

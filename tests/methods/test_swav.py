@@ -177,9 +177,9 @@ def _at(update: int, micro: int = 0, micro_batches: int = 1) -> StepContext:
 
 
 def test_queue_fills_newest_first_and_joins_sinkhorn_when_full() -> None:
-    loss = SwAVLoss(queue_length=6, queue_start_iter=1, embedding_dim=3)
+    loss = SwAVLoss(queue_length=6, queue_start_step=1, embedding_dim=3)
     outs = [_out(seed=s) for s in range(4)]
-    loss(outs[0], {}, _at(0))  # update 0: before queue_start_iter, nothing queued
+    loss(outs[0], {}, _at(0))  # update 0: before queue_start_step, nothing queued
     assert loss.queue_filled == 0 and loss.queue.abs().sum() == 0
     loss(outs[1], {}, _at(1))
     assert loss.queue_filled == 4 and not loss.queue_active
@@ -197,15 +197,15 @@ def test_queue_fills_newest_first_and_joins_sinkhorn_when_full() -> None:
     assert torch.allclose(loss.codes(out)[0], expected, atol=1e-5)
     # state dict round trip (queue buffer and counters)
     state = loss.state_dict()
-    fresh = SwAVLoss(queue_length=6, queue_start_iter=1, embedding_dim=3)
+    fresh = SwAVLoss(queue_length=6, queue_start_step=1, embedding_dim=3)
     fresh.load_state_dict(state)
     assert fresh.queue_filled == 6 and torch.equal(fresh.queue, loss.queue)
 
 
 def test_queue_starts_at_the_same_update_with_accumulation() -> None:
-    """queue_start_iter counts optimizer updates: with 2 micro-batches per update, nothing is queued during
+    """queue_start_step counts optimizer updates: with 2 micro-batches per update, nothing is queued during
     updates 0-1 (4 forwards), and both micro-batches of update 2 push theirs."""
-    loss = SwAVLoss(queue_length=8, queue_start_iter=2, embedding_dim=3)
+    loss = SwAVLoss(queue_length=8, queue_start_step=2, embedding_dim=3)
     for update in range(2):
         for micro in range(2):
             loss(_out(seed=update * 2 + micro), {}, _at(update, micro, 2))
@@ -316,7 +316,7 @@ def test_prototype_hook_normalises_and_freezes_in_the_standard_step() -> None:
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-4),
                  lr_schedule=OnProgress(lambda where: 0.5)),
         DataPlan(loaders={"train": DataLoader(data, batch_size=8)}, phases=[Phase(train=True, epoch=0)]),
-        [rec, SwAVPrototypesHook(freeze_prototypes_iters=2)], max_updates=5,
+        [rec, SwAVPrototypesHook(freeze_prototypes_steps=2)], max_updates=5,
     )
     train(task, standard_train_step)
     assert task.clock.update == 5

@@ -131,7 +131,7 @@ def test_every_per_update_value_is_a_clock_schedule_read_at_the_clock(tmp_path) 
     from sslkit.hooks.ema import MomentumTeacherHook
     from sslkit.optim.schedules import ClockSchedule, OnProgress, TeacherMomentum, TeacherTemperature
 
-    temps = ["loss.warmup_teacher_temp=0.04", "loss.teacher_temp=0.07", "loss.warmup_teacher_temp_iters=10"]
+    temps = ["loss.warmup_teacher_temp=0.04", "loss.teacher_temp=0.07", "loss.warmup_teacher_temp_steps=10"]
     cfg = compose_config(["config=dino", *SMALL, *RECIPES["dino"], "optim.max_steps=40", "optim.final_lr=0.0",
                           *temps, "eval.knn.enabled=false", f"output_dir={tmp_path}"])
     task = build_task(cfg)

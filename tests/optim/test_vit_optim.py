@@ -199,7 +199,7 @@ def test_a_frozen_parameter_gets_no_update_no_decay_and_no_state(tmp_path: Path)
 
 
 def test_a_parameter_frozen_for_the_first_updates_starts_training_after_them(tmp_path: Path) -> None:
-    task = _vit_task(tmp_path, "model.freeze=[{params: 'head.*', updates: 2}]")
+    task = _vit_task(tmp_path, "model.freeze=[{params: 'head.*', steps: 2}]")
     head = list(task.base_model.head.parameters())
     assert all(p.requires_grad for p in head)  # in the optimizer, its gradient dropped while frozen
     before = [p.clone() for p in head]
@@ -216,8 +216,8 @@ def test_freeze_entries_are_checked_against_the_models_parameters(tmp_path: Path
     """A malformed entry is a config error when the config is composed; a glob that names no parameter, when the
     model is built (validation never builds a model), with the nearest names."""
     base = ["config=simclr_vit", "machine.device=cpu"]
-    with pytest.raises(ConfigError, match=r"takes params and one of updates / epochs"):
-        compose_config([*base, "model.freeze=[{params: 'head.*', steps: 2}]"])
+    with pytest.raises(ConfigError, match=r"takes params and one of steps / epochs"):
+        compose_config([*base, "model.freeze=[{params: 'head.*', iters: 2}]"])
     cfg = compose_config([*base, "model.freeze=[trunk.patch_embed.*, {params: 'head.*', epochs: 1}]"])
     assert len(cfg.model.freeze) == 2
     with pytest.raises(ConfigError, match=r"'model.freeze\[1\]' = trunk.patch_embd.\* matches no parameter of the "

@@ -40,13 +40,13 @@ def test_with_a_global_batch_the_number_of_processes_may_change_on_a_resume() ->
     """data.global_batch_size fixes what a step computes: the processes, the strategy and the split into
     micro-batches may change (elastic resume); without it a different number of processes is a different run."""
     saved = {"data": {"global_batch_size": 256, "batch_size": 128}, "distributed": {"nproc_per_node": 2,
-             "strategy": "ddp"}, "optim": {"accumulate_steps": 1}}
+             "strategy": "ddp"}, "optim": {"micro_batches": 1}}
     now = {"data": {"global_batch_size": 256, "batch_size": 64}, "distributed": {"nproc_per_node": 4,
-           "strategy": "fsdp"}, "optim": {"accumulate_steps": 2}}
+           "strategy": "fsdp"}, "optim": {"micro_batches": 2}}
     assert config_changes(saved, now) == ([], [])
     saved["data"]["global_batch_size"] = now["data"]["global_batch_size"] = 0
     assert [key for key, _, _ in config_changes(saved, now)[1]] == [
-        "data.batch_size", "distributed.nproc_per_node", "distributed.strategy", "optim.accumulate_steps"]
+        "data.batch_size", "distributed.nproc_per_node", "distributed.strategy", "optim.micro_batches"]
 
 
 def test_changed_config_does_not_resume_and_names_each_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,7 +84,7 @@ def test_dinov3_resumes_bit_identically_across_the_start_of_a_high_resolution_ph
     after step 10 resumes from the checkpoint of update 8, before the phase, and crosses its start again; the
     crops each update draws come from (seed, update), so the resumed run ends bit-identical."""
     _run_killed_and_resumed(tmp_path, "dinov3", 1, [
-        "hires.start_update=9", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
+        "hires.start_step=9", "hires.global_sizes=[40,48]", "hires.local_sizes=[16,24]",
         "hires.teacher_sizes=[64,72]", "hires.ratios=[0.5,0.5]", "gram.teacher_size=48"])
 
 
