@@ -61,7 +61,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"sslkit save": [], "plain save": [], "sslkit load": [], "plain load": []}
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            task.clock.update = r + 1  # a new file name each round, as in a run
+            task.clock.step = r + 1  # a new file name each round, as in a run
             path = saver.save(task, "benchmark")
             t1 = time.perf_counter()
             torch.save(Checkpointer.state(task), plain_path)

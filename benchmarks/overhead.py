@@ -227,7 +227,7 @@ def sslkit_loop(cfg: DictConfig, warmup: int) -> RunResult:
     """Train ``cfg`` with sslkit's trainer and standard step; time every step at ``on_step``."""
     task = build_task(cfg)
     check_supported(task)
-    clock = Clock(task.device, warmup, task.clock.max_updates)
+    clock = Clock(task.device, warmup, task.clock.max_steps)
     task.hooks.append(StepClock(clock))  # appended after the ordering: stays last
     train(task, standard_train_step)
     return _result(clock, task)
@@ -252,14 +252,14 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
     """What a researcher would write by hand, sharing with sslkit only the construction and the
     method hooks (EMA teachers and the like, the same objects at the same events).
 
-    ``task`` is used as the hooks' view of the run: the loop keeps ``task.clock.update``,
+    ``task`` is used as the hooks' view of the run: the loop keeps ``task.clock.step``,
     ``task.phase_idx`` (the epoch) and ``task.last_batch`` current because hooks read them.
     """
     task = build_task(cfg)  # same seed -> same model init, loader, optimizer, schedules, hooks
     check_supported(task)
     model, loss_fn, opt, scaler = task.model, task.loss, task.optimizer, task.scaler
     loader, device, accumulate = task.loaders["train"], task.device, task.micro_batches
-    max_steps, log_every = task.clock.max_updates, cfg.log.every_n_steps
+    max_steps, log_every = task.clock.max_steps, cfg.log.every_n_steps
     dtype, clip = task.amp_dtype, float(cfg.optim.clip_grad)
     precision = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
     fire = _dispatcher(method_hooks(task), task)
@@ -279,7 +279,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
         if step == 0:
             clock.start()
         while step < max_steps:
-            task.clock.update = step
+            task.clock.step = step
             try:
                 task.clock.micro_batches = accumulate
                 for micro in range(accumulate):
@@ -317,7 +317,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                         p.grad.mul_((clip / (norm + 1e-6)).clamp(max=1.0))
                 else:
                     torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)  # CUDA's default; on the CPU too
-            set_lr(opt, task.lr_schedule.at(task.clock))  # the loop keeps task.clock.update at this step
+            set_lr(opt, task.lr_schedule.at(task.clock))  # the loop keeps task.clock.step at this step
             if task.wd_schedule is not None:
                 set_weight_decay(opt, task.wd_schedule.at(task.clock))
             if scaler is not None:
@@ -327,7 +327,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                 opt.step()
             fire(Event.ON_UPDATE)
             step += 1
-            task.clock.update = step
+            task.clock.step = step
             task.clock.samples += task.global_batch_size
             if step % log_every == 0:
                 print(f"  plain step {step} loss {loss.item():.4f}", flush=True)

@@ -290,7 +290,7 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
         fire(Event.ON_BACKWARD)
         opt.step()
         fire(Event.ON_UPDATE)
-        task.clock.update += 1
+        task.clock.step += 1
     _sync(device)
     return b * steps / (time.perf_counter() - start)
 
@@ -343,7 +343,7 @@ def step_rate(cfg_overrides: list[str], out: str, steps: int, warmup: int) -> tu
     """(c) images/s of sslkit's full step (trainer, standard step, hooks)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     task = build_task(bench_config(warmup + steps, cfg_overrides, out))
-    clock = Clock(task.device, warmup, task.clock.max_updates)
+    clock = Clock(task.device, warmup, task.clock.max_steps)
     task.hooks.append(StepClock(clock))
     train(task, standard_train_step)
     return task.global_batch_size * steps / clock.block_seconds(), task

@@ -78,7 +78,7 @@ def _complete(ckpt_dir: str, name: str) -> bool:
 
 
 def _list(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(iteration, name) of every complete checkpoint in ``ckpt_dir`` (files and sharded folders), oldest first.
+    """(step, name) of every complete checkpoint in ``ckpt_dir`` (files and sharded folders), oldest first.
     A folder whose save never finished is not one."""
     if not g_pathmgr.exists(ckpt_dir):
         return []
@@ -106,13 +106,13 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def save_checkpoint(state: dict[str, Any], ckpt_dir: str, iteration: int, keep_last: int = 3) -> str:
-    """Save ``state`` as ``checkpoint_<iteration>.pt`` atomically, then point ``latest.txt`` at it.
+def save_checkpoint(state: dict[str, Any], ckpt_dir: str, step: int, keep_last: int = 3) -> str:
+    """Save ``state`` as ``checkpoint_<step>.pt`` atomically, then point ``latest.txt`` at it.
 
     The pointer is written last, so a crash at any moment leaves the previous checkpoint and
     pointer intact. Checkpoints beyond the ``keep_last`` newest are deleted (0 keeps all).
     """
-    name = f"checkpoint_{iteration:09d}.pt"
+    name = f"checkpoint_{step:09d}.pt"
     path = os.path.join(ckpt_dir, name)
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -309,7 +309,7 @@ class Checkpointer:
         state = capture(source)
         path = None
         if is_primary():
-            path = save_checkpoint(state, self.dir, source.clock.update, self.keep_last)
+            path = save_checkpoint(state, self.dir, source.clock.step, self.keep_last)
             logger.info("saved checkpoint %s (%s)", path, why)
         barrier()
         return path, state["hooks"]
@@ -317,7 +317,7 @@ class Checkpointer:
     def _save_sharded(self, source: SSLTask, why: str, wait: bool) -> tuple[str | None, dict[str, Any]]:
         self.finish_pending()
         model_state, optimizer_state, extra, own = capture_sharded(source)
-        name = f"checkpoint_{source.clock.update:09d}"
+        name = f"checkpoint_{source.clock.step:09d}"
         final = os.path.join(self.dir, name)
         rewrite = is_complete(final)  # the end of the run updating its last epoch's folder
         path = f"{final}.update" if rewrite else final
@@ -382,11 +382,11 @@ class Checkpointer:
         if is_primary():
             logger.info("saved checkpoint %s (written in the background)", os.path.join(self.dir, name))
 
-    def write_crash(self, state: dict[str, Any], iteration: int, message: str) -> str:
+    def write_crash(self, state: dict[str, Any], step: int, message: str) -> str:
         """The state of a halted run as ``crash_<step>.pt`` (rank 0, no collective), for inspection: never resumed
         from, and ``latest.txt`` keeps naming the last good checkpoint. Returns its path."""
         os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"crash_{iteration:09d}.pt")
+        path = os.path.join(self.dir, f"crash_{step:09d}.pt")
         state["crash"] = message
         atomic_write(path, lambda f: torch.save(state, f))
         return path

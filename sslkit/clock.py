@@ -17,7 +17,7 @@ class TrainClock:
 
     * ``epoch``: the current train epoch (0-based; an eval phase carries the epoch it follows);
     * ``step_in_epoch``: steps done in the current phase (the resume position inside it);
-    * ``update``: optimizer updates done since the start of the run. Every schedule (learning
+    * ``step``: optimizer steps (updates) done since the start of the run. Every schedule (learning
       rate, weight decay, teacher momentum, teacher temperature, queue start, frozen layers) runs
       on this hand, through :attr:`where` or directly, so a run with gradient accumulation K and
       batch B/K sees the same value at each update as a run with batch B. An update dropped by
@@ -32,11 +32,11 @@ class TrainClock:
 
     epoch: int = 0
     step_in_epoch: int = 0
-    update: int = 0
+    step: int = 0
     micro_batch: int = 0
     micro_batches: int = 1
-    #: Updates the run makes in total (``optim.max_steps``, or epochs x steps per epoch).
-    max_updates: int = 1
+    #: Steps the run makes in total (``optim.max_steps``, or epochs x steps per epoch).
+    max_steps: int = 1
     #: Images trained on, all ranks together.
     samples: int = 0
     #: The stage of the schedule: ``"base"``, or ``"high_res"`` in a high-resolution phase (``hires.*``, set by
@@ -45,8 +45,8 @@ class TrainClock:
 
     @property
     def where(self) -> float:
-        """Progress in [0, 1): ``update / max_updates``, the argument of the lr, wd and momentum schedules."""
-        return min(self.update / max(self.max_updates, 1), 1.0 - 1e-9)
+        """Progress in [0, 1): ``step / max_steps``, the argument of the lr, wd and momentum schedules."""
+        return min(self.step / max(self.max_steps, 1), 1.0 - 1e-9)
 
     @property
     def last_micro_batch(self) -> bool:

@@ -57,7 +57,6 @@ class GuardedTask(Protocol):
     """What the guard reads of the task (:class:`sslkit.task.SSLTask` has it; the guard does not import it)."""
 
     train: bool
-    iteration: int
     world_size: int
     base_model: nn.Module
     loss: nn.Module
@@ -141,7 +140,7 @@ class UpdateGuard:
         remember it for :meth:`decide`."""
         if not task.train or self.oom != "skip":
             raise OutOfMemoryHalt(
-                f"step {task.clock.update + 1}: out of memory in the forward or backward pass ({exc}). "
+                f"step {task.clock.step + 1}: out of memory in the forward or backward pass ({exc}). "
                 "Lower data.batch_size (optim.micro_batches keeps the global batch), enable amp, or "
                 "set reliability.oom=skip to drop such steps."
             ) from exc
@@ -160,7 +159,7 @@ class UpdateGuard:
             self._names, self._values = names, values.clone()
             self._step = torch.full((), -1, dtype=torch.int64, device=bad.device)
         self._values = torch.where(first, values, self._values)
-        self._step = torch.where(first, task.clock.update + 1, self._step)
+        self._step = torch.where(first, task.clock.step + 1, self._step)
         indices = sample.get("data_idx")
         if isinstance(indices, torch.Tensor):
             indices = indices.to(bad.device)
@@ -202,10 +201,10 @@ class UpdateGuard:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.consecutive += 1
         logger.warning("step %d: update dropped (%s); %d dropped so far for this reason, %d in a row",
-                       task.clock.update + 1, reason, self.skipped[reason], self.consecutive)
+                       task.clock.step + 1, reason, self.skipped[reason], self.consecutive)
         if self.consecutive >= self.max_consecutive_skips:
             error = OutOfMemoryHalt if reason == OUT_OF_MEMORY else NonFiniteLossError
-            raise error(f"step {task.clock.update + 1}: {self.consecutive} updates in a row were dropped ({reason}), "
+            raise error(f"step {task.clock.step + 1}: {self.consecutive} updates in a row were dropped ({reason}), "
                         f"reliability.max_consecutive_skips={self.max_consecutive_skips}. The run is not "
                         "recovering: lower optim.lr or data.batch_size, or check the data.")
 
@@ -216,7 +215,7 @@ class UpdateGuard:
 
     def due(self, task: GuardedTask) -> bool:
         """True after an update at the check interval (policy ``halt`` reads its flag then)."""
-        return task.clock.update % self.check_every == 0
+        return task.clock.step % self.check_every == 0
 
     def check(self, task: GuardedTask) -> None:
         """Policy ``halt``: if any train step so far had a non-finite loss, raise :class:`NonFiniteLossError`."""

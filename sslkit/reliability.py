@@ -42,14 +42,14 @@ def last_stop_signal() -> str | None:
 class Preempted(Exception):
     """Raised on every rank after a pre-emption signal, once the step and its checkpoint are done."""
 
-    def __init__(self, signal_name: str, iteration: int, path: str | None) -> None:
+    def __init__(self, signal_name: str, step: int, path: str | None) -> None:
         _LAST_STOP["signal"] = signal_name  # (a SLURM task requeues its job after SIGUSR2: last_stop_signal)
         self.signal_name = signal_name
-        self.iteration = iteration
+        self.step = step
         self.path = path
         where = f" to {path}" if path else ""
         super().__init__(
-            f"stopped by {signal_name} after step {iteration}; the checkpoint was written{where}. "
+            f"stopped by {signal_name} after step {step}; the checkpoint was written{where}. "
             "Run the same command again to resume from it."
         )
 
@@ -115,12 +115,12 @@ class PreemptionHook(SSLHook):
         if not stop:
             return
         name = self.received.name if self.received is not None else "a signal on another rank"
-        self._say("received %s: writing a checkpoint after step %d, then stopping", name, task.clock.update)
+        self._say("received %s: writing a checkpoint after step %d, then stopping", name, task.clock.step)
         task.stop_requested = name
 
     def on_step(self, task: SSLTask) -> None:
         """After a train step: if any rank got a signal, ask the run to stop after this step."""
-        if task.train and task.clock.update % self.every_n_steps == 0:
+        if task.train and task.clock.step % self.every_n_steps == 0:
             self._stop_if_signalled(task)
 
     def on_phase_end(self, task: SSLTask) -> None:

@@ -142,14 +142,14 @@ class StabilityWatch:
         loss = task.loss
         clock = task.clock
         schedule = getattr(loss, "teacher_temp", None)
-        warmup = schedule.warmup_updates if isinstance(schedule, TeacherTemperature) else 0
-        settled = clock.where >= self.settle and clock.update >= warmup
+        warmup = schedule.warmup_steps if isinstance(schedule, TeacherTemperature) else 0
+        settled = clock.where >= self.settle and clock.step >= warmup
         out = []
         for key, message in diagnose(record, prototypes(loss), clock.where, settled).items():
             if key in self.warned:
                 continue
             self.warned.add(key)
-            logger.warning("stability (step %d): %s", task.clock.update, message)
-            out.append({"step": task.clock.update, "epoch": task.clock.epoch, "phase": "warning", "warning": key,
+            logger.warning("stability (step %d): %s", task.clock.step, message)
+            out.append({"step": task.clock.step, "epoch": task.clock.epoch, "phase": "warning", "warning": key,
                         "message": message})
         return out

@@ -170,14 +170,14 @@ class SSLTask:
     config: Any
 
     def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
-                 max_updates: int = 1, guard: UpdateGuard | None = None) -> None:
+                 max_steps: int = 1, guard: UpdateGuard | None = None) -> None:
         for group in (training, data, run or RunInfo()):
             for f in fields(group):
                 setattr(self, f.name, getattr(group, f.name))
         #: Hooks in the order they run: by slot (:class:`~sslkit.events.Slot`), then as given.
         self.hooks = in_order(hooks)
         #: The run's one clock (epoch, step in epoch, optimizer update, micro-batch): what schedules read.
-        self.clock = TrainClock(max_updates=max(1, max_updates), micro_batches=self.micro_batches)
+        self.clock = TrainClock(max_steps=max(1, max_steps), micro_batches=self.micro_batches)
         #: The value of every schedule at the latest update, by name (``lr``, ``weight_decay``,
         #: ``teacher_momentum``, ...): written by whoever computes it, logged at the log interval.
         self.scheduled: dict[str, float] = {}
@@ -242,8 +242,8 @@ class SSLTask:
 
     @property
     def out_of_steps(self) -> bool:
-        """True in a train phase once ``clock.max_updates`` optimizer steps are done."""
-        return self.phase.train and self.clock.update >= self.clock.max_updates
+        """True in a train phase once ``clock.max_steps`` optimizer steps are done."""
+        return self.phase.train and self.clock.step >= self.clock.max_steps
 
     @property
     def batches_per_step(self) -> int:
@@ -286,7 +286,7 @@ class SSLTask:
         open its iterator."""
         per_step = self.batches_per_step
         position_loader(self.loader, self.seed, self.epoch, start_batch=self.clock.step_in_epoch * per_step,
-                        update=self.clock.update if self.train else None, batches_per_update=per_step)
+                        update=self.clock.step if self.train else None, batches_per_update=per_step)
         self.phase_done = False
         self.clock.epoch = self.epoch
         self.clock.micro_batch = 0
@@ -295,7 +295,7 @@ class SSLTask:
 
     def end_phase(self, exhausted: bool = True) -> None:
         """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut
-        short by ``clock.max_updates`` is not: a checkpoint keeps its position inside it, so a run lengthened
+        short by ``clock.max_steps`` is not: a checkpoint keeps its position inside it, so a run lengthened
         later (a larger ``optim.max_steps``) goes on from that very step."""
         per_phase = self.steps_per_phase
         self.phase_done = exhausted or (per_phase is not None and self.clock.step_in_epoch >= per_phase)

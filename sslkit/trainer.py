@@ -16,7 +16,7 @@ def train(task: SSLTask, step: Callable[[SSLTask], None]) -> None:
     """Run every remaining phase of ``task`` with the train step ``step``.
 
     Each phase runs until its loader is exhausted (``StopIteration`` from the step) or, in
-    train phases, until ``task.clock.max_updates`` optimizer steps are done; a phase cut that way
+    train phases, until ``task.clock.max_steps`` optimizer steps are done; a phase cut that way
     stays the current one (its position is where a lengthened run goes on). See
     :class:`sslkit.hooks.base.Event` for the order of events.
 
@@ -31,7 +31,7 @@ def train(task: SSLTask, step: Callable[[SSLTask], None]) -> None:
         task.run_hooks(Event.ON_START)
         while not task.done_training:
             if task.out_of_steps:
-                # clock.max_updates reached: the remaining train phases are skipped, and the position stays in
+                # clock.max_steps reached: the remaining train phases are skipped, and the position stays in
                 # the phase that was cut (a run lengthened later goes on from that step); eval phases still run
                 later = [i for i in range(task.phase_idx + 1, len(task.phases)) if not task.phases[i].train]
                 if not later:
@@ -76,4 +76,4 @@ def train(task: SSLTask, step: Callable[[SSLTask], None]) -> None:
 
 def _stop_if_requested(task: SSLTask) -> None:
     if task.stop_requested is not None:
-        raise Preempted(task.stop_requested, task.clock.update, task.stop_checkpoint)
+        raise Preempted(task.stop_requested, task.clock.step, task.stop_checkpoint)

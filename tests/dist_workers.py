@@ -120,7 +120,7 @@ def diverging_ranks(rank: int, world: int) -> None:
 
     class Nudge(SSLHook):
         def on_update(self, task) -> None:
-            if task.rank == 1 and task.clock.update == 1:  # the second optimizer step
+            if task.rank == 1 and task.clock.step == 1:  # the second optimizer step
                 with torch.no_grad():
                     next(task.base_model.parameters()).add_(1e-3)
 

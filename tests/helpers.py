@@ -49,7 +49,7 @@ def make_task(phases: list[Phase], hooks: list[SSLHook], n: int = 6, batch: int 
     return SSLTask(
         Training(model=model, loss=LossModule(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                  lr_schedule=OnProgress(lambda where: 0.1)),
-        DataPlan(loaders={"train": loader, "test": loader}, phases=phases), hooks, max_updates=100,
+        DataPlan(loaders={"train": loader, "test": loader}, phases=phases), hooks, max_steps=100,
     )
 
 
@@ -212,7 +212,7 @@ def per_sample_task(rank: int = 0, world: int = 1, *, manual: bool = False, accu
         Training(model=model, loss=_PerSampleLoss(), optimizer=optimizer, lr_schedule=OnProgress(lambda where: 0.1),
                  global_batch_size=global_batch, micro_batches=accumulate, manual_gradient_reduction=manual),
         DataPlan(loaders={"train": loader}, phases=[Phase(train=True, epoch=0)]), [],
-        run=RunInfo(rank=rank, world_size=world), max_updates=steps,
+        run=RunInfo(rank=rank, world_size=world), max_steps=steps,
     )
 
 

@@ -116,7 +116,7 @@ def killed_at_10_resumes_identically(args: list[str], recipe: str, tmp: Path) ->
     run_main(*args, hooks_override(recipe, {"name": "fault_signal", "step": 10**6}), f"output_dir={ref}")
     kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
     assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
-    assert latest_state(out)["position"]["update"] == 8
+    assert latest_state(out)["position"]["step"] == 8
     assert "checkpoint_000000008.pt" in run_main(*args, kill, f"output_dir={out}").stdout
     assert_identical(latest_state(out), latest_state(ref))
 

@@ -133,7 +133,7 @@ def test_train_step_example_keeps_accumulation(tmp_path: Path, capsys: pytest.Ca
     stdout = _clipped(capsys, doc_steps, out, "config=simclr", "data.batch_size=8", "optim.micro_batches=2",
                       "optim.epochs=2")
     state = _state(out)["position"]
-    assert (state["update"], state["samples"], state["phase_idx"]) == (8, 8 * 16, 2)
+    assert (state["step"], state["samples"], state["phase_idx"]) == (8, 8 * 16, 2)
     assert "epoch 2/2 done" in stdout
 
 
@@ -150,7 +150,7 @@ def test_train_step_example_drops_a_non_finite_update(tmp_path: Path, capsys: py
                       "imports=[doc_steps, sslkit_faults]", "hooks=[{name: fault_nan, step: 2}]", *precision)
     assert "update dropped (non-finite loss)" in stdout
     state = _state(out)
-    assert state["position"]["update"] == 4 and state["position"]["skipped_steps"] == {"non-finite loss": 1}
+    assert state["position"]["step"] == 4 and state["position"]["skipped_steps"] == {"non-finite loss": 1}
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     if precision:
         assert state["scaler"] is not None and state["scaler"]["scale"] < 65536.0  # it backed off at the NaN

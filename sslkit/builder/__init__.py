@@ -40,6 +40,6 @@ def build_task(cfg: DictConfig) -> SSLTask:
                  masking=mask_plan(cfg, parts.trunk)),
         hooks,
         run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=cfg.output_dir, config=cfg),
-        max_updates=data.max_updates,
+        max_steps=data.max_steps,
         guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )

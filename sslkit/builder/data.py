@@ -203,7 +203,7 @@ class TrainData:
     global_batch: int
     steps_per_epoch: int
     epochs: int
-    max_updates: int
+    max_steps: int
     #: the high-resolution phase the loader's transform follows (``hires.*``), or None
     phase: HighResPhase | None = None
 
@@ -232,13 +232,13 @@ def build_train_data(cfg: DictConfig, device: torch.device, world: int) -> Train
     if steps_per_epoch == 0:
         raise _no_step(cfg, len(train_source), batch, world)  # type: ignore[arg-type]
     if cfg.optim.max_steps > 0:
-        max_updates = cfg.optim.max_steps
-        epochs = math.ceil(max_updates / steps_per_epoch)
+        max_steps = cfg.optim.max_steps
+        epochs = math.ceil(max_steps / steps_per_epoch)
     else:
         epochs = cfg.optim.epochs
-        max_updates = epochs * steps_per_epoch
+        max_steps = epochs * steps_per_epoch
     return TrainData(train_source, train_loader, device_augment, device_decoder, workers, pin, batch,
-                     batch * world * accumulate, steps_per_epoch, epochs, max_updates, phase)
+                     batch * world * accumulate, steps_per_epoch, epochs, max_steps, phase)
 
 
 def _no_step(cfg: DictConfig, n: int, batch: int, world: int) -> ConfigError:

@@ -292,7 +292,7 @@ def _optimizer(cfg: DictConfig, model: torch.nn.Module, data: TrainData) -> tupl
                                     patch_embed_lr_mult=o.patch_embed_lr_mult, trunk_lr_mult=o.trunk_lr_mult)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    warmup = min(o.warmup_epochs * data.steps_per_epoch / data.max_updates, 0.999)
+    warmup = min(o.warmup_epochs * data.steps_per_epoch / data.max_steps, 0.999)
     lr_schedule = OnProgress(build_schedule(o.schedule, lr, o.final_lr, warmup_fraction=warmup))
     wd_schedule = OnProgress(build_schedule("cosine", o.weight_decay, o.final_weight_decay)
                              if o.final_weight_decay is not None else build_schedule("constant", o.weight_decay))

@@ -1,6 +1,6 @@
 """Sharded checkpoints: torch.distributed.checkpoint folders that every rank writes its part of, read into any layout.
 
-A sharded checkpoint is a folder ``checkpoint_<iteration>/`` beside the single-file ones. In it, each rank's
+A sharded checkpoint is a folder ``checkpoint_<step>/`` beside the single-file ones. In it, each rank's
 ``__<rank>_0.distcp`` holds its shards of the model and the optimizer (each parameter written once, by the rank
 that holds it), and ``.metadata`` says where every piece lies. ``.metadata`` is written last, by rank 0 once every
 rank's files are complete (torch writes it to a temporary name and renames it): a folder without it is a save

@@ -71,7 +71,7 @@ def _run_state(task: SSLTask, gather_rng: bool) -> dict[str, Any]:
         "position": {
             "phase_idx": phase_idx,
             "step_in_epoch": steps,
-            "update": task.clock.update,
+            "step": task.clock.step,
             "samples": task.clock.samples,
             "stage": task.clock.stage,
             **task.guard.state_dict(),
@@ -147,7 +147,7 @@ def restore(task: SSLTask, state: dict[str, Any]) -> None:
 def _restore_position(task: SSLTask, pos: dict[str, Any]) -> None:
     task.phase_idx = pos["phase_idx"]
     task.clock.step_in_epoch = pos["step_in_epoch"]
-    task.clock.update = pos["update"]
+    task.clock.step = pos["step"]
     task.clock.samples = pos["samples"]
     task.clock.stage = pos["stage"]
     task.guard.load_state_dict(pos)

@@ -47,7 +47,7 @@ class CheckpointHook(SSLHook):
         self.checkpointer = Checkpointer(output_dir, keep_last, sharded=sharded, async_save=async_save)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
-        self._saved: tuple[int, dict[str, Any]] | None = None  # iteration and hook states of the last save
+        self._saved: tuple[int, dict[str, Any]] | None = None  # step and hook states of the last save
         self._saved_path: str | None = None
 
     def save(self, task: SSLTask, why: str, wait: bool = True) -> str | None:
@@ -61,14 +61,14 @@ class CheckpointHook(SSLHook):
         task.guard.check(task)
         task.run_hooks(Event.BEFORE_CHECKPOINT)
         path, hooks = self.checkpointer.save(task, why, wait)
-        self._saved = (task.clock.update, hooks)
+        self._saved = (task.clock.step, hooks)
         self._saved_path = path
         return path
 
     def save_once(self, task: SSLTask, why: str) -> str | None:
         """:meth:`save`, unless the checkpoint of this step with these hook states is written already
         (e.g. at the end of an epoch): then its path (rank 0) is returned and nothing is written."""
-        if self._saved is not None and self._saved[0] == task.clock.update and not self._changed(task):
+        if self._saved is not None and self._saved[0] == task.clock.step and not self._changed(task):
             return self._saved_path
         return self.save(task, why)
 
@@ -81,14 +81,14 @@ class CheckpointHook(SSLHook):
     def on_start(self, task: SSLTask) -> None:
         """A resumed run stands where its checkpoint was written: nothing to save there again unless a hook's
         state changes (a finished run started again writes nothing)."""
-        if task.clock.update > 0:
-            self._saved = (task.clock.update, self.checkpointer.hook_states(task))
+        if task.clock.step > 0:
+            self._saved = (task.clock.step, self.checkpointer.hook_states(task))
             self._saved_path = self.checkpointer.latest() if is_primary() else None
 
     def on_step(self, task: SSLTask) -> None:
         """Save at the step interval (train phases), and when the run is asked to stop."""
-        if task.train and self.every_n_steps > 0 and task.clock.update % self.every_n_steps == 0:
-            self.save(task, f"step {task.clock.update}", wait=False)
+        if task.train and self.every_n_steps > 0 and task.clock.step % self.every_n_steps == 0:
+            self.save(task, f"step {task.clock.step}", wait=False)
         self._save_for_stop(task)
 
     def _save_for_stop(self, task: SSLTask) -> None:
@@ -106,7 +106,7 @@ class CheckpointHook(SSLHook):
         if is_primary() or is_sharded(task.model):  # under FSDP2 the model is gathered: every rank takes part
             state = self.checkpointer.state(task, gather_rng=False)
         if is_primary():
-            exc.crash_path = self.checkpointer.write_crash(state, task.clock.update, exc.message)
+            exc.crash_path = self.checkpointer.write_crash(state, task.clock.step, exc.message)
         exc.resume_from = self.checkpointer.latest()
         exc.checked_checkpoints = True
 
@@ -124,7 +124,7 @@ class CheckpointHook(SSLHook):
         """Save the final state, with the results of the hooks that ran at the end (kNN), unless the
         checkpoint of this step already holds it."""
         self.checkpointer.finish_pending()
-        if self._saved is not None and self._saved[0] == task.clock.update:
+        if self._saved is not None and self._saved[0] == task.clock.step:
             changed = self._changed(task)
             if not changed:
                 return

@@ -49,13 +49,13 @@ class ConsistencyCheckHook(SSLHook):
     def on_step(self, task: SSLTask) -> None:
         """Compare the checksums at the interval (train phases, several ranks only)."""
         if not (task.train and is_distributed() and self.every_n_steps > 0
-                and task.clock.update % self.every_n_steps == 0):
+                and task.clock.step % self.every_n_steps == 0):
             return
         sums = gather_no_grad(parameter_checksum(task.base_model)[None]).cpu()
         diverged = [r for r in range(1, sums.shape[0]) if not torch.equal(sums[r], sums[0])]
         if diverged:
             raise RanksDivergedError(
-                f"step {task.clock.update}: the parameters of rank(s) {diverged} differ from rank 0 "
+                f"step {task.clock.step}: the parameters of rank(s) {diverged} differ from rank 0 "
                 f"(checksums {sums.tolist()}). Data-parallel replicas must stay identical: look for a "
                 "custom step or hook that updates weights differently on each rank."
             )

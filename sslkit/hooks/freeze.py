@@ -16,7 +16,7 @@ class FreezeParametersHook(SSLHook):
     """Drop the gradients of named parameters while they are frozen, after backward (``on_backward``).
 
     Each entry ``(names, unit, n)`` freezes the parameters ``names`` (full names in the model, without a DDP
-    wrapper's prefix) while ``task.clock.update < n`` (``unit`` ``steps``) or ``task.clock.epoch < n``
+    wrapper's prefix) while ``task.clock.step < n`` (``unit`` ``steps``) or ``task.clock.epoch < n``
     (``epochs``). A dropped gradient is ``None``, as DINO's ``cancel_gradients_last_layer`` leaves it, so
     the optimizer skips the parameter altogether: no update, no weight decay, no moment estimates; the
     gradient norm and its clipping (``optim.clip_grad``, in the update stage, after this hook) leave it
@@ -37,7 +37,7 @@ class FreezeParametersHook(SSLHook):
         """The names frozen at the clock's current update and epoch."""
         out: list[str] = []
         for names, unit, n in self.entries:
-            now = task.clock.update if unit == "steps" else task.clock.epoch
+            now = task.clock.step if unit == "steps" else task.clock.epoch
             if now < n:
                 out += names
         return out

@@ -101,9 +101,9 @@ class KNNHook(SSLHook):
 
     def _report(self, task: SSLTask, results: dict[str, float], prefix: str = "") -> None:
         """Log the results (with the k they were computed with) and write them to the sinks."""
-        record: dict[str, Any] = {"step": task.clock.update, "epoch": task.epoch, "phase": "eval"}
+        record: dict[str, Any] = {"step": task.clock.step, "epoch": task.epoch, "phase": "eval"}
         record.update({prefix + key: v for key, v in results.items()})
-        logger.info("kNN at step %d (k=%d, T=%g) %s", task.clock.update, self._used_k, self.temperature,
+        logger.info("kNN at step %d (k=%d, T=%g) %s", task.clock.step, self._used_k, self.temperature,
                     ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith(prefix + "knn")))
         for sink in self.sinks:
             sink.write(record)
@@ -114,7 +114,7 @@ class KNNHook(SSLHook):
         (centred). At the first phase start, not ``on_start``, so every hook is set up by then (the
         pre-emption handlers too: a Ctrl-C during the baselines stops after the first step, with a
         checkpoint)."""
-        if (not self.baselines or task.clock.update > 0 or task.phase_idx > 0 or task.clock.step_in_epoch > 0
+        if (not self.baselines or task.clock.step > 0 or task.phase_idx > 0 or task.clock.step_in_epoch > 0
                 or "random_init_knn_top1" in self.results):
             return
         self._baseline(task, "random_init_", self.evaluate(task))
@@ -152,13 +152,13 @@ class KNNHook(SSLHook):
         """The final evaluation, once per trained state: a finished run started again reports the stored
         result only if it was computed at this very step with the same settings; a lengthened run (or
         new eval.knn settings) evaluates again."""
-        if self.done and self.step == task.clock.update and self.done_with == self.settings:
+        if self.done and self.step == task.clock.step and self.done_with == self.settings:
             logger.info("kNN already evaluated for this run at step %d: %s", self.step,
                         ", ".join(f"{k} {v:.4f}" for k, v in self.results.items() if k.startswith("knn")))
             return
         final = self.evaluate(task)
         self.results.update(final)
-        self.done, self.step, self.done_with = True, task.clock.update, self.settings
+        self.done, self.step, self.done_with = True, task.clock.step, self.settings
         self._report(task, final)
 
     def state_dict(self) -> dict[str, Any]:

@@ -114,7 +114,7 @@ class LogHook(SSLHook):
         self._t_last = 0.0
         self._samples_since = 0
         self._t_start = _now()  # this process's start of the run (reset in on_start), and its first step
-        self._iteration_at_start = 0
+        self._step_at_start = 0
         self._train_epochs = 0
         self._epoch_t0 = 0.0
         self._epoch_samples = 0
@@ -128,26 +128,26 @@ class LogHook(SSLHook):
     def on_start(self, task: SSLTask) -> None:
         """Start the clock and the run's progress bar; log what is about to run."""
         self._t_start = _now()
-        self._iteration_at_start = task.clock.update
+        self._step_at_start = task.clock.step
         self._train_epochs = len({p.epoch for p in task.phases if p.train})
         if self.progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=task.clock.max_updates, initial=task.clock.update, unit="step", dynamic_ncols=True,
+            self._bar = tqdm(total=task.clock.max_steps, initial=task.clock.step, unit="step", dynamic_ncols=True,
                              desc="train", file=self.bar_file or sys.stderr, leave=True)
             self._route_through_tqdm()
         self._announced = False
         for message in self.stability.start(task):
             for sink in self.sinks:
-                sink.write({"step": task.clock.update, "epoch": task.epoch, "phase": "warning",
+                sink.write({"step": task.clock.step, "epoch": task.epoch, "phase": "warning",
                             "warning": "fp16_low_temperature", "message": message})
         if task.phase_idx or task.clock.step_in_epoch:
-            logger.info("resumed at phase %d, step %d of it, iteration %d",
-                        task.phase_idx, task.clock.step_in_epoch, task.clock.update)
+            logger.info("resumed at phase %d, step %d of it, step %d of the run",
+                        task.phase_idx, task.clock.step_in_epoch, task.clock.step)
             for sink in self.sinks:
-                if isinstance(sink, JsonlSink) and (dropped := sink.truncate_after(task.clock.update)):
+                if isinstance(sink, JsonlSink) and (dropped := sink.truncate_after(task.clock.step)):
                     logger.info("dropped %d records of steps after %d from %s: this run logs them again",
-                                dropped, task.clock.update, sink.path)
+                                dropped, task.clock.step, sink.path)
 
     def on_phase_start(self, task: SSLTask) -> None:
         """Reset timers and meters, and the train epoch's totals; before the first phase, log what is about to run.
@@ -160,7 +160,7 @@ class LogHook(SSLHook):
             logger.info(
                 "training %d phases, %d optimizer steps, global batch %d, %.2fM trainable parameters, "
                 "device %s, AMP %s; output in %s",
-                len(task.phases), task.clock.max_updates, task.global_batch_size, n_params / 1e6,
+                len(task.phases), task.clock.max_steps, task.global_batch_size, n_params / 1e6,
                 task.device, task.amp_dtype or "off", task.output_dir,
             )
         task.perf_stats.reset()
@@ -184,9 +184,9 @@ class LogHook(SSLHook):
         self._samples_since += task.global_batch_size
         if task.train:
             self._epoch_samples += task.global_batch_size
-            if self._bar is not None and task.clock.update > self._bar.n:
-                self._bar.update(task.clock.update - self._bar.n)
-        if task.train and task.clock.update % self.every_n_steps == 0:
+            if self._bar is not None and task.clock.step > self._bar.n:
+                self._bar.update(task.clock.step - self._bar.n)
+        if task.train and task.clock.step % self.every_n_steps == 0:
             self._emit(task)
 
     def on_phase_end(self, task: SSLTask) -> None:
@@ -199,7 +199,7 @@ class LogHook(SSLHook):
             logger.warning(report)
             totals = self.unreadable.totals()
             for sink in self.sinks:
-                sink.write({"step": task.clock.update, "epoch": task.epoch, "phase": "train" if task.train else "eval",
+                sink.write({"step": task.clock.step, "epoch": task.epoch, "phase": "train" if task.train else "eval",
                             "unreadable_samples": totals.skipped, "samples": totals.seen,
                             "batches_without_readable_sample": totals.empty_batches})
         self.unreadable.check_all_unreadable(task.epoch)
@@ -252,10 +252,10 @@ class LogHook(SSLHook):
         """Seconds since this process started the run, and the estimated seconds left (None before a
         step is timed): optimizer steps left x the mean time per step so far in this process."""
         elapsed = now - self._t_start
-        done = task.clock.update - self._iteration_at_start
+        done = task.clock.step - self._step_at_start
         if done <= 0:
             return elapsed, None
-        return elapsed, max(task.clock.max_updates - task.clock.update, 0) * elapsed / done
+        return elapsed, max(task.clock.max_steps - task.clock.step, 0) * elapsed / done
 
     def _epoch_line(self, task: SSLTask) -> str:
         now = _now()
@@ -265,7 +265,7 @@ class LogHook(SSLHook):
         total = self._train_epochs
         per_epoch = task.steps_per_phase
         if per_epoch:  # max_steps may end the run before the last train phase
-            total = min(total, -(-task.clock.max_updates // per_epoch))
+            total = min(total, -(-task.clock.max_steps // per_epoch))
         total = max(total, task.epoch + 1)
         return (f"epoch {task.epoch + 1}/{total} done:{shown} lr {task.optimizer.param_groups[0]['lr']:.4g} "
                 f"{self._epoch_samples / max(now - self._epoch_t0, 1e-9):.0f} img/s, "
@@ -282,7 +282,7 @@ class LogHook(SSLHook):
         loss = values[0]
         elapsed, eta = self._timing(task, now)
         record: dict[str, Any] = {
-            "step": task.clock.update,
+            "step": task.clock.step,
             "epoch": task.epoch,
             "phase": "train" if task.train else "eval",
             "loss": loss,
@@ -309,7 +309,7 @@ class LogHook(SSLHook):
                 sink.write(warning)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{record['img_per_s']:.0f}", refresh=False)
-        logger.info(f"epoch {record['epoch']} step {record['step']}/{task.clock.max_updates} loss {loss:.4f} "
+        logger.info(f"epoch {record['epoch']} step {record['step']}/{task.clock.max_steps} loss {loss:.4f} "
                     f"lr {record['lr']:.4g} {record['img_per_s']:.0f} img/s, elapsed {format_duration(elapsed)}, "
                     f"ETA {format_duration(eta)}")
 

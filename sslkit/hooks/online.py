@@ -111,7 +111,7 @@ class OnlineMonitorHook(SSLHook):
             pass
         if self.probe is not None:
             self._train_probe(feats, task.last_batch.sample["target"])
-        if (task.clock.update + 1) % self.every_n_steps == 0:
+        if (task.clock.step + 1) % self.every_n_steps == 0:
             for key, buf in self._buffers.items():
                 rows = min(self._filled[key], self.rankme_samples)
                 if rows >= 2:
@@ -153,7 +153,7 @@ class OnlineMonitorHook(SSLHook):
             return
         correct, seen = (all_reduce_sum(torch.stack([self.correct, self.seen])).tolist() if get_world_size() > 1
                          else (self.correct.item(), self.seen.item()))
-        record: dict[str, Any] = {"step": task.clock.update, "epoch": task.epoch, "phase": "eval"}
+        record: dict[str, Any] = {"step": task.clock.step, "epoch": task.epoch, "phase": "eval"}
         if seen:
             record["online_linear_top1"] = correct / seen
         if self.test_loader is not None:

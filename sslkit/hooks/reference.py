@@ -67,7 +67,7 @@ class ReferenceSetsHook(SSLHook):
         self.start: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         self.below: dict[str, bool] = {}
-        self.last_update = -1
+        self.last_step = -1
 
     def evaluate(self, task: SSLTask) -> dict[str, float]:
         """Every set's kNN top-1 of the trunk now (nothing drawn from the training's random streams)."""
@@ -85,11 +85,11 @@ class ReferenceSetsHook(SSLHook):
 
     def _record(self, task: SSLTask) -> None:
         """Evaluate, log, write to the sinks and warn: once per optimizer update."""
-        update = task.clock.update
-        if update == self.last_update:
+        update = task.clock.step
+        if update == self.last_step:
             return
         found = self.evaluate(task)
-        self.last_update = update
+        self.last_step = update
         if not self.start:
             self.start = dict(found)
         record: dict[str, Any] = {"step": update, "epoch": task.epoch, "phase": "eval"}
@@ -115,12 +115,12 @@ class ReferenceSetsHook(SSLHook):
 
     def on_phase_start(self, task: SSLTask) -> None:
         """The start figures, before the first update of a fresh run."""
-        if task.train and not self.start and task.clock.update == 0:
+        if task.train and not self.start and task.clock.step == 0:
             self._record(task)
 
     def on_update(self, task: SSLTask) -> None:
         """After every ``every_n_steps`` optimizer updates."""
-        if self.every_n_steps > 0 and task.clock.update % self.every_n_steps == 0:
+        if self.every_n_steps > 0 and task.clock.step % self.every_n_steps == 0:
             self._record(task)
 
     def on_end(self, task: SSLTask) -> None:
@@ -129,12 +129,12 @@ class ReferenceSetsHook(SSLHook):
 
     def state_dict(self) -> dict[str, Any]:
         """The start values, the last evaluated update, the figures so far and which sets are below the line."""
-        return {"start": dict(self.start), "last_update": self.last_update, "history": list(self.history),
+        return {"start": dict(self.start), "last_step": self.last_step, "history": list(self.history),
                 "below": dict(self.below)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.start = dict(state["start"])
-        self.last_update = int(state["last_update"])
+        self.last_step = int(state["last_step"])
         self.history = list(state["history"])
         self.below = dict(state["below"])

@@ -30,9 +30,9 @@ class HighResolutionHook(SSLHook):
 
     def on_start(self, task: SSLTask) -> None:
         """Set the clock's stage for the update the run starts at, and say what is coming."""
-        task.clock.stage = self.phase.stage(task.clock.update)
+        task.clock.stage = self.phase.stage(task.clock.step)
         logger.info("high-resolution phase from update %d (now %s, update %d): global crops %s, local %s, teacher %s, "
-                    "drawn per update with ratios %s", self.phase.start_step, task.clock.stage, task.clock.update,
+                    "drawn per update with ratios %s", self.phase.start_step, task.clock.stage, task.clock.step,
                     list(self.phase.global_sizes), list(self.phase.local_sizes), list(self.phase.teacher_sizes),
                     list(self.phase.ratios))
 
@@ -41,9 +41,9 @@ class HighResolutionHook(SSLHook):
         if not task.train or task.last_batch is None:
             return
         clock = task.clock
-        clock.stage = self.phase.stage(clock.update)
-        if clock.update == self.phase.start_step and clock.micro_batch == 0:
-            logger.info("high-resolution phase: update %d trains on the phase's crops", clock.update)
+        clock.stage = self.phase.stage(clock.step)
+        if clock.step == self.phase.start_step and clock.micro_batch == 0:
+            logger.info("high-resolution phase: update %d trains on the phase's crops", clock.step)
         sample = task.last_batch.sample
         task.scheduled["crop_size"] = float(sample["input"][0].shape[-1])
         if sample.get("teacher_input"):

@@ -318,8 +318,8 @@ def recipe_check(recipe: str, device: str, steps: int, root: str) -> Check:
                      f"error; python tools/audit.py config={recipe} checks its step for CUDA hazards on any CPU")
     seconds = time.perf_counter() - t0
     loss = float(task.last_batch.loss.detach().float().cpu()) if task.last_batch.loss is not None else math.nan
-    if task.clock.update != steps or not math.isfinite(loss):
-        return Check(f"recipe {recipe}", "FAILED", f"{task.clock.update} of {steps} updates, last loss {loss}",
+    if task.clock.step != steps or not math.isfinite(loss):
+        return Check(f"recipe {recipe}", "FAILED", f"{task.clock.step} of {steps} updates, last loss {loss}",
                      "a non-finite loss on this device: report it with the output of sslkit doctor")
     return Check(f"recipe {recipe}", "ok", f"{steps} updates on {task.device}, last loss {loss:.4f}, "
                                            f"{seconds / steps:.2f} s per update (build included)")
@@ -350,8 +350,8 @@ def paper_check(recipe: str, device: str, steps: int, root: str) -> Check:
                                                 "error")
     seconds = time.perf_counter() - t0
     loss = float(task.last_batch.loss.detach().float().cpu()) if task.last_batch.loss is not None else math.nan
-    if task.clock.update != steps or not math.isfinite(loss):
-        return Check(name, "FAILED", f"{task.clock.update} of {steps} updates, last loss {loss}",
+    if task.clock.step != steps or not math.isfinite(loss):
+        return Check(name, "FAILED", f"{task.clock.step} of {steps} updates, last loss {loss}",
                      "a non-finite loss on this device: report it with the output of sslkit doctor")
     peak, total = torch.cuda.max_memory_allocated(), torch.cuda.mem_get_info()[1]
     return Check(name, "ok", f"{steps} updates of data.batch_size={task.global_batch_size} at 224 px, last loss "

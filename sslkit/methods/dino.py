@@ -184,12 +184,12 @@ def dino_loss(
 
 
 def dino_temperatures(student_temp: float, teacher_temp: float, warmup_teacher_temp: float,
-                      warmup_updates: int = 0, warmup_epochs: float = 0.0) -> tuple[float, TeacherTemperature]:
+                      warmup_steps: int = 0, warmup_epochs: float = 0.0) -> tuple[float, TeacherTemperature]:
     """The student temperature and the teacher's :class:`TeacherTemperature` of a DINO-family loss (DINO's, and
     the CLS term of iBOT's and DINOv2's), all of them checked > 0."""
     if min(student_temp, teacher_temp, warmup_teacher_temp) <= 0:
         raise ValueError("dino temperatures must be > 0")
-    return float(student_temp), TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_updates, warmup_epochs)
+    return float(student_temp), TeacherTemperature(teacher_temp, warmup_teacher_temp, warmup_steps, warmup_epochs)
 
 
 def dino_teacher_probs(teacher: Sequence[torch.Tensor], center: torch.Tensor, teacher_temp: float) -> torch.Tensor:
@@ -240,7 +240,7 @@ class DINOLoss(nn.Module):
 
     Both pieces of state run on the training clock (``ctx.clock``, :class:`~sslkit.clock.TrainClock`):
 
-    * the teacher temperature is :func:`teacher_temp_at` of ``ctx.clock.update``, the optimizer
+    * the teacher temperature is :func:`teacher_temp_at` of ``ctx.clock.step``, the optimizer
       updates done, so with gradient accumulation every micro-batch of an update uses the value a
       run with the whole batch uses; it is published as the scheduled value ``teacher_temp``;
     * the centre (``center``, a :class:`~sslkit.methods.center.Center` of ``[1, out_dim]``) moves once per
@@ -276,7 +276,7 @@ class DINOLoss(nn.Module):
 
     def forward(self, output: dict[str, Any], sample: dict[str, Any],
                 ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
-        """The loss of this batch at ``ctx.clock.update``; on train forwards, the centre moves once per update."""
+        """The loss of this batch at ``ctx.clock.step``; on train forwards, the centre moves once per update."""
         student, teacher = output["projections"], output["targets"]
         if teacher[0].shape[-1] != self.out_dim:
             raise ValueError(f"dino loss out_dim={self.out_dim} but the head gives {teacher[0].shape[-1]}: "

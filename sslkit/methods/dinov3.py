@@ -206,7 +206,7 @@ class GramTeacherHook(SSLHook):
     """When the Gram teacher changes: a snapshot of the EMA teacher before update ``start_step`` and every
     ``every`` updates after it (0: never again), at most ``max_refreshes`` times after the first
     (:func:`~sslkit.methods.gram.gram_snapshot_at`; DINOv3's ``it_load_ema_teacher``, ``update_frequency`` and
-    ``max_updates``); with ``teacher=file`` the first Gram teacher is read from ``checkpoint`` when the run starts
+    ``max_steps``); with ``teacher=file`` the first Gram teacher is read from ``checkpoint`` when the run starts
     and the refreshes follow; with ``teacher=ema`` nothing is copied. From ``start_step`` on the model gives the
     Gram fields (:attr:`DINOv3Model.gram_active`).
 
@@ -221,7 +221,7 @@ class GramTeacherHook(SSLHook):
                  teacher: str = "snapshot", checkpoint: str | None = None) -> None:
         self.start, self.every, self.max_refreshes = int(start_step), int(every), max_refreshes
         self.teacher, self.checkpoint = teacher, checkpoint
-        #: the last clock value (``clock.update``) whose snapshot was decided; -1 before the run's first
+        #: the last clock value (``clock.step``) whose snapshot was decided; -1 before the run's first
         self.handled = -1
         #: the updates before which the Gram teacher became a snapshot (``-1``: read from ``checkpoint``)
         self.snapshots: list[int] = []
@@ -231,21 +231,21 @@ class GramTeacherHook(SSLHook):
         (a resumed run whose snapshot was not written yet takes it here)."""
         model = self._model(task)
         clock = task.clock
-        if self.start >= clock.max_updates:
-            raise GramError(f"gram.start_step={self.start} is after the run's last update ({clock.max_updates} "
-                            f"updates: updates 0 to {clock.max_updates - 1}): the Gram loss would never run. Lower "
+        if self.start >= clock.max_steps:
+            raise GramError(f"gram.start_step={self.start} is after the run's last update ({clock.max_steps} "
+                            f"updates: updates 0 to {clock.max_steps - 1}): the Gram loss would never run. Lower "
                             "gram.start_step or lengthen the run (optim.epochs, optim.max_steps)")
-        if clock.update == 0 and self.handled < 0 and self.teacher == "file" and model.gram_trunk is not None:
+        if clock.step == 0 and self.handled < 0 and self.teacher == "file" and model.gram_trunk is not None:
             load_trunk(model.gram_trunk, str(self.checkpoint), "gram.checkpoint")
             self.snapshots.append(-1)
             logger.info("gram_teacher: the Gram teacher read from gram.checkpoint=%s", self.checkpoint)
-        self._advance(model, clock.update)
+        self._advance(model, clock.step)
 
     def on_step(self, task: SSLTask) -> None:
         """After a train step (its EMA update done): the snapshot due before the next update, if one is."""
         clock = task.clock
-        if task.train and clock.update < clock.max_updates:  # no snapshot after the last update
-            self._advance(self._model(task), clock.update)
+        if task.train and clock.step < clock.max_steps:  # no snapshot after the last update
+            self._advance(self._model(task), clock.step)
 
     def _advance(self, model: DINOv3Model, update: int) -> None:
         """The clock reads ``update`` (the next update to run): the Gram loss is on from the start; the snapshot due

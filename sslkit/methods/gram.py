@@ -118,7 +118,7 @@ def gram_snapshot_at(update: int, start: int, every: int = 0, max_refreshes: int
     """True when the Gram teacher becomes a snapshot of the EMA teacher before ``update`` (0-based): at ``start``,
     the first update with the Gram loss, then every ``every`` updates (0: never again), at most ``max_refreshes``
     times after the first. DINOv3's ViT-7B Gram stage (``dinov3_vit7b16_gram_anchor.yaml``: ``it_first_update``
-    1,010,000, ``update_frequency`` 10,000, ``max_updates`` 3, from a checkpoint at 1,000,000) is ``start``
+    1,010,000, ``update_frequency`` 10,000, ``max_steps`` 3, from a checkpoint at 1,000,000) is ``start``
     1,000,000, ``every`` 10,000, ``max_refreshes`` 3: snapshots before updates 1.01, 1.02 and 1.03 million."""
     if update < start:
         return False

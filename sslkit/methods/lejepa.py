@@ -108,7 +108,7 @@ class LeJEPALoss(nn.Module):
 
     Config: ``loss: {name: lejepa, num_global, lambd, num_slices, knots, t_max}``. Paper: ``lambd`` 0.05,
     2 global + 8 local views, 1024 slices ("starting points"); reference code: 17 knots on ``[0, 3]``. The
-    slice directions are a schedule on the training clock (:func:`slice_directions` of ``ctx.clock.update``);
+    slice directions are a schedule on the training clock (:func:`slice_directions` of ``ctx.clock.step``);
     called without a context (a bare call) the loss is at update 0. Logs ``invariance`` and ``sigreg``
     (detached).
     """
@@ -134,7 +134,7 @@ class LeJEPALoss(nn.Module):
     def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
         """The loss and its two terms for this step's views."""
         z = output["projections"]
-        update = ctx.clock.update if ctx is not None else 0
+        update = ctx.clock.step if ctx is not None else 0
         directions = slice_directions(z[0].shape[1], self.num_slices, update, z[0].device)
         with torch.autocast(z[0].device.type, enabled=False):
             out = lejepa_loss(z, self.num_global, directions, self.t, self.weights, self.lambd, self.gather)

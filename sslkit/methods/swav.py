@@ -131,7 +131,7 @@ class SwAVLoss(nn.Module):
     * extra state ``queue_filled`` (valid queue rows) and the collapse check's open window.
 
     The queue starts filling at optimizer update ``queue_start_step`` of the training clock
-    (``ctx.clock.update``: with gradient accumulation, the same update as a run with the whole
+    (``ctx.clock.step``: with gradient accumulation, the same update as a run with the whole
     batch) and is used once full (the reference starts it at epoch 15 of 800 with batch 256).
     Every train micro-batch then pushes its embeddings. State advances only on train forwards:
     the loss module in training mode with gradients enabled (the stages' train phases); eval
@@ -226,7 +226,7 @@ class SwAVLoss(nn.Module):
                              f"{len(scores)} crops")
         loss = swapped_prediction_loss(scores, self.codes(output), self.crops_for_assign, self.temperature)
         if self.training and torch.is_grad_enabled():
-            self._advance(output, loss, scores[0].shape[1], ctx.clock.update if ctx is not None else 0)
+            self._advance(output, loss, scores[0].shape[1], ctx.clock.step if ctx is not None else 0)
         return loss
 
     @torch.no_grad()
@@ -272,7 +272,7 @@ class SwAVPrototypesHook(SSLHook):
 
     * ``on_start`` and ``on_update``: L2-normalise the rows of the prototype weight (the
       reference normalises before every forward; after every update is the same thing).
-    * ``on_backward``: while ``task.clock.update < freeze_prototypes_steps`` (optimizer updates),
+    * ``on_backward``: while ``task.clock.step < freeze_prototypes_steps`` (optimizer updates),
       drop the prototypes' gradient (``grad = None``, as the reference code does), so the optimizer skips them:
       no step, no momentum, no weight decay (paper: 313 iterations, the first ImageNet epoch at
       batch 4096).
@@ -304,12 +304,12 @@ class SwAVPrototypesHook(SSLHook):
         """Normalise the prototypes once before a fresh run. Not after a resume: the checkpointed
         prototypes were normalised by the last ``on_update``, and normalising again is not exact in
         floating point (the last bits move), so a resumed run would drift from an uninterrupted one."""
-        if task.clock.update == 0:
+        if task.clock.step == 0:
             self._normalize(task)
 
     def on_backward(self, task: SSLTask) -> None:
         """Drop the prototypes' gradient during the first ``freeze_prototypes_steps`` steps."""
-        if task.clock.update < self.freeze_prototypes_steps:
+        if task.clock.step < self.freeze_prototypes_steps:
             for p in self._layer(task).parameters():
                 p.grad = None
 

@@ -29,7 +29,7 @@ class ClockSchedule(ABC):
     """A value that changes with every optimizer update, read off the run's :class:`~sslkit.clock.TrainClock` with
     :meth:`at`: the one way every schedule is asked (the update stage for the lr and weight decay, the momentum
     hook for the teacher momentum, the DINO-family losses for their teacher temperatures), so each is written once
-    here, in the clock's unit its paper uses: progress ``clock.where`` or updates ``clock.update``."""
+    here, in the clock's unit its paper uses: progress ``clock.where`` or updates ``clock.step``."""
 
     @abstractmethod
     def at(self, clock: TrainClock) -> float:
@@ -129,35 +129,35 @@ def scaled_lr(
     return base_lr
 
 
-def teacher_temp_at(iteration: int, warmup_teacher_temp: float, teacher_temp: float, warmup_iters: int) -> float:
-    """Teacher temperature at optimizer update ``iteration`` (0-based): linear from ``warmup_teacher_temp``
-    to ``teacher_temp`` over ``warmup_iters`` updates, then constant (DINO, appendix: 0.04 ->
+def teacher_temp_at(step: int, warmup_teacher_temp: float, teacher_temp: float, warmup_steps: int) -> float:
+    """Teacher temperature at optimizer update ``step`` (0-based): linear from ``warmup_teacher_temp``
+    to ``teacher_temp`` over ``warmup_steps`` updates, then constant (DINO, appendix: 0.04 ->
     0.07 over the first 30 epochs; the reference moves once per epoch, this once per update)."""
-    if warmup_iters <= 0 or iteration >= warmup_iters:
+    if warmup_steps <= 0 or step >= warmup_steps:
         return float(teacher_temp)
-    return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * iteration / warmup_iters)
+    return float(warmup_teacher_temp + (teacher_temp - warmup_teacher_temp) * step / warmup_steps)
 
 
 class TeacherTemperature(ClockSchedule):
     """A teacher temperature on the training clock's updates: :func:`teacher_temp_at` from ``warmup`` to ``final``
-    over ``warmup_updates`` optimizer updates, or ``warmup_epochs`` epochs (the papers' unit: DINO's and DINOv2's
+    over ``warmup_steps`` optimizer updates, or ``warmup_epochs`` epochs (the papers' unit: DINO's and DINOv2's
     30), which :meth:`set_epoch_length` turns into updates once the run's length is known."""
 
-    def __init__(self, final: float, warmup: float, warmup_updates: int = 0, warmup_epochs: float = 0.0) -> None:
-        if warmup_updates > 0 and warmup_epochs > 0:
+    def __init__(self, final: float, warmup: float, warmup_steps: int = 0, warmup_epochs: float = 0.0) -> None:
+        if warmup_steps > 0 and warmup_epochs > 0:
             raise ValueError("give the teacher temperature warm-up in updates (loss.warmup_teacher_temp_steps) or in "
                              "epochs (loss.warmup_teacher_temp_epochs), not both")
         self.final, self.warmup = float(final), float(warmup)
-        self.warmup_updates, self.warmup_epochs = int(warmup_updates), float(warmup_epochs)
+        self.warmup_steps, self.warmup_epochs = int(warmup_steps), float(warmup_epochs)
 
     def set_epoch_length(self, updates: int) -> None:
         """The run's optimizer updates per epoch: a warm-up given in epochs becomes updates."""
         if self.warmup_epochs > 0:
-            self.warmup_updates = max(1, round(self.warmup_epochs * updates))
+            self.warmup_steps = max(1, round(self.warmup_epochs * updates))
 
     def at(self, clock: TrainClock) -> float:
-        """The temperature at the clock's optimizer update ``clock.update``."""
-        return teacher_temp_at(clock.update, self.warmup, self.final, self.warmup_updates)
+        """The temperature at the clock's optimizer update ``clock.step``."""
+        return teacher_temp_at(clock.step, self.warmup, self.final, self.warmup_steps)
 
 
 def momentum_at(where: float, base: float, final: float = 1.0, schedule: str = "cosine") -> float:
@@ -192,26 +192,26 @@ class TeacherMomentum(ClockSchedule):
 
 class WarmupCosine(ClockSchedule):
     """A value on the training clock's updates, as DINOv3's ``linear_warmup_cosine_decay`` (its Gram loss weight):
-    from ``start`` towards ``peak`` over ``warmup_updates`` (linear, ``peak`` itself not reached), a half cosine
-    from ``peak`` to ``end`` over ``cosine_updates`` (both ends included), then ``end``; before ``offset`` (the
+    from ``start`` towards ``peak`` over ``warmup_steps`` (linear, ``peak`` itself not reached), a half cosine
+    from ``peak`` to ``end`` over ``cosine_steps`` (both ends included), then ``end``; before ``offset`` (the
     update the schedule starts at) ``start``."""
 
-    def __init__(self, start: float, peak: float, end: float, warmup_updates: int, cosine_updates: int,
+    def __init__(self, start: float, peak: float, end: float, warmup_steps: int, cosine_steps: int,
                  offset: int = 0) -> None:
-        if warmup_updates < 0 or cosine_updates < 0:
-            raise ValueError(f"warm-up and cosine lengths must be >= 0, got {warmup_updates} and {cosine_updates}")
+        if warmup_steps < 0 or cosine_steps < 0:
+            raise ValueError(f"warm-up and cosine lengths must be >= 0, got {warmup_steps} and {cosine_steps}")
         self.start, self.peak, self.end = float(start), float(peak), float(end)
-        self.warmup_updates, self.cosine_updates, self.offset = int(warmup_updates), int(cosine_updates), int(offset)
+        self.warmup_steps, self.cosine_steps, self.offset = int(warmup_steps), int(cosine_steps), int(offset)
 
     def at(self, clock: TrainClock) -> float:
-        """The value at ``clock.update``."""
-        i = clock.update - self.offset
+        """The value at ``clock.step``."""
+        i = clock.step - self.offset
         if i < 0:
             return self.start
-        if i < self.warmup_updates:
-            return self.start + (self.peak - self.start) * i / self.warmup_updates
-        j = i - self.warmup_updates
-        if j < self.cosine_updates:
-            angle = math.pi * j / (self.cosine_updates - 1) if self.cosine_updates > 1 else 0.0
+        if i < self.warmup_steps:
+            return self.start + (self.peak - self.start) * i / self.warmup_steps
+        j = i - self.warmup_steps
+        if j < self.cosine_steps:
+            angle = math.pi * j / (self.cosine_steps - 1) if self.cosine_steps > 1 else 0.0
             return (self.peak - self.end) * (math.cos(angle) + 1) / 2 + self.end
         return self.end

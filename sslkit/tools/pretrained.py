@@ -80,7 +80,7 @@ def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained
         raise CheckpointError(f"checkpoint {path} does not fit the model its config describes: missing "
                               f"{list(missing)[:5]}, unexpected {list(unexpected)[:5]}. Was model.* overridden?")
     model.to(device).eval()
-    step = int(state.get("position", {}).get("update", -1))
+    step = int(state["position"]["step"])
     return Pretrained(config=cfg, path=path, run_dir=run_dir, step=step, model=model, device=device)
 
 

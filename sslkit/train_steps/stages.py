@@ -334,7 +334,7 @@ def update(task: SSLTask) -> None:
         if task.scaler is not None and task.last_batch is not None and task.last_batch.unscaled:
             task.scaler.update()  # close the scaler's step that unscale_ opened (it backs off on an inf)
         task.guard.drop(task, reason)  # raises once too many in a row were dropped
-        clock.update += 1
+        clock.step += 1
         return
     task.guard.applied()
     if task.clip_grad > 0:
@@ -353,5 +353,5 @@ def update(task: SSLTask) -> None:
         else:
             task.optimizer.step()
     task.run_hooks(Event.ON_UPDATE)
-    clock.update += 1
+    clock.step += 1
     clock.samples += task.global_batch_size

@@ -15,11 +15,11 @@ SCHEDULED = ("lr", "weight_decay", "teacher_momentum", "teacher_temp")
 
 
 def test_clock_where_and_last_micro_batch() -> None:
-    clock = TrainClock(update=3, max_updates=12, micro_batches=2)
+    clock = TrainClock(step=3, max_steps=12, micro_batches=2)
     assert clock.where == 0.25 and not clock.last_micro_batch
     clock.micro_batch = 1
     assert clock.last_micro_batch
-    clock.update = 12
+    clock.step = 12
     assert clock.where < 1.0  # schedules are defined on [0, 1)
 
 

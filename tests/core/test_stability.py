@@ -76,7 +76,7 @@ def test_float16_with_low_temperatures_is_named_at_the_start_and_in_the_guards_h
     assert fp16_temperature_warning(loss, torch.bfloat16) is None and fp16_temperature_warning(loss, None) is None
     assert fp16_temperature_warning(DINOLoss(out_dim=16, teacher_temp=0.2, warmup_teacher_temp=0.2,
                                              student_temp=0.2), torch.float16) is None
-    task = SimpleNamespace(loss=loss, amp_dtype=torch.float16, iteration=3, clock=TrainClock(max_updates=10))
+    task = SimpleNamespace(loss=loss, amp_dtype=torch.float16, clock=TrainClock(max_steps=10))
     watch = StabilityWatch()
     assert watch.start(task) == [message] and watch.start(task) == []  # once
     guard = UpdateGuard(nonfinite="halt")

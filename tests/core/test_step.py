@@ -53,7 +53,7 @@ def test_no_item_call_between_log_intervals(monkeypatch) -> None:
 
     def counting(name: str):
         def read(self):
-            (in_step if state["stepping"] else in_hooks).append(task.clock.update)
+            (in_step if state["stepping"] else in_hooks).append(task.clock.step)
             return originals[name](self)
         return read
 
@@ -67,7 +67,7 @@ def test_no_item_call_between_log_intervals(monkeypatch) -> None:
     for name in originals:  # the host reads of a tensor's values: each one a sync on CUDA
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     train(task, step)
-    assert task.clock.update == 10
+    assert task.clock.step == 10
     assert in_step == []  # nothing inside the step (on_forward ... on_update included) syncs
     # the log hook reads its meter at iterations 5 and 10 only (and the DataLoader seeds itself at phase start)
     assert sorted(set(in_hooks) - {0}) == [5, 10]

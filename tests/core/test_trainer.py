@@ -34,7 +34,7 @@ def test_event_order_one_train_phase() -> None:
     step = ["on_forward", "on_loss_and_meter", "on_backward", "on_update", "on_step"]
     expected = ["on_start", "on_phase_start", *step, *step, "on_phase_end", "on_end"]
     assert [e for e, _ in rec.events] == expected
-    assert task.clock.update == 2
+    assert task.clock.step == 2
 
 
 def test_eval_phase_fires_no_backward_and_does_not_update() -> None:
@@ -44,7 +44,7 @@ def test_eval_phase_fires_no_backward_and_does_not_update() -> None:
     eval_events = [e for e, is_train in rec.events if not is_train and e not in ("on_end",)]
     assert "on_backward" not in eval_events and "on_update" not in eval_events
     assert eval_events.count("on_forward") == 2
-    assert task.clock.update == 2  # eval steps are not optimizer steps
+    assert task.clock.step == 2  # eval steps are not optimizer steps
 
 
 def test_eval_phase_leaves_weights_unchanged() -> None:
@@ -57,9 +57,9 @@ def test_eval_phase_leaves_weights_unchanged() -> None:
 
 def test_max_updates_stops_mid_epoch_and_skips_remaining_epochs() -> None:
     task = make_task([Phase(train=True, epoch=e) for e in range(3)], [])
-    task.clock.max_updates = 3
+    task.clock.max_steps = 3
     train(task, standard_train_step)
-    assert task.clock.update == 3
+    assert task.clock.step == 3
     # 2 steps per epoch: epoch 1 was cut after its first step and stays the current phase, so that a run
     # lengthened later goes on from there; epoch 2 never started
     assert (task.phase_idx, task.clock.step_in_epoch, task.phase_done) == (1, 1, False)

@@ -158,7 +158,7 @@ def test_device_augmentation_resumes_bit_identically(tmp_path, recipe: str) -> N
         _run(*args, "hooks=[{name: fault_crash, step: 5}]", f"output_dir={out}")
     assert _run(*args, "hooks=[{name: fault_crash, step: 5}]", f"output_dir={out}").returncode == 0
     expected, got = reliability_helpers.latest_state(ref), reliability_helpers.latest_state(out)
-    assert expected["position"]["update"] == 8
+    assert expected["position"]["step"] == 8
     reliability_helpers.assert_identical(got, expected)
 
 

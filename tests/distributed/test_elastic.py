@@ -26,7 +26,7 @@ def _model(out: Path) -> dict[str, torch.Tensor]:
     from reliability_helpers import latest_state
 
     state = latest_state(out)
-    assert state["position"]["update"] == 8
+    assert state["position"]["step"] == 8
     return state["model"]
 
 

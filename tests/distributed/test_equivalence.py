@@ -53,7 +53,7 @@ def test_accumulation_equals_one_big_step_single_process() -> None:
     acc = per_sample_task(steps=3, accumulate=2)
     train(big, standard_train_step)
     train(acc, standard_train_step)
-    assert acc.clock.update == big.clock.update == 3
+    assert acc.clock.step == big.clock.step == 3
     for key, value in big.base_model.state_dict().items():
         assert torch.allclose(acc.base_model.state_dict()[key], value, atol=1e-6)
 

@@ -120,10 +120,10 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
     out = tmp_path / "crashed"
     crashed = run_ranks(cli_main, 2, str(tmp_path / "c"), [*args, CRASH % 5, f"output_dir={out}"])
     assert all("injected crash after step 5" in c for c in crashed), crashed
-    assert latest_state(out)["position"]["update"] == 3
+    assert latest_state(out)["position"]["step"] == 3
     assert run_ranks(cli_main, 2, str(tmp_path / "c2"), [*args, CRASH % 5, f"output_dir={out}"]) == ["0", "0"]
     expected, got = uninterrupted(options[form]), latest_state(out)
-    assert expected["position"]["update"] == 8
+    assert expected["position"]["step"] == 8
     assert_identical(got, expected)
     assert all(isinstance(name, str) for name in got["optimizer"]["state"])  # by parameter name
     names = sorted(p.name for p in (out / "checkpoints").iterdir())  # step 3 before the crash, 6 and 8 after
@@ -157,7 +157,7 @@ def test_fsdp_resumes_bit_identically_and_its_checkpoint_loads_anywhere(tmp_path
         shutil.copytree(out, longer)
         code = main([*args, "optim.epochs=3", "data.batch_size=32", "checkpoint.resume_changed_config=true",
                      f"distributed.strategy={strategy}", CRASH % 10**6, f"output_dir={longer}"])
-        assert code == 0 and latest_state(longer)["position"]["update"] == 12
+        assert code == 0 and latest_state(longer)["position"]["step"] == 12
     exported = tmp_path / "encoder.safetensors"
     code, _, err = run_sslkit("export", f"checkpoint={out}", f"output={exported}")
     assert code == 0, err

@@ -22,7 +22,7 @@ def check_run(out: Path) -> None:
     steps = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     assert steps == [1, 2, 3, 4]  # rank 0 alone writes: one record per step, not two
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
-    assert state["position"]["update"] == 4
+    assert state["position"]["step"] == 4
     assert state["position"]["samples"] == 4 * 16 * 2  # global batch = 2 ranks x 16
     assert any("knn_top1" in r for r in metrics(out))
 
@@ -53,7 +53,7 @@ from sslkit.registry import register_hook
 @register_hook("fail_on_rank1")
 class FailOnRank1(SSLHook):
     def on_update(self, task):
-        if task.rank == 1 and task.clock.update == 1:
+        if task.rank == 1 and task.clock.step == 1:
             raise RuntimeError("injected failure on rank 1")
 '''
 

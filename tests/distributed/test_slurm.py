@@ -152,7 +152,7 @@ def test_a_job_requeued_twice_mid_training_ends_bit_identical_to_an_uninterrupte
         assert (run / "slurm" / job / f"{job}_0_log.out").read_text().count("requeueing job") == 1  # not on SIGTERM
         assert reference.wait(timeout=HANG_S) == 0, reference.stderr.read() if reference.stderr else ""
         expected, got = latest_state(ref), latest_state(run)
-        assert expected["position"]["update"] == got["position"]["update"] == STEPS
+        assert expected["position"]["step"] == got["position"]["step"] == STEPS
         assert_identical(got, expected)
     finally:
         subprocess.run(["scancel", job], timeout=HANG_S)

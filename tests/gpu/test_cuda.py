@@ -45,7 +45,7 @@ def test_resume_on_cuda_restores_the_state_onto_the_gpu(tmp_path: Path, recipe: 
     kill = hooks_override(recipe, {"name": "fault_signal", "step": 10, "signal": "SIGKILL"})
     assert run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
     resumed = run_cli(*args, kill, f"output_dir={out}", env=FAULT_ENV)
-    assert "checkpoint_000000008.pt" in resumed.stdout and latest_state(out)["position"]["update"] == 12
+    assert "checkpoint_000000008.pt" in resumed.stdout and latest_state(out)["position"]["step"] == 12
 
     task = build_task(compose_config([*args, f"output_dir={tmp_path / 'fresh'}"]))
     state, path = Checkpointer(str(out)).read_latest()
@@ -107,7 +107,7 @@ def test_no_host_device_sync_inside_the_step(tmp_path: Path, recipe: str) -> Non
             torch.cuda.set_sync_debug_mode(0)
 
     train(task, watched)
-    assert task.clock.update == 6
+    assert task.clock.step == 6
 
 
 def test_step_timers_charge_gpu_time_to_the_section_that_queued_it() -> None:

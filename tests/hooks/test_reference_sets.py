@@ -115,7 +115,7 @@ def test_a_fall_below_the_line_is_warned_once_per_fall_and_the_state_survives_a_
         caplog: pytest.LogCaptureFixture) -> None:
     trunk = _Switch()
     task = SimpleNamespace(base_model=SimpleNamespace(trunk=trunk), device=torch.device("cpu"), amp_dtype=None,
-                           clock=SimpleNamespace(update=0), epoch=0, train=True)
+                           clock=SimpleNamespace(step=0), epoch=0, train=True)
     labels = [0, 1] * 4
     hook = ReferenceSetsHook([ReferenceSet("old", _batches(labels), _batches(labels[::-1]), 2)], every_n_steps=1,
                              k=3, warn_drop=0.2)
@@ -123,7 +123,7 @@ def test_a_fall_below_the_line_is_warned_once_per_fall_and_the_state_survives_a_
     assert hook.start == {"old": 1.0}
     warnings = []
     for update, good in enumerate([False, False, True, False], start=1):  # 1.0 -> 0.5 -> 0.5 -> 1.0 -> 0.5
-        trunk.good, task.clock.update = good, update
+        trunk.good, task.clock.step = good, update
         with caplog.at_level(logging.WARNING, logger="sslkit"):
             caplog.clear()
             hook.on_update(task)
@@ -132,8 +132,8 @@ def test_a_fall_below_the_line_is_warned_once_per_fall_and_the_state_survives_a_
     assert [h["ref_old_knn_top1"] for h in hook.history] == [1.0, 0.5, 0.5, 1.0, 0.5]
     resumed = ReferenceSetsHook([ReferenceSet("old", [], [], 2)])
     resumed.load_state_dict(hook.state_dict())
-    assert resumed.start == {"old": 1.0} and resumed.below == {"old": True} and resumed.last_update == 4
-    task.clock.update = 4
+    assert resumed.start == {"old": 1.0} and resumed.below == {"old": True} and resumed.last_step == 4
+    task.clock.step = 4
     resumed.on_end(task)  # the last update was evaluated: nothing again
     assert len(resumed.history) == 5
 

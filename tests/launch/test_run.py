@@ -32,7 +32,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert len(knn) == 1 and 0.0 <= knn[0]["knn_top1"] <= 1.0
     assert "knn_top1" in proc.stdout
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
-    assert state["position"] == {"phase_idx": 2, "step_in_epoch": 0, "update": 8, "samples": 128,
+    assert state["position"] == {"phase_idx": 2, "step_in_epoch": 0, "step": 8, "samples": 128,
                                  "skipped_steps": {}, "consecutive_skips": 0, "stage": "base"}
     assert state["hooks"]["knn"]["done"] is True
     # each checkpoint is logged once; the last epoch's is updated once with the kNN results of the end of the run
@@ -77,7 +77,7 @@ class MarkerHook(SSLHook):
 
     def on_end(self, task):
         with open(self.path, "w") as f:
-            f.write(f"{self.tag} steps={CALLS['steps']} iteration={task.clock.update}")
+            f.write(f"{self.tag} steps={CALLS['steps']} step={task.clock.step}")
 '''
 
 
@@ -88,7 +88,7 @@ def test_custom_train_step_and_hook_from_imports(tmp_path: Path) -> None:
     run_cli("config=simclr", *SMALL, "optim.max_steps=3", "eval.knn.enabled=false", "imports=[my_plugin]",
             "train_step=counting_step", f"hooks=[{{name: marker, path: '{marker}', tag: hello}}]",
             f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert marker.read_text() == "hello steps=3 iteration=3"
+    assert marker.read_text() == "hello steps=3 step=3"
 
 
 @pytest.mark.slow
@@ -112,16 +112,16 @@ def test_resume_after_kill_continues_from_saved_step(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     saved = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    resumed_at = saved["position"]["update"]
+    resumed_at = saved["position"]["step"]
     assert 8 <= resumed_at <= 12
     logged = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     killed_past_checkpoint = max(logged) > resumed_at  # the kill came after a step was logged
 
     again = run_main(*args)  # the resume needs no process of its own
-    assert f"iteration {resumed_at}" in again.stdout
+    assert f"step {resumed_at} of the run" in again.stdout
     assert ("dropped" in again.stdout) == killed_past_checkpoint
     # the records of the steps past the checkpoint were dropped and logged again: every step once
     steps = [r["step"] for r in metrics(out) if r.get("phase") == "train"]
     assert steps == list(range(1, 49))
     final = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert final["position"]["update"] == 48
+    assert final["position"]["step"] == 48

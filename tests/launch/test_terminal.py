@@ -74,12 +74,12 @@ class ListSink:
 
 
 def _two_epochs(hooks: list[SSLHook], eval_between: bool = False) -> SSLTask:
-    """Two train epochs of 2 optimizer steps each (clock.max_updates 4), optionally an eval phase between."""
+    """Two train epochs of 2 optimizer steps each (clock.max_steps 4), optionally an eval phase between."""
     phases = [Phase(train=True, epoch=0), Phase(train=True, epoch=1)]
     if eval_between:
         phases.insert(1, Phase(train=False, epoch=0, split="test"))
     task = make_task(phases, hooks)
-    task.clock.max_updates = 4
+    task.clock.max_steps = 4
     task.global_batch_size = 3
     return task
 
@@ -119,7 +119,7 @@ def test_resumed_bar_starts_at_the_iteration(terminal) -> None:
     bar_out = io.StringIO()
     hook = LogHook(every_n_steps=1, progress_bar=True, bar_file=bar_out)
     task = _two_epochs([hook])
-    task.phase_idx, task.clock.update = 1, 2  # resumed at the start of the second epoch
+    task.phase_idx, task.clock.step = 1, 2  # resumed at the start of the second epoch
     train(task, standard_train_step)
     frames = [f for f in re.split(r"[\r\n]", bar_out.getvalue()) if f.strip()]
     assert re.search(r" 2/4 \[", frames[0]) and re.search(r" 4/4 \[", frames[-1])
@@ -149,7 +149,7 @@ def test_exception_closes_the_bar_and_restores_the_stream(terminal) -> None:
 
     class Boom(SSLHook):
         def on_update(self, task: SSLTask) -> None:
-            if task.clock.update == 1:
+            if task.clock.step == 1:
                 raise RuntimeError("boom")
 
     bar_out = io.StringIO()

@@ -197,4 +197,4 @@ def test_recipe_runs_three_steps(tmp_path: Path) -> None:
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
     # no method state beyond the model: the 3-layer projector (Linear-BN-ReLU x2, Linear) is in it
     assert "head.net.6.weight" in state["model"]
-    assert state["position"]["update"] == 3
+    assert state["position"]["step"] == 3

@@ -118,7 +118,7 @@ def test_recipe_checkpoints_the_target_network_and_resumes(tmp_path: Path) -> No
                    f"output_dir={out}")
     assert "resumed from" in proc.stdout
     step4 = torch.load(ckpts / "checkpoint_000000004.pt", weights_only=False)
-    assert step4["position"]["update"] == 4
+    assert step4["position"]["step"] == 4
     # the 4th step's EMA started from the checkpointed target: t4 = m t3 + (1 - m) s4
     m = step4["hooks"]["momentum_teacher"]["last_momentum"]
     for k in teacher:

@@ -71,7 +71,7 @@ def test_loss_matches_reference_loops(tau_t: float) -> None:
 def test_loss_module_matches_reference_and_logs_terms() -> None:
     student, teacher = logits(3, 4, 6, seed=3), logits(2, 4, 6, seed=4)
     loss = DINOLoss(out_dim=6, warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_steps=10)
-    ctx = StepContext(clock=TrainClock(update=5), train=True, device=torch.device("cpu"))
+    ctx = StepContext(clock=TrainClock(step=5), train=True, device=torch.device("cpu"))
     out = loss({"projections": student, "targets": teacher}, {}, ctx)
     # at update 5 of a 10-update warm-up the teacher temperature is halfway: 0.055
     expected = reference_dino(student, teacher, torch.zeros(1, 6), 0.1, 0.055)
@@ -157,7 +157,7 @@ def test_teacher_temperature_schedule() -> None:
     temps = []
     clock = TrainClock(micro_batches=2)
     for update in range(6):  # the temperature follows the clock's updates, not the calls (2 per update here)
-        clock.update = update
+        clock.step = update
         for micro in range(2):
             clock.micro_batch = micro
             ctx = StepContext(clock, True, torch.device("cpu"))
@@ -262,7 +262,7 @@ def test_last_layer_gradient_dropped_in_the_first_epoch_only() -> None:
                  lr_schedule=OnProgress(lambda where: 0.5)),
         DataPlan(loaders={"train": DataLoader(data, batch_size=4)},
                  phases=[Phase(train=True, epoch=0), Phase(train=True, epoch=1)]),
-        [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_updates=4,
+        [rec, FreezeLastLayerHook(freeze_last_layer_epochs=1)], max_steps=4,
     )
     train(task, standard_train_step)
     assert [e for e, _ in rec.grads] == [0, 0, 1, 1]
@@ -282,7 +282,7 @@ def test_recipe_runs_and_checkpoints_teacher_and_center(tmp_path: Path) -> None:
     ckpts = out / "checkpoints"
     first = torch.load(ckpts / "checkpoint_000000001.pt", weights_only=False)
     last = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert last["position"]["update"] == 3
+    assert last["position"]["step"] == 3
     center = last["loss"]["center.value"]
     assert center.shape == (1, 16) and center.abs().sum() > 0  # moved from its zero initial value
     assert not torch.equal(center, first["loss"]["center.value"])

@@ -123,7 +123,7 @@ def _drive(hook: GramTeacherHook, model: DINOv3Model, updates: int, first: int =
     """Run the hook through a training run of ``updates`` updates: before each step ``u`` the EMA teacher's weights
     are set to ``u``; after it the clock reads ``u + 1`` and ``on_step`` fires. Returns, per update about to run, the
     Gram teacher's weight value (which step's teacher it copied) and whether the Gram loss is on."""
-    clock = TrainClock(max_updates=updates, update=first)
+    clock = TrainClock(max_steps=updates, step=first)
     task = SimpleNamespace(base_model=model, clock=clock, train=True)
     seen = []
     with torch.no_grad():
@@ -135,7 +135,7 @@ def _drive(hook: GramTeacherHook, model: DINOv3Model, updates: int, first: int =
         with torch.no_grad():
             for p in model.teacher_trunk.parameters():
                 p.fill_(float(u))  # step u's EMA update
-        clock.update = u + 1
+        clock.step = u + 1
         hook.on_step(task)
     return seen
 
@@ -164,7 +164,7 @@ def test_a_gram_teacher_read_from_a_file_is_the_first_one_and_refreshes_follow(t
     torch.save({"model": donor.state_dict()}, path)  # an sslkit checkpoint: its EMA teacher is the Gram teacher
     model = _model("gram.teacher=file", f"gram.checkpoint={path}")
     hook = GramTeacherHook(start_step=2, every=3, max_refreshes=1, teacher="file", checkpoint=str(path))
-    clock = TrainClock(max_updates=10)
+    clock = TrainClock(max_steps=10)
     task = SimpleNamespace(base_model=model, clock=clock, train=True)
     hook.on_start(task)
     expected = donor.teacher_trunk.state_dict()
@@ -172,7 +172,7 @@ def test_a_gram_teacher_read_from_a_file_is_the_first_one_and_refreshes_follow(t
         assert torch.equal(value, expected[key]), key
     assert not torch.equal(next(model.gram_trunk.parameters()), next(model.teacher_trunk.parameters()))
     for u in range(10):
-        clock.update = u + 1
+        clock.step = u + 1
         hook.on_step(task)
     assert hook.snapshots == [-1, 5]  # read at the start, not replaced at update 2, refreshed once at 5
 
@@ -185,7 +185,7 @@ def test_a_resumed_hook_takes_no_snapshot_twice_and_one_it_missed_at_once() -> N
     assert state == {"handled": 5, "snapshots": [3, 5]}
     again = GramTeacherHook(start_step=3, every=2, max_refreshes=None)
     again.load_state_dict(state)
-    clock = TrainClock(max_updates=10, update=5)
+    clock = TrainClock(max_steps=10, step=5)
     task = SimpleNamespace(base_model=model, clock=clock, train=True)
     again.on_start(task)
     assert again.snapshots == [3, 5] and model.gram_active
@@ -197,7 +197,7 @@ def test_a_resumed_hook_takes_no_snapshot_twice_and_one_it_missed_at_once() -> N
 
 def test_a_gram_start_after_the_run_stops_the_hook_before_training() -> None:
     hook = GramTeacherHook(start_step=10)
-    task = SimpleNamespace(base_model=_model(), clock=TrainClock(max_updates=10), train=True)
+    task = SimpleNamespace(base_model=_model(), clock=TrainClock(max_steps=10), train=True)
     with pytest.raises(GramError, match=r"gram.start_step=10 is after the run's last update \(10 updates"):
         hook.on_start(task)
 
@@ -257,8 +257,8 @@ def test_the_gram_weight_is_zero_before_the_start_then_rises_by_a_half_cosine() 
             expected = 2.0 * (1 - math.cos(math.pi * (update - 10) / 4)) / 2
         else:
             expected = 2.0
-        assert loss.gram_weight.at(TrainClock(update=update, max_updates=25)) == pytest.approx(expected, abs=1e-12)
-    ctx = StepContext(clock=TrainClock(update=12, max_updates=25), train=False, device=torch.device("cpu"))
+        assert loss.gram_weight.at(TrainClock(step=update, max_steps=25)) == pytest.approx(expected, abs=1e-12)
+    ctx = StepContext(clock=TrainClock(step=12, max_steps=25), train=False, device=torch.device("cpu"))
     loss.eval()(_output_with_gram(2), {}, ctx)
     assert ctx.scheduled["gram_weight"] == pytest.approx(1.0)
 
@@ -361,7 +361,7 @@ def test_dinov3_adapt_continues_from_released_weights_which_stay_its_gram_anchor
         train(task, standard_train_step)
     finally:
         task.close()
-    assert task.clock.update == 1
+    assert task.clock.step == 1
     for part in (model.trunk, model.teacher_trunk, model.gram_trunk):
         state = part.state_dict()
         for key, value in released.items():

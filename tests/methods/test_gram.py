@@ -154,7 +154,7 @@ def test_the_high_resolution_teachers_grid_is_resized_to_the_students() -> None:
 def test_snapshots_follow_the_references_refresh_rule() -> None:
     """The reference loads the EMA teacher into the Gram teacher at iteration ``it_load_ema_teacher`` and then,
     after iteration ``it``, refreshes it when ``it + 1 >= it_first_update``, ``(it + 1) % update_frequency == 0``
-    and fewer than ``max_updates`` refreshes were made: written out here, the snapshots it makes before each
+    and fewer than ``max_steps`` refreshes were made: written out here, the snapshots it makes before each
     update are those of gram_snapshot_at."""
     start, every, first, most = 10, 5, 15, 3
     made, reference = 0, {start}
@@ -177,10 +177,10 @@ def test_the_gram_weight_schedule_is_dinov3s_linear_warmup_cosine_decay() -> Non
     curve = (peak - end) * (np.cos(np.linspace(0, np.pi, cosine)) + 1) / 2 + end
     reference = np.concatenate([linear, curve, np.full(total - warmup - cosine, end)])
     schedule = WarmupCosine(start, peak, end, warmup, cosine, offset=100)
-    got = [schedule.at(TrainClock(update=100 + u)) for u in range(total)]
+    got = [schedule.at(TrainClock(step=100 + u)) for u in range(total)]
     np.testing.assert_allclose(got, reference, rtol=1e-12, atol=1e-12)
-    assert schedule.at(TrainClock(update=50)) == start
+    assert schedule.at(TrainClock(step=50)) == start
     # the 7B Gram stage's (start 0, peak 0, end 2, a one-iteration "cosine"): 0 through the warm-up and the
     # cosine's single point (its start, the peak), then 2
     gram = WarmupCosine(0.0, 0.0, 2.0, 1000, 1)
-    assert [gram.at(TrainClock(update=u)) for u in (0, 999, 1000, 1001, 5000)] == [0.0, 0.0, 0.0, 2.0, 2.0]
+    assert [gram.at(TrainClock(step=u)) for u in (0, 999, 1000, 1001, 5000)] == [0.0, 0.0, 0.0, 2.0, 2.0]

@@ -76,9 +76,9 @@ def test_patch_centre_is_the_ema_of_the_masked_teacher_logits_once_per_update() 
 
 def test_patch_temperature_warms_up_on_the_clock() -> None:
     loss = IBOTLoss(out_dim=5, warmup_teacher_patch_temp=0.04, teacher_patch_temp=0.07, warmup_teacher_temp_steps=10)
-    assert loss.teacher_patch_temp.at(TrainClock(update=0)) == pytest.approx(0.04)
-    assert loss.teacher_patch_temp.at(TrainClock(update=5)) == pytest.approx(0.055)
-    assert loss.teacher_patch_temp.at(TrainClock(update=10)) == pytest.approx(0.07)
+    assert loss.teacher_patch_temp.at(TrainClock(step=0)) == pytest.approx(0.04)
+    assert loss.teacher_patch_temp.at(TrainClock(step=5)) == pytest.approx(0.055)
+    assert loss.teacher_patch_temp.at(TrainClock(step=10)) == pytest.approx(0.07)
 
 
 def _model(separate: bool = False):

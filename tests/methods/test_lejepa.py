@@ -84,7 +84,7 @@ def test_the_module_draws_its_directions_on_the_training_clock_and_logs_both_ter
     loss = LeJEPALoss(num_slices=16)
 
     def at(update: int) -> dict:
-        return loss(out, {}, StepContext(clock=TrainClock(update=update), train=True, device=torch.device("cpu")))
+        return loss(out, {}, StepContext(clock=TrainClock(step=update), train=True, device=torch.device("cpu")))
 
     first, again, later = at(3), at(3), at(4)
     assert torch.equal(first["loss"], again["loss"])

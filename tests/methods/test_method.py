@@ -71,7 +71,7 @@ def test_a_hook_added_on_the_command_line_keeps_the_recipes(tmp_path: Path, caps
     ckpts = out / "checkpoints"
     at2 = torch.load(ckpts / "checkpoint_000000002.pt", weights_only=False)
     at4 = latest_state(out)
-    assert at4["position"]["update"] == 4
+    assert at4["position"]["step"] == 4
     assert {"momentum_teacher", "collapse_monitor"} <= set(at4["hooks"])
     teacher = [k for k in at4["model"] if k.startswith("teacher_") and at4["model"][k].is_floating_point()]
     assert any(not torch.equal(at2["model"][k], at4["model"][k]) for k in teacher)

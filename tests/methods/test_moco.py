@@ -272,7 +272,7 @@ def test_ema_hook_moves_teacher_by_exactly_one_minus_m(where: float, schedule: s
     before = [(s.detach().clone(), t.clone()) for s, t in pairs]
     assert any(not torch.equal(s, t) for s, t in before)  # the step moved the student
     bn_before = model.teacher_trunk.bn.running_mean.clone()
-    clock = TrainClock(update=round(where * 1000), max_updates=1000)
+    clock = TrainClock(step=round(where * 1000), max_steps=1000)
     scheduled: dict[str, float] = {}
     hook.on_update(SimpleNamespace(clock=clock, base_model=model, scheduled=scheduled))
     for (s, t), (_, t_new) in zip(before, pairs):

@@ -92,7 +92,7 @@ def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp
         train(task, standard_train_step)
     finally:
         task.close()
-    assert task.clock.update == 1
+    assert task.clock.step == 1
     trunk = task.base_model.trunk
     if recipe.startswith("dinov3"):  # rotary positions: no table, any grid
         assert trunk.grid(224, 224) == (14, 14) and trunk.pos_embed is None

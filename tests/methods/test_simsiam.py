@@ -83,4 +83,4 @@ def test_recipe_runs_and_logs_the_collapse_monitor(tmp_path: Path) -> None:
     assert all(0.0 < r["embedding_std_ratio"] for r in train)
     ckpts = out / "checkpoints"
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert state["position"]["update"] == 3 and any(k.startswith("predictor.") for k in state["model"])
+    assert state["position"]["step"] == 3 and any(k.startswith("predictor.") for k in state["model"])

@@ -172,7 +172,7 @@ def _out(b: int = 4, d: int = 3, k: int = 5, seed: int = 0) -> dict:
 
 
 def _at(update: int, micro: int = 0, micro_batches: int = 1) -> StepContext:
-    return StepContext(TrainClock(update=update, micro_batch=micro, micro_batches=micro_batches), True,
+    return StepContext(TrainClock(step=update, micro_batch=micro, micro_batches=micro_batches), True,
                        torch.device("cpu"))
 
 
@@ -316,10 +316,10 @@ def test_prototype_hook_normalises_and_freezes_in_the_standard_step() -> None:
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-4),
                  lr_schedule=OnProgress(lambda where: 0.5)),
         DataPlan(loaders={"train": DataLoader(data, batch_size=8)}, phases=[Phase(train=True, epoch=0)]),
-        [rec, SwAVPrototypesHook(freeze_prototypes_steps=2)], max_updates=5,
+        [rec, SwAVPrototypesHook(freeze_prototypes_steps=2)], max_steps=5,
     )
     train(task, standard_train_step)
-    assert task.clock.update == 5
+    assert task.clock.step == 5
     assert rec.grads[0] is None and rec.grads[1] is None  # frozen: no gradient, the optimizer skips them
     assert all(gr is not None and gr.abs().sum() > 0 for gr in rec.grads[2:])
     start = rec.weights[0]
@@ -346,7 +346,7 @@ def test_recipe_runs_and_checkpoints_the_queue(tmp_path: Path) -> None:
             "model.kwargs.num_prototypes=10", "data.transform.num_small=2", f"output_dir={out}")
     ckpts = out / "checkpoints"
     state = torch.load(ckpts / (ckpts / "latest.txt").read_text(), weights_only=False)
-    assert state["position"]["update"] == 3
+    assert state["position"]["step"] == 3
     loss_state = state["loss"]
     extra = loss_state["_extra_state"]
     assert (extra["queue_filled"], extra["window_count"]) == (24, 3)

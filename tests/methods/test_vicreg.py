@@ -202,4 +202,4 @@ def test_recipe_runs_three_steps(tmp_path: Path) -> None:
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
     state = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest.txt").read_text(), weights_only=False)
     assert "head.net.6.weight" in state["model"]  # the 3-layer expander; no other method state
-    assert state["position"]["update"] == 3
+    assert state["position"]["step"] == 3

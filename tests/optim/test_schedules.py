@@ -121,7 +121,7 @@ def test_scaled_lr_errors() -> None:
 
 def test_every_per_update_value_is_a_clock_schedule_read_at_the_clock(tmp_path) -> None:
     """One mechanism: the dino recipe's lr, weight decay, teacher momentum and teacher temperature are each a
-    ClockSchedule asked ``at(clock)``: the momentum and lr on progress ``update / max_updates`` (the last update
+    ClockSchedule asked ``at(clock)``: the momentum and lr on progress ``update / max_steps`` (the last update
     clamped below 1), the temperature on the update count itself (DINO's linear warm-up, written out here)."""
     from helpers import RECIPES, SMALL
 
@@ -143,13 +143,13 @@ def test_every_per_update_value_is_a_clock_schedule_read_at_the_clock(tmp_path) 
                                                           task.loss.teacher_temp))
         base, final = hook.momentum.base, hook.momentum.final
         for update in (0, 5, 10, 25, 40):
-            clock = TrainClock(update=update, max_updates=40)
+            clock = TrainClock(step=update, max_steps=40)
             where = min(update / 40, 1 - 1e-9)
             assert hook.momentum.at(clock) == final - (final - base) * (math.cos(math.pi * where) + 1) / 2
             assert task.lr_schedule.at(clock) == task.lr_schedule.schedule(where)
             expected = 0.04 + 0.03 * update / 10 if update < 10 else 0.07
             assert task.loss.teacher_temp.at(clock) == pytest.approx(expected, rel=1e-12)
-        assert task.lr_schedule.at(TrainClock(update=40, max_updates=40)) == pytest.approx(0.0, abs=1e-9)
+        assert task.lr_schedule.at(TrainClock(step=40, max_steps=40)) == pytest.approx(0.0, abs=1e-9)
     finally:
         task.close()
 
@@ -162,7 +162,7 @@ def test_teacher_momentum_is_the_papers_formula(schedule: str) -> None:
     m = TeacherMomentum(0.99, 1.0, schedule)
     expected = {"cosine": 1.0 - 0.01 * (math.cos(math.pi * 0.25) + 1) / 2, "linear": 0.99 + 0.01 * 0.25,
                 "constant": 0.99}[schedule]
-    assert m.at(TrainClock(update=10, max_updates=40)) == expected
+    assert m.at(TrainClock(step=10, max_steps=40)) == expected
 
 
 def test_an_unknown_momentum_schedule_is_refused_when_the_hook_is_built() -> None:

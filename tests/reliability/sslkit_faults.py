@@ -22,10 +22,10 @@ class _Fault(SSLHook):
         self.fresh = True
 
     def on_start(self, task) -> None:
-        self.fresh = task.clock.update == 0
+        self.fresh = task.clock.step == 0
 
     def due(self, task) -> bool:
-        return (task.train and task.clock.update + 1 == self.step and (self.rank < 0 or task.rank == self.rank)
+        return (task.train and task.clock.step + 1 == self.step and (self.rank < 0 or task.rank == self.rank)
                 and (self.fresh or not self.once))
 
 
@@ -40,7 +40,7 @@ class SignalFault(_Fault):
         self.signal = signal
 
     def on_step(self, task) -> None:
-        if task.train and task.clock.update == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
+        if task.train and task.clock.step == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
             os.kill(os.getpid(), getattr(signal, self.signal))
 
 
@@ -82,7 +82,7 @@ class CrashFault(_Fault):
     slot = Slot.EVAL  # after the step's log line, before the pre-emption check and the checkpoint
 
     def on_step(self, task) -> None:
-        if task.train and task.clock.update == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
+        if task.train and task.clock.step == self.step and (self.rank < 0 or task.rank == self.rank) and self.fresh:
             raise RuntimeError(f"injected crash after step {self.step}")
 
 
@@ -126,7 +126,7 @@ class FullDiskFault(_Fault):
         self.file = file  # "checkpoint" or "metrics" (metrics.jsonl becomes a link to /dev/full)
 
     def on_step(self, task) -> None:
-        if task.train and task.clock.update == self.step and task.rank == 0:
+        if task.train and task.clock.step == self.step and task.rank == 0:
             from sslkit.checkpoint import checkpoint_dir
 
             if self.file == "metrics":
@@ -150,4 +150,4 @@ class RecordSamples(SSLHook):
         indices = task.last_batch.sample["data_idx"].reshape(-1).tolist()
         path = os.path.join(task.output_dir, f"samples.{task.rank}.txt")
         with open(path, "a") as f:
-            f.write(" ".join(str(v) for v in (task.clock.update, task.clock.micro_batch, *indices)) + "\n")
+            f.write(" ".join(str(v) for v in (task.clock.step, task.clock.micro_batch, *indices)) + "\n")

@@ -50,7 +50,7 @@ def test_corrupt_jpeg_and_png_are_skipped_counted_and_reported_each_epoch(tmp_pa
     for r in reports:
         assert r["samples"] == 32 and 1 <= r["unreadable_samples"] <= 2
     assert "unreadable" in log and "epoch 0:" in log
-    assert latest_state(out)["position"]["update"] == 8
+    assert latest_state(out)["position"]["step"] == 8
 
 
 @pytest.mark.slow

@@ -81,14 +81,14 @@ def test_lengthened_run_trains_on_and_evaluates_again(tmp_path: Path, capsys: py
     args = ["config=simclr", *QUICK, "data.batch_size=8", f"output_dir={out}"]
     assert _run(capsys, *args)[0] == 0
     position = latest_state(out)["position"]  # cut by max_steps: the position stays inside the epoch
-    assert (position["phase_idx"], position["step_in_epoch"], position["update"]) == (0, 4, 4)
+    assert (position["phase_idx"], position["step_in_epoch"], position["step"]) == (0, 4, 4)
 
     code, stdout, _ = _run(capsys, *args, "optim.max_steps=8")
     assert code == 0
     assert "the run is lengthened: optim.max_steps 4 -> 8" in stdout
     assert "step 8/8" in stdout and "kNN at step 8" in stdout
     state = latest_state(out)
-    assert state["position"]["update"] == 8 and state["hooks"]["knn"]["step"] == 8
+    assert state["position"]["step"] == 8 and state["hooks"]["knn"]["step"] == 8
     knn = [r for r in metrics(out) if "knn_top1" in r]
     assert [r["step"] for r in knn] == [4, 8]  # every result is tied to the step it was computed at
 
@@ -114,7 +114,7 @@ def test_fresh_start_moves_the_older_run_aside(tmp_path: Path, capsys: pytest.Ca
     assert sorted(p.name for p in (previous / "checkpoints").glob("checkpoint_*.pt")) == ["checkpoint_000000004.pt"]
     # the new run's records and checkpoints are its own
     assert max(r["step"] for r in metrics(out)) == 2
-    assert latest_state(out)["position"]["update"] == 2
+    assert latest_state(out)["position"]["step"] == 2
     assert not (out / "checkpoints" / "checkpoint_000000004.pt").exists()
 
 
@@ -138,11 +138,11 @@ def test_every_recipe_resumes_bit_identically(tmp_path: Path, recipe: str, capsy
     with pytest.raises(RuntimeError, match="injected crash after step 5"):
         main([*args, crash, f"output_dir={out}"])
     capsys.readouterr()
-    assert latest_state(out)["position"]["update"] == 3
+    assert latest_state(out)["position"]["step"] == 3
     code, stdout, _ = _run(capsys, *args, crash, f"output_dir={out}")
     assert code == 0 and "checkpoint_000000003.pt" in stdout
     expected, got = latest_state(ref), latest_state(out)
-    assert expected["position"]["update"] == 8
+    assert expected["position"]["step"] == 8
     assert_identical(got, expected)
 
 
@@ -188,7 +188,7 @@ def test_full_disk_at_a_checkpoint_keeps_the_last_one_and_leaves_no_temporary_fi
     # once there is room, the same command resumes from step 2
     code, stdout, _ = _run(capsys, *args, "hooks=[{name: fault_full_disk, step: 10000}]",
                            "checkpoint.resume_changed_config=true")
-    assert code == 0 and "checkpoint_000000002.pt" in stdout and latest_state(out)["position"]["update"] == 4
+    assert code == 0 and "checkpoint_000000002.pt" in stdout and latest_state(out)["position"]["step"] == 4
 
 
 def test_full_disk_for_the_metrics_is_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,7 +212,7 @@ def test_no_readable_checkpoint_is_a_message_and_auto_resume_false_starts_afresh
     assert "can be read" in err and "checkpoint.auto_resume=false" in err
     code, stdout, _ = _run(capsys, *args, "checkpoint.auto_resume=false")
     assert code == 0 and "moved to" in stdout
-    assert latest_state(out)["position"]["update"] == 4
+    assert latest_state(out)["position"]["step"] == 4
 
 
 def test_debug_flag_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,7 +246,7 @@ def test_imports_takes_a_bare_module_name_from_the_working_directory(
     (pkg / "hooks.py").write_text(
         "from sslkit.hooks.base import SSLHook\nfrom sslkit.registry import register_hook\n\n"
         "@register_hook('bare_marker')\nclass Marker(SSLHook):\n"
-        "    def on_end(self, task):\n        print('bare marker at step', task.clock.update)\n")
+        "    def on_end(self, task):\n        print('bare marker at step', task.clock.step)\n")
     monkeypatch.chdir(tmp_path)
     code, stdout, _ = _run(capsys, "config=simclr", *QUICK, "imports=my_bare_pkg.hooks", "hooks=[{name: bare_marker}]",
                            "eval.knn.enabled=false", f"output_dir={tmp_path / 'run'}")

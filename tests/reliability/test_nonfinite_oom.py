@@ -40,7 +40,7 @@ def test_nan_halt_names_step_terms_and_samples_and_keeps_checkpoints_clean(tmp_p
     # at 4 (the fault fires only in a run started from scratch)
     again = run_main(*ARGS, hooks, f"output_dir={out}")
     assert "checkpoint_000000004.pt" in again.stdout
-    assert latest_state(out)["position"]["update"] == 12 and _finite(latest_state(out))
+    assert latest_state(out)["position"]["step"] == 12 and _finite(latest_state(out))
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_nan_skip_drops_that_update_only(tmp_path: Path) -> None:
     assert "step 5: the loss is not finite" in proc.stdout + proc.stderr
     final = latest_state(out)
     assert _finite(final)
-    assert final["position"]["update"] == 12
+    assert final["position"]["step"] == 12
     assert final["position"]["skipped_steps"] == {"non-finite loss": 1}
     assert final["position"]["samples"] == 11 * 16
     assert all(torch.isfinite(v).all() for k, v in final["model"].items() if "running" in k)
@@ -69,7 +69,7 @@ def test_nan_skip_stops_after_consecutive_skips(tmp_path: Path) -> None:
     assert "3 updates in a row were dropped (non-finite loss)" in proc.stderr
     # the checkpoint of step 4 came after two dropped updates: its weights are those of step 2's update
     last = latest_state(out)
-    assert last["position"]["update"] == 4 and last["position"]["skipped_steps"] == {"non-finite loss": 2}
+    assert last["position"]["step"] == 4 and last["position"]["skipped_steps"] == {"non-finite loss": 2}
     assert _finite(last)
 
 
@@ -81,7 +81,7 @@ def test_oom_halt_says_what_to_do(tmp_path: Path, where: str) -> None:
     proc = run_main(*ARGS, hooks, f"output_dir={out}", check=False)
     assert proc.returncode == 1
     assert "step 3: out of memory" in proc.stderr and "Lower data.batch_size" in proc.stderr
-    assert latest_state(out)["position"]["update"] == 2
+    assert latest_state(out)["position"]["step"] == 2
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_oom_skip_drops_the_step_and_continues(tmp_path: Path, where: str) -> No
     hooks = hooks_override("simclr", {"name": "fault_oom", "step": 3, "where": where})
     run_main(*ARGS, "reliability.oom=skip", hooks, f"output_dir={out}")
     final = latest_state(out)
-    assert final["position"]["update"] == 12 and final["position"]["skipped_steps"] == {"out of memory": 1}
+    assert final["position"]["step"] == 12 and final["position"]["skipped_steps"] == {"out of memory": 1}
     assert final["position"]["samples"] == 11 * 16 and _finite(final)
 
 
@@ -108,5 +108,5 @@ def test_oom_skip_on_one_rank_skips_the_step_on_both(tmp_path: Path) -> None:
                    "distributed.consistency_check_every_n_steps=1", hooks, f"output_dir={out}", env=FAULT_ENV)
     assert "manual_gradient_reduction" in proc.stdout
     final = latest_state(out)
-    assert final["position"]["update"] == 12 and final["position"]["skipped_steps"] == {"out of memory": 1}
+    assert final["position"]["step"] == 12 and final["position"]["skipped_steps"] == {"out of memory": 1}
     assert final["position"]["samples"] == 11 * 16

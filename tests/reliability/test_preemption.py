@@ -43,7 +43,7 @@ def test_signal_checkpoints_after_the_step_and_the_same_command_resumes(tmp_path
     state = latest_state(out)
     # the step in progress was finished and checkpointed mid-epoch (epoch 1, 3 of 6 steps)
     position = state["position"]
-    assert (position["update"], position["phase_idx"], position["step_in_epoch"]) == (9, 1, 3)
+    assert (position["step"], position["phase_idx"], position["step_in_epoch"]) == (9, 1, 3)
     assert max(r["step"] for r in metrics(out) if r.get("phase") == "train") <= 9
 
     if sig == "SIGTERM":  # the resume is the same whichever signal stopped the run: check it once
@@ -90,7 +90,7 @@ def test_external_signal_at_an_arbitrary_moment(tmp_path: Path, sig: str, to: st
     _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
     assert "Traceback" not in err and "DataLoader worker" not in err
-    stopped = latest_state(out)["position"]["update"]
+    stopped = latest_state(out)["position"]["step"]
     assert 8 <= stopped < 240
     assert f"stopped by {sig} after step {stopped}" in err if nproc == 1 else "pre-empted" in err
     if sig == "SIGINT" and nproc == 1:
@@ -117,7 +117,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     err = err_file.read_text()
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted at once" in err and "Traceback" not in err
-    assert latest_state(out)["position"]["update"] == 2
+    assert latest_state(out)["position"]["step"] == 2
 
 
 @pytest.mark.slow
@@ -129,7 +129,7 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     first = run_cli(*args, env=FAULT_ENV, check=False)
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     state = latest_state(out)
-    assert state["position"]["update"] == 9 and len(state["rng"]) == 2
+    assert state["position"]["step"] == 9 and len(state["rng"]) == 2
     assert run_ranks_main(2, tmp_path / "resume-ranks", *args).returncode == 0
     assert_identical(latest_state(out), _reference(tmp_path, nproc=2))
 
@@ -167,5 +167,5 @@ def test_ctrl_c_through_a_pipe_whose_reader_dies_still_checkpoints(tmp_path: Pat
     assert "training" in (tmp_path / "reader.txt").read_text()  # the pipe carried the output until then
     log = (out / "log.txt").read_text()
     assert int(code.read_text()) == PREEMPTED_EXIT_CODE, log[-2000:]
-    assert latest_state(out)["position"]["update"] == 3
+    assert latest_state(out)["position"]["step"] == 3
     assert "received SIGINT: writing a checkpoint after step 3" in log and "(pre-emption by SIGINT)" in log

@@ -40,13 +40,13 @@ def _run_killed_and_resumed(tmp_path: Path, recipe: str, nproc: int, extra: list
     killed = run_cli(*args, kill_at_10, f"output_dir={out}", env=FAULT_ENV, check=False)
     assert killed.returncode != 0, "the run was supposed to die by SIGKILL"
     at_kill = latest_state(out)["position"]
-    assert (at_kill["update"], at_kill["phase_idx"], at_kill["step_in_epoch"]) == (8, 1, 2)
+    assert (at_kill["step"], at_kill["phase_idx"], at_kill["step_in_epoch"]) == (8, 1, 2)
 
     resumed = run(kill_at_10, f"output_dir={out}")
     assert "resumed from" in resumed.stdout and "checkpoint_000000008.pt" in resumed.stdout
 
     ref, again = latest_state(tmp_path / "ref"), latest_state(out)
-    assert ref["position"]["update"] == 12
+    assert ref["position"]["step"] == 12
     assert len(ref["rng"]) == nproc  # every rank's RNG state is saved
     assert_identical(again, ref)
 
