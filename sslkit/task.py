@@ -124,6 +124,8 @@ class RunInfo:
     output_dir: str = "."
     #: The resolved config (read-only; for logging and checkpoint metadata).
     config: Any = None
+    #: The resolved config as YAML text, made once by the builder: what every checkpoint stores (None without one).
+    config_text: str | None = None
 
 
 class SSLTask:
@@ -168,6 +170,7 @@ class SSLTask:
     seed: int
     output_dir: str
     config: Any
+    config_text: str | None
 
     def __init__(self, training: Training, data: DataPlan, hooks: list[Hook], *, run: RunInfo | None = None,
                  max_steps: int = 1, guard: UpdateGuard | None = None) -> None:
@@ -204,14 +207,6 @@ class SSLTask:
         self.stop_checkpoint: str | None = None
         #: Decides the fate of an update that ran out of memory or is not finite (docs/reliability.md).
         self.guard = guard or UpdateGuard()
-        self._config_text: tuple[int, str | None] | None = None
-
-    def config_text(self) -> str | None:
-        """The resolved config as YAML text (None when the task was built without one): made once per config
-        object, which a run never changes, rather than at every checkpoint."""
-        if self._config_text is None or self._config_text[0] != id(self.config):
-            self._config_text = (id(self.config), _config_text(self.config))
-        return self._config_text[1]
 
     # -------------------------------------------------------------------------------- clock
     def context(self) -> StepContext:
@@ -318,14 +313,3 @@ class SSLTask:
         self.clock.step_in_epoch = 0
         self.phase_done = False
         self.data_iterator = iter(())
-
-
-def _config_text(config: Any) -> str | None:
-    """The resolved config as YAML text (None when the task was built without one)."""
-    if config is None:
-        return None
-    from omegaconf import DictConfig
-
-    from sslkit.config.text import config_yaml
-
-    return config_yaml(config) if isinstance(config, DictConfig) else None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from sslkit.events import Event
 from sslkit.guard import TrainingHalted
-from sslkit.hooks.base import Event
 from sslkit.reliability import Preempted
 from sslkit.task import SSLTask
 

@@ -115,6 +115,49 @@ def test_layers_import_downwards_only(who: tuple[str, ...], never: tuple[str, ..
     assert not broken, f"{why}: {broken}"
 
 
+#: The layers of docs/architecture.md, from the edge down: a module imports its own layer's modules and those below,
+#: never one above (imports inside functions and for type checking counted).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("the edge: commands, processes, folders, what runs after training", ("sslkit.launch", "sslkit.tools")),
+    ("reads the config, builds the task", ("sslkit.builder",)),
+    ("the config: schema, checks, composition; never builds a model", ("sslkit.config",)),
+    ("the parts a task is made of", ("sslkit.hooks", "sslkit.methods", "sslkit.models", "sslkit.evaluation")),
+    ("a task's state written and read back", ("sslkit.checkpoint", "sslkit.checkpointing")),
+    ("the core: the task, the loop, the step, its guard",
+     ("sslkit.task", "sslkit.trainer", "sslkit.train_steps", "sslkit.reliability", "sslkit.guard",
+      "sslkit.stability")),
+    ("what the core reads and updates with", ("sslkit.data", "sslkit.optim")),
+    ("the ground: processes, clock, events, registry, errors",
+     ("sslkit.parallel", "sslkit.distributed", "sslkit.clock", "sslkit.events", "sslkit.registry",
+      "sslkit.errors")),
+]
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, (_, packages) in enumerate(LAYERS) if _under(module, packages)), None)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of ``graph`` from a module to one in a layer above it."""
+    return sorted(f"{a} ({LAYERS[la][0]}) -> {b} ({LAYERS[lb][0]})" for a in graph for b in graph[a]
+                  if (la := _layer(a)) is not None and (lb := _layer(b)) is not None and lb < la)
+
+
+def test_every_module_is_in_a_layer_and_every_import_runs_down() -> None:
+    graph = _graph()
+    unplaced = sorted(m for m in graph if m not in ("sslkit", "sslkit.__main__") and _layer(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (add them where they belong): {unplaced}"
+    assert not _upward(graph), f"imports from a lower layer up: {_upward(graph)}"
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    """The trainer taking Event through hooks.base (what issue 53 found) is reported; through sslkit.events not."""
+    assert _upward({"sslkit.trainer": {"sslkit.hooks.base"}}) == [
+        "sslkit.trainer (the core: the task, the loop, the step, its guard) -> sslkit.hooks.base (the parts a task "
+        "is made of)"]
+    assert _upward({"sslkit.trainer": {"sslkit.events"}, "sslkit.hooks.base": {"sslkit.task"}}) == []
+
+
 def test_few_modules_at_the_top_of_the_package() -> None:
     """Each concern in its folder (launch/, tools/, checkpointing/, ...): at most 14 modules directly under sslkit/
     besides the package's own ``__init__`` and ``__main__``."""

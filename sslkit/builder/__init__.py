@@ -13,6 +13,7 @@ from sslkit.builder.data import build_train_data, eval_sources, eval_specs, knn_
 from sslkit.builder.hooks import build_hooks
 from sslkit.builder.model import build_model, build_training_model, freeze_parameters, mask_plan, trunk_arguments
 from sslkit.builder.runtime import resolve_device, resolve_num_workers, seed_everything, set_determinism, setup_runtime
+from sslkit.config.text import config_yaml
 from sslkit.guard import UpdateGuard
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
@@ -39,7 +40,8 @@ def build_task(cfg: DictConfig) -> SSLTask:
                  device_augment=data.device_augment, device_decoder=data.device_decoder,
                  masking=mask_plan(cfg, parts.trunk)),
         hooks,
-        run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=cfg.output_dir, config=cfg),
+        run=RunInfo(device=device, rank=rank, world_size=world, seed=cfg.seed, output_dir=cfg.output_dir, config=cfg,
+                    config_text=config_yaml(cfg)),
         max_steps=data.max_steps,
         guard=UpdateGuard(rel.oom, rel.nonfinite_loss, rel.max_consecutive_skips, check_every=cfg.log.every_n_steps),
     )

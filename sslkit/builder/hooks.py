@@ -27,9 +27,9 @@ from sslkit.hooks import (
     SSLHook,
     TensorboardSink,
 )
+from sslkit.hooks.preemption import PreemptionHook
 from sslkit.hooks.reference import ReferenceSet, ReferenceSetsHook
 from sslkit.hooks.resolution import HighResolutionHook
-from sslkit.reliability import PreemptionHook
 
 __all__ = ["build_hooks"]
 
@@ -85,7 +85,7 @@ def build_hooks(cfg: DictConfig, data: TrainData, parts: ModelParts, device: tor
     if cfg.eval.reference.sets:
         hooks.append(_reference_hook(cfg, sinks, data.workers, data.pin))
     if rank == 0:  # log.wandb, log.mlflow
-        from sslkit.hooks.trackers import build_trackers
+        from sslkit.builder.trackers import build_trackers
 
         sinks += build_trackers(cfg)  # the list the log and kNN hooks hold: they write to the trackers too
     return hooks, manual_reduction

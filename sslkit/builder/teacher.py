@@ -12,9 +12,9 @@ from torch import nn
 
 from sslkit import registry as R
 from sslkit.builder.common import trunk_kwargs
+from sslkit.builder.runs import in_channels as checkpoint_channels
+from sslkit.builder.runs import read_run_checkpoint
 from sslkit.checkpoint import CheckpointError
-from sslkit.checkpointing.runs import in_channels as checkpoint_channels
-from sslkit.checkpointing.runs import read_run_checkpoint
 from sslkit.methods.dino import DINOHead
 from sslkit.methods.distill import DistillError, FrozenTeacher, StudentSpec
 from sslkit.models.dense import TimmDense

@@ -80,7 +80,7 @@ def _run_state(task: SSLTask, gather_rng: bool) -> dict[str, Any]:
         "rank_local": _rank_local_state(task, gather_rng),
         # the resolved config as YAML text (plain data: weights_only loading reads it), so a checkpoint file copied
         # out of its run folder still says how to rebuild its model (sslkit knn/linear/export)
-        "config": task.config_text(),
+        "config": task.config_text,
     }
 
 

@@ -9,6 +9,7 @@ from sslkit.hooks.knn import KNNHook
 from sslkit.hooks.logging import JsonlSink, LogHook
 from sslkit.hooks.monitor import CollapseMonitorHook
 from sslkit.hooks.online import OnlineMonitorHook
+from sslkit.hooks.preemption import PreemptionHook
 from sslkit.hooks.tensorboard import TensorboardSink
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LogHook",
     "MomentumTeacherHook",
     "OnlineMonitorHook",
+    "PreemptionHook",
     "SSLHook",
     "TensorboardSink",
 ]

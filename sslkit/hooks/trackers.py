@@ -15,10 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sslkit.checkpoint import Checkpointer, atomic_write
+from sslkit.checkpoint import atomic_write
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
     from sslkit.task import SSLTask
 
@@ -27,10 +26,10 @@ __all__ = [
     "MlflowTracker",
     "Tracker",
     "WandbTracker",
-    "build_trackers",
     "default_mlflow_uri",
     "finish_trackers",
     "metric_items",
+    "param_value",
     "run_status",
     "trackers_of",
 ]
@@ -360,50 +359,9 @@ def _write_state(output_dir: str, key: str, value: dict[str, Any]) -> None:
     atomic_write(os.path.join(output_dir, TRACKERS_FILE), lambda f: f.write(text.encode()))
 
 
-def _param_value(value: Any) -> str:
+def param_value(value: Any) -> str:
     """A config value as an MLflow param: strings as they are, the rest as JSON (``null``, ``true``, ``[1, 2]``)."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _start(name: str, extra: str, make: Callable[[], Tracker]) -> list[Tracker]:
-    """``[make()]``, or ``[]`` and a warning when the tracker's library is missing or its start fails."""
-    try:
-        return [make()]
-    except ImportError as exc:
-        logger.warning("log.%s.enabled: %s cannot be imported (%s); pip install 'sslkit[%s]'. The run goes on "
-                       "without it", extra, name, exc, extra)
-    except Exception as exc:  # a server, a store, a setting: the training run matters more
-        logger.warning("%s could not start (%s: %s); the run goes on without it", name, type(exc).__name__, exc)
-    return []
-
-
-def build_trackers(cfg: DictConfig) -> list[Tracker]:
-    """The trackers that ``log.wandb.enabled`` and ``log.mlflow.enabled`` ask for (rank 0 builds them). A run that
-    resumes from a checkpoint in its folder continues the tracker runs named in trackers.json; a fresh start
-    opens new ones."""
-    from omegaconf import OmegaConf
-
-    from sslkit.config.diff import flatten_config
-
-    log = cfg.log
-    if not (log.wandb.enabled or log.mlflow.enabled):
-        return []
-    out = str(cfg.output_dir)
-    resume = bool(cfg.checkpoint.auto_resume) and Checkpointer(out).latest() is not None
-    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    trackers: list[Tracker] = []
-    if log.wandb.enabled:
-        w = log.wandb
-        trackers += _start("W&B", "wandb", lambda: WandbTracker(
-            out, project=w.project, entity=w.entity, name=w.name or cfg.name, tags=list(w.tags), mode=w.mode,
-            config=config, resume=resume))
-    if log.mlflow.enabled:
-        m = log.mlflow
-        params = {k: _param_value(v) for k, v in flatten_config(config).items()}
-        trackers += _start("MLflow", "mlflow", lambda: MlflowTracker(
-            out, tracking_uri=m.tracking_uri, experiment=m.experiment, run_name=m.run_name or cfg.name,
-            tags=dict(m.tags), params=params, resume=resume))
-    return trackers
 
 
 def trackers_of(task: SSLTask) -> list[Tracker]:

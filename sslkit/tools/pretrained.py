@@ -9,8 +9,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from sslkit.builder.runs import eval_config, in_channels, read_run_checkpoint
 from sslkit.checkpoint import CheckpointError
-from sslkit.checkpointing.runs import eval_config, in_channels, read_run_checkpoint
 from sslkit.config.schema import ConfigError
 from sslkit.data.transforms import eval_resize
 from sslkit.errors import UserError

@@ -29,7 +29,7 @@ from sslkit.data.device_augment import Images
 from sslkit.data.device_decode import DeviceDecoder, RawImages
 from sslkit.data.prefetch import Prefetcher
 from sslkit.distributed import all_reduce_gradients, all_reduce_mean
-from sslkit.hooks.base import Event
+from sslkit.events import Event
 from sslkit.optim import set_lr, set_weight_decay
 from sslkit.parallel import full_tensor, gradient_sync, is_sharded
 from sslkit.task import LastBatch, SSLTask

@@ -103,7 +103,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     one, once the first was acted on and more than PreemptionHook.REPEAT_S later (one press that reaches the
     process twice is one), stops at once (exit 130, no checkpoint of that step) with a message, not a traceback;
     the last checkpoint stays."""
-    from sslkit.reliability import PreemptionHook
+    from sslkit.hooks.preemption import PreemptionHook
 
     out, marker, err_file = tmp_path / "run", tmp_path / "in-step-3", tmp_path / "stderr.txt"
     proc = _start(out, 1, "checkpoint.every_n_steps=2", f"hooks=[{{name: fault_block, step: 3, marker: '{marker}'}}]",
