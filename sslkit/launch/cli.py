@@ -1,7 +1,7 @@
 """The ``tools/run.py`` entry point: compose the config, set up the output folder, build, resume, train.
 
 Light to import (no torch): ``sslkit --help`` and ``python tools/run.py --help`` answer before torch would have
-loaded; every function imports what it runs (tests/test_imports.py holds the list of what must stay out).
+loaded; every function imports what it runs (tests/test_suite.py holds the list of what must stay out).
 """
 
 from __future__ import annotations

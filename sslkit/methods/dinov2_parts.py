@@ -1,4 +1,5 @@
-"""DINOv2's and iBOT's loss pieces: KoLeo, Sinkhorn-Knopp teacher targets, the masked-patch cross-entropy."""
+"""DINOv2's and iBOT's loss pieces: KoLeo, the masked patches' slots, the masked-patch cross-entropy (Sinkhorn-Knopp:
+methods/sinkhorn.py)."""
 
 from __future__ import annotations
 

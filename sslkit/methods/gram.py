@@ -5,9 +5,8 @@ Siméoni et al. 2025 ("DINOv3"), section 4: the student's patch features keep th
 structure (the Gram matrix of the L2-normalised patch features) of an earlier teacher, which stops the dense
 features from degrading over long training. The reference is ``dinov3/loss/gram_loss.py`` and the ``gram`` parts
 of ``dinov3/train/ssl_meta_arch.py`` and ``train.py`` (facebookresearch/dinov3); every option there is here, the
-token selection done with weights instead of boolean indexing (a fixed shape, no host sync).
-
-Not wired into a recipe yet (issue 36): the DINOv3 method composes these with the DINOv2 parts.
+token selection done with weights instead of boolean indexing (a fixed shape, no host sync). The DINOv3 method
+(``methods/dinov3.py``, with its GramTeacherHook) composes these with the DINOv2 parts.
 """
 
 from __future__ import annotations
