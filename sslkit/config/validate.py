@@ -497,7 +497,7 @@ def _world_size(cfg: DictConfig) -> int:
 
 def _check_steps(cfg: DictConfig, errors: list[str]) -> int | None:
     """With a known number of training samples (``data.limit`` or a source that knows its size), at least one
-    optimizer step per epoch must fit. Returns the run's updates when they are known here, else None."""
+    optimizer step per epoch must fit. Returns the run's steps when they are known here, else None."""
     from sslkit.data.sources import source_shape
 
     try:
@@ -525,9 +525,9 @@ def _check_steps(cfg: DictConfig, errors: list[str]) -> int | None:
     return cfg.optim.max_steps or cfg.optim.epochs * (batches // acc)
 
 
-def _check_method_rules(cfg: DictConfig, errors: list[str], updates: int | None) -> None:
+def _check_method_rules(cfg: DictConfig, errors: list[str], steps: int | None) -> None:
     """The method's own rules (:attr:`sslkit.methods.base.Method.rules`, such as DINOv2's Sinkhorn-Knopp batch), on
-    the run's shape as plain values (``updates``: the run's, when known)."""
+    the run's shape as plain values (``steps``: the run's, when known)."""
     from sslkit.methods.base import RunShape
 
     method = R.METHODS.get(cfg.method.name) if cfg.method.name in R.METHODS else None
@@ -536,7 +536,7 @@ def _check_method_rules(cfg: DictConfig, errors: list[str], updates: int | None)
     world = _world_size(cfg)
     kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, DictConfig) else OmegaConf.create({})
     hooks = {name: _plain(h) for name, h in cfg.method.hooks.items() if isinstance(h, DictConfig)}
-    shape = RunShape(per_process_batch(cfg, world), world, _plain(cfg.loss), _plain(kwargs), hooks, updates)
+    shape = RunShape(per_process_batch(cfg, world), world, _plain(cfg.loss), _plain(kwargs), hooks, steps)
     for rule in method.rules:
         errors.extend(rule(shape))
 
@@ -664,9 +664,9 @@ def validate(cfg: DictConfig) -> None:
                       "workers): set data.augment_on=device or auto, or data.decode_on=auto")
     global_batch = _global_batch_errors(cfg)
     errors.extend(global_batch)
-    updates = None
+    steps = None
     if cfg.data.batch_size > 0 and cfg.optim.micro_batches >= 1 and not global_batch:
-        updates = _check_steps(cfg, errors)
+        steps = _check_steps(cfg, errors)
     _check_sources(cfg, errors)
 
     import sslkit.data
@@ -676,7 +676,7 @@ def validate(cfg: DictConfig) -> None:
     import sslkit.train_steps.standard  # noqa: F401
 
     if cfg.data.batch_size > 0 and cfg.optim.micro_batches >= 1 and not global_batch:
-        _check_method_rules(cfg, errors, updates)
+        _check_method_rules(cfg, errors, steps)
 
     _registered(errors, R.TRAIN_STEPS, cfg.train_step, "train_step")
     for where, reg, section, skip in (
@@ -715,20 +715,20 @@ def validate(cfg: DictConfig) -> None:
         builder = _registered(errors, R.DATASETS, source, f"data.{split}.source")
         if builder is not None:
             _check_kwargs(f"data.{split}.kwargs", builder, dict(cfg.data[split].kwargs), errors)
-    _check_sections(cfg, ref, trunk, updates, errors)
+    _check_sections(cfg, ref, trunk, steps, errors)
     if not errors:
         _check_freeze(cfg, errors)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(errors)))  # shared keys: once
 
 
-def _check_sections(cfg: DictConfig, ref: DictConfig, trunk: Any, updates: int | None, errors: list[str]) -> None:
+def _check_sections(cfg: DictConfig, ref: DictConfig, trunk: Any, steps: int | None, errors: list[str]) -> None:
     """The hooks, the Gram and high-resolution settings, and the recipe's required keys."""
     _check_hooks(cfg, errors)
     _check_gram(cfg, ref.gram, errors)
     _check_distill(cfg, ref.distill, errors)
     _check_reference(cfg, errors)
-    _check_teacher_crops(cfg, trunk, updates, errors)
+    _check_teacher_crops(cfg, trunk, steps, errors)
     _check_required(cfg, errors)
 
 
@@ -834,7 +834,7 @@ def _check_distill(cfg: DictConfig, defaults: DictConfig, errors: list[str]) -> 
                       f"({specs[0]['trunk']}): leave model.trunk unset (null), it is filled from distill.students")
 
 
-def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, errors: list[str]) -> None:
+def _check_teacher_crops(cfg: DictConfig, trunk: Any, steps: int | None, errors: list[str]) -> None:
     """``gram.teacher_size`` reaches the transform and a Gram teacher that is a second network; ``hires.*`` is a
     phase a ViT can run (:func:`~sslkit.data.resolution.phase_errors`), in the loader workers."""
     from sslkit.data.resolution import phase_errors
@@ -857,7 +857,7 @@ def _check_teacher_crops(cfg: DictConfig, trunk: Any, updates: int | None, error
     if h.start_step is None or trunk is None:
         return
     errors.extend(phase_errors(h.start_step, list(h.global_sizes), list(h.local_sizes), list(h.teacher_sizes),
-                               list(h.ratios), _patch_size(cfg, trunk), updates))
+                               list(h.ratios), _patch_size(cfg, trunk), steps))
     if cfg.data.augment_on == "device":
         errors.append("'hires.start_step' is set with data.augment_on=device: the crops of a high-resolution phase "
                       "are made in the loader workers (the device augmentation has one size per view): set "

@@ -25,9 +25,9 @@ class RunShape:
     model_kwargs: dict[str, Any]
     #: the method's hooks' settings (``method.hooks``, by hook name; None entries left out)
     hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: the optimizer updates the run makes, when the number of training samples is known before the data is
+    #: the optimizer steps the run makes, when the number of training samples is known before the data is
     #: opened (``data.limit``, Fashion-MNIST, a synthetic source); None otherwise
-    updates: int | None = None
+    steps: int | None = None
 
 
 @dataclass(frozen=True)

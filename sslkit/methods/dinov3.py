@@ -304,10 +304,10 @@ def gram_rule(shape: RunShape) -> list[str]:
                       "to refresh; set gram.every=0 or gram.teacher=snapshot")
     if not isinstance(start, int) or start < 0:
         errors.append(f"'gram.start_step' must be an update number >= 0, got {start!r}")
-    elif shape.updates is not None and start >= shape.updates:
-        errors.append(f"'gram.start_step' = {start} is after the run's end: it makes {shape.updates} updates (0 to "
-                      f"{shape.updates - 1}), so the Gram loss would never run. Lower gram.start_step (below "
-                      f"{shape.updates}) or lengthen the run (optim.epochs, optim.max_steps)")
+    elif shape.steps is not None and start >= shape.steps:
+        errors.append(f"'gram.start_step' = {start} is after the run's end: it makes {shape.steps} steps (0 to "
+                      f"{shape.steps - 1}), so the Gram loss would never run. Lower gram.start_step (below "
+                      f"{shape.steps}) or lengthen the run (optim.epochs, optim.max_steps)")
     if shape.loss.get("gram_start_step", start) != start:
         errors.append(f"'loss.gram_start_step' = {shape.loss['gram_start_step']} but "
                       f"'method.hooks.gram_teacher.start_step' = {start}: route both from gram.start_step")
