@@ -277,8 +277,8 @@ def test_bad_gram_options_are_refused() -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["optim.max_steps=5", "gram.start_step=5"],
-     "'gram.start_step' = 5 is after the run's end: it makes 5 updates"),
-    (["gram.start_step=8"], "'gram.start_step' = 8 is after the run's end: it makes 8 updates"),
+     "'gram.start_step' = 5 is after the run's end: it makes 5 steps"),
+    (["gram.start_step=8"], "'gram.start_step' = 8 is after the run's end: it makes 8 steps"),
     (["gram.teacher=file"], "'gram.teacher' = file: a Gram teacher without a source. Set gram.checkpoint=PATH"),
     (["gram.checkpoint=/no/such.pth"], "'gram.checkpoint' = /no/such.pth is read with gram.teacher=file only"),
     (["gram.teacher=file", "gram.checkpoint=/no/such.pth"], "'gram.checkpoint' = /no/such.pth: no such file"),
@@ -399,7 +399,7 @@ def test_with_teacher_crops_the_gram_targets_are_the_gram_teachers_patches_resiz
     (["gram.teacher_size=48", "data.transform.teacher_size=null"],
      "'gram.teacher_size' is set, but data.transform.teacher_size does not follow gram.teacher_size"),
     (["hires.start_step=8", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
-     "'hires.start_step' = 8 is after the run's end: it makes 8 updates"),
+     "'hires.start_step' = 8 is after the run's end: it makes 8 steps"),
     (["hires.start_step=2", "hires.global_sizes=[44]", "hires.local_sizes=[16]", "hires.ratios=[1]"],
      "'hires.global_sizes' holds 44: every size must be a multiple of the trunk's 8 px patch"),
     (["hires.start_step=2", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]",
