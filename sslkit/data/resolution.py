@@ -82,9 +82,9 @@ class PhasedTransform:
 
 
 def phase_errors(start: Any, global_sizes: Sequence[Any], local_sizes: Sequence[Any], teacher_sizes: Sequence[Any],
-                 ratios: Sequence[Any], patch: int | None, updates: int | None) -> list[str]:
+                 ratios: Sequence[Any], patch: int | None, steps: int | None) -> list[str]:
     """What does not hold in a ``hires.*`` section (plain values; ``patch``: the trunk's patch size, None for a
-    trunk without patches; ``updates``: the run's length when known): each message names the key and what would
+    trunk without patches; ``steps``: the run's length when known): each message names the key and what would
     work."""
     if start is None:
         return []
@@ -95,10 +95,10 @@ def phase_errors(start: Any, global_sizes: Sequence[Any], local_sizes: Sequence[
                 "change meaning with the crop size. Use a ViT trunk (model.trunk=vit_small_patch16_dinov3, ...) or "
                 "drop hires.start_step"]
     if not isinstance(start, int) or start < 0:
-        errors.append(f"'hires.start_step' must be an update number >= 0 (or null: no phase), got {start!r}")
-    elif updates is not None and start >= updates:
-        errors.append(f"'hires.start_step' = {start} is after the run's end: it makes {updates} updates (0 to "
-                      f"{updates - 1}), so the phase would never run. Lower hires.start_step (below {updates}) or "
+        errors.append(f"'hires.start_step' must be a step number >= 0 (or null: no phase), got {start!r}")
+    elif steps is not None and start >= steps:
+        errors.append(f"'hires.start_step' = {start} is after the run's end: it makes {steps} steps (0 to "
+                      f"{steps - 1}), so the phase would never run. Lower hires.start_step (below {steps}) or "
                       "lengthen the run (optim.epochs, optim.max_steps)")
     lengths = {"hires.global_sizes": len(global_sizes), "hires.local_sizes": len(local_sizes),
                "hires.ratios": len(ratios)}

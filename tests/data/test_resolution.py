@@ -118,7 +118,7 @@ def test_a_dataset_under_a_phase_crops_each_sample_at_its_updates_sizes_and_coll
 
 @pytest.mark.parametrize(("args", "message"), [
     ((5, [64], [32], [], [1.0], None, 10), "the trunk has no patch grid"),
-    ((12, [64], [32], [], [1.0], 16, 12), "'hires.start_step' = 12 is after the run's end: it makes 12 updates"),
+    ((12, [64], [32], [], [1.0], 16, 12), "'hires.start_step' = 12 is after the run's end: it makes 12 steps"),
     ((0, [64, 72], [32, 32], [], [0.5, 0.5], 16, 10), "'hires.global_sizes' holds 72: every size must be a multiple "
                                                       "of the trunk's 16 px patch (e.g. 64)"),
     ((0, [64, 80], [32], [], [0.5, 0.5], 16, 10), "give as many hires.global_sizes, hires.local_sizes, hires.ratios "
@@ -126,7 +126,7 @@ def test_a_dataset_under_a_phase_crops_each_sample_at_its_updates_sizes_and_coll
     ((0, [64], [80], [], [1.0], 16, 10), "'hires.local_sizes' holds 80 > the global size 64"),
     ((0, [64], [32], [100], [1.0], 16, 10), "'hires.teacher_sizes' holds 100"),
     ((0, [64, 80], [32, 32], [], [0, 0], 16, 10), "'hires.ratios' = [0, 0]: probabilities >= 0 with a positive sum"),
-    ((-1, [64], [32], [], [1.0], 16, 10), "'hires.start_step' must be an update number >= 0"),
+    ((-1, [64], [32], [], [1.0], 16, 10), "'hires.start_step' must be a step number >= 0"),
 ])
 def test_a_phase_that_cannot_run_is_named_by_its_key(args: tuple, message: str) -> None:
     errors = phase_errors(*args)
