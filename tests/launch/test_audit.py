@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import HANG_S, RECIPES, SMALL
 
+from sslkit.config.schema import ConfigError
 from sslkit.launch.audit import StepAudit, audit_recipe
 
 PLANTED = '''
@@ -104,8 +105,8 @@ ROPE = ["model.trunk=vit_small_patch16_dinov3", "+model.trunk_kwargs.depth=2"]
 def test_the_dinov3_trunk_steps_are_clean_too(recipe: str, tmp_path: Path) -> None:
     """The RoPE trunk under a masked recipe (dinov2: the mask token; mae: the kept patches and their rotary
     embeddings gathered): no CPU tensor, sync or nondeterministic call in the step, and no tensor kept outside
-    the module state (timm builds the rotary coordinates on the CPU each forward and moves them with the
-    periods' device: not a sync, and nothing held)."""
+    the module state (timm builds the rotary coordinates on the CPU; on CUDA the trunk computes the embedding on a
+    host copy of its RoPE module and sends it from pinned memory: tests/gpu/test_vit_cuda.py)."""
     from sslkit.builder import build_task
     from sslkit.config.compose import compose_config
 
@@ -116,6 +117,15 @@ def test_the_dinov3_trunk_steps_are_clean_too(recipe: str, tmp_path: Path) -> No
     loose = [f"{name}.{attr}" for name, module in task.base_model.named_modules()
              for attr, value in vars(module).items() if isinstance(value, torch.Tensor)]
     assert loose == []
+
+
+def test_a_stage_that_starts_after_the_audits_steps_is_audited_from_the_first() -> None:
+    """config=dinov3 as printed starts its Gram loss at step 156, after the audit's 3 steps: the audit starts it at
+    the first step (it stopped with a config error before), and a gram.start_step the command gives is kept."""
+    small = [o for o in RECIPES["dinov3"] if not o.startswith("gram.start_step=")]
+    assert audit_recipe(["config=dinov3", *SMALL, *small]) == []
+    with pytest.raises(ConfigError, match=r"'gram.start_step' = 5 is after the run's end"):
+        audit_recipe(["config=dinov3", *SMALL, *small, "gram.start_step=5"])
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
