@@ -13,6 +13,7 @@ from sslkit.checkpoint import Checkpointer, CheckpointError
 from sslkit.config.compose import apply_overrides, import_modules
 from sslkit.config.schema import schema
 from sslkit.config.validate import validate
+from sslkit.optim.param_groups import in_trunk
 
 __all__ = ["eval_config", "in_channels", "read_run_checkpoint", "saved_config"]
 
@@ -52,7 +53,7 @@ def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
 def in_channels(model_state: dict[str, torch.Tensor]) -> int:
     """The trunk's input channels: the second dimension of its first convolution's weight."""
     for key, value in model_state.items():
-        if (key.startswith("trunk.") or ".trunk." in key) and value.ndim == 4:  # (a distillation: its students)
+        if in_trunk(key) and value.ndim == 4:  # (a distillation: its students' trunks too)
             return int(value.shape[1])
     return 3
 
