@@ -16,8 +16,8 @@ from torch.utils.data import Dataset, Subset
 
 from sslkit.builder.common import preemption_signals, section_kwargs
 from sslkit.builder.runtime import resolve_num_workers
+from sslkit.config.rules import per_process_batch
 from sslkit.config.schema import ConfigError
-from sslkit.config.validate import per_process_batch
 from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, build_source, build_transform
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw

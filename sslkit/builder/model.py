@@ -17,8 +17,8 @@ from sslkit import registry as R
 from sslkit.builder.common import section_kwargs, trunk_kwargs
 from sslkit.builder.data import TrainData, source_channels
 from sslkit.builder.teacher import build_students, load_teacher
+from sslkit.config.rules import freeze_entries
 from sslkit.config.schema import ConfigError
-from sslkit.config.validate import freeze_entries
 from sslkit.errors import did_you_mean
 from sslkit.methods.distill import student_specs
 from sslkit.models.masking import MaskPlan

@@ -174,7 +174,8 @@ def apply_stats(cfg: DictConfig) -> None:
 def resolve_method(cfg: DictConfig) -> None:
     """Fill what the method decides and the config left open (null): ``model.name``, ``loss.name`` and
     ``data.transform.name`` become the method's model wiring, loss and default augmentation, so the saved
-    config says what ran. An unknown method is left for :func:`validate` to report."""
+    config says what ran; then the method completes the rest from its own sections
+    (:attr:`~sslkit.methods.base.Method.complete`). An unknown method is left for :func:`validate` to report."""
     import sslkit.methods  # noqa: F401  (registrations)
 
     name = cfg.get("method", {}).get("name") if isinstance(cfg.get("method"), DictConfig) else None
@@ -186,21 +187,8 @@ def resolve_method(cfg: DictConfig) -> None:
                            (masking, method.masking or "none")):
         if isinstance(section, DictConfig) and section.get("name") is None:
             section.name = value
-    _first_student(cfg)
-
-
-def _first_student(cfg: DictConfig) -> None:
-    """A distillation leaves ``model.trunk`` null: it becomes the first student's trunk, ``model.trunk_kwargs`` its
-    kwargs (what validation, the kNN hook and the tools' records read). Entries that do not parse are left for
-    :func:`validate` to report."""
-    students = OmegaConf.select(cfg, "distill.students")
-    if cfg.model.get("trunk") is not None or not isinstance(students, ListConfig) or not students:
-        return
-    first = students[0]
-    if isinstance(first, str):
-        cfg.model.trunk, cfg.model.trunk_kwargs = first, {}
-    elif isinstance(first, DictConfig) and isinstance(first.get("trunk"), str):
-        cfg.model.trunk, cfg.model.trunk_kwargs = first.trunk, first.get("trunk_kwargs") or {}
+    if method.complete is not None:
+        method.complete(cfg)
 
 
 def import_modules(cfg: DictConfig) -> None:

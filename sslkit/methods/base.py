@@ -28,6 +28,13 @@ class RunShape:
     #: the optimizer steps the run makes, when the number of training samples is known before the data is
     #: opened (``data.limit``, Fashion-MNIST, a synthetic source); None otherwise
     steps: int | None = None
+    #: the config the method declares as its own (:attr:`Method.sections`), by key path (``gram``, ``distill``)
+    sections: dict[str, Any] = field(default_factory=dict)
+    #: the registered trunk (``model.trunk``), the training transform's settings (``data.transform``) and the
+    #: high-resolution phase's (``hires``)
+    trunk: str | None = None
+    transform: dict[str, Any] = field(default_factory=dict)
+    hires: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class Method:
     * ``rules``: the method's own config checks, run by validation with the run's :class:`RunShape`; each returns
       the messages of what does not hold (none when all is well), so a user's method adds its rules without
       editing sslkit;
+    * ``sections``: key paths of the config that only this method reads (``gram`` for DINOv3's Gram anchoring,
+      ``distill`` for distillation): given to its rules in :attr:`RunShape.sections`, and a config error when
+      they differ from their defaults in a run of another method;
+    * ``complete``: fills, on the composed config before it is validated, keys the method derives from its own
+      sections and the config left open (null), so the saved config says what ran (distillation: ``model.trunk``
+      from its first student); None for most methods;
     * ``summary``: one line for ``sslkit list``.
 
     The keys the method accepts are those of its builders: ``model.kwargs`` for the model's,
@@ -65,6 +78,8 @@ class Method:
     takes_masks: bool = False
     patch_tokens: bool = False
     rules: tuple[Callable[[RunShape], list[str]], ...] = ()
+    sections: tuple[str, ...] = ()
+    complete: Callable[[Any], None] | None = None
     summary: str = ""
 
     def accepted_keys(self) -> dict[str, list[str]]:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from sslkit.clock import StepContext, TrainClock
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.freeze import FreezeParametersHook
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.center import Center
 from sslkit.models.output import ModelOutput
@@ -21,7 +21,7 @@ from sslkit.optim.schedules import TeacherTemperature
 from sslkit.registry import register_head, register_hook, register_loss, register_model
 
 if TYPE_CHECKING:
-    from sslkit.task import SSLTask
+    pass
 
 __all__ = [
     "DINO",
@@ -296,34 +296,25 @@ class DINOLoss(nn.Module):
 
 # ----------------------------------------------------------------------------------------- hook
 @register_hook("dino_freeze_last_layer")
-class FreezeLastLayerHook(SSLHook):
+class FreezeLastLayerHook(FreezeParametersHook):
     """Keeps the head's last layer fixed during the first ``freeze_last_layer_epochs`` epochs
     (DINO: 1; it stabilises the start of training).
 
-    ``on_backward``: while ``task.epoch < freeze_last_layer_epochs``, drop the gradient of every
-    parameter of ``task.base_model.<module>`` (``grad = None``, as the reference code does), so
-    the optimizer skips it: no step, no Adam moments, no weight decay.
+    The freeze of :class:`~sslkit.hooks.freeze.FreezeParametersHook` (the one mechanism, ``model.freeze``'s too) on
+    every parameter of ``task.base_model.<module>``: while ``task.clock.epoch < freeze_last_layer_epochs`` their
+    gradients are dropped after backward (``grad = None``, as the reference code does), so the optimizer skips
+    them: no step, no Adam moments, no weight decay.
     """
 
     name = "dino_freeze_last_layer"
+    hint = "use model.name=dino with model.head.name=dino, or set the hook's module"
 
     def __init__(self, freeze_last_layer_epochs: int = 1, module: str = "head.last_layer") -> None:
         if freeze_last_layer_epochs < 0:
             raise ValueError(f"freeze_last_layer_epochs must be >= 0, got {freeze_last_layer_epochs}")
+        super().__init__([([f"{module}.*"], "epochs", int(freeze_last_layer_epochs))])
         self.freeze_last_layer_epochs = int(freeze_last_layer_epochs)
         self.module = module
-
-    def on_backward(self, task: SSLTask) -> None:
-        """Drop the last layer's gradient in the frozen epochs."""
-        if task.epoch >= self.freeze_last_layer_epochs:
-            return
-        try:
-            layer = task.base_model.get_submodule(self.module)
-        except AttributeError as exc:
-            raise AttributeError(f"dino_freeze_last_layer: the model has no submodule '{self.module}' "
-                                 "(use model.name=dino with model.head.name=dino, or set the hook's module)") from exc
-        for p in layer.parameters():
-            p.grad = None
 
 
 #: The method object: what ``method.name=dino`` trains.

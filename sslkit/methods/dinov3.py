@@ -322,10 +322,35 @@ def gram_rule(shape: RunShape) -> list[str]:
     return errors
 
 
+def teacher_crops_rule(shape: RunShape) -> list[str]:
+    """``gram.teacher_size`` (and a high-resolution phase's ``hires.teacher_sizes``) give the Gram teacher crops of
+    its own: that needs a Gram teacher that is a second network (not ``gram.teacher=ema``, which sees the
+    student's crops), and the multicrop transform, which makes those crops, told their size
+    (``data.transform.teacher_size`` following ``gram.teacher_size``)."""
+    gram, hires = shape.sections.get("gram", {}), shape.hires
+    size = gram.get("teacher_size")
+    phase = [t for t in hires.get("teacher_sizes") or [] if t is not None] if hires.get("start_step") is not None \
+        else []
+    if size is None and not phase:
+        return []
+    key = "gram.teacher_size" if size is not None else "hires.teacher_sizes"
+    errors = []
+    if gram.get("teacher") == "ema":
+        errors.append(f"'{key}' gives the Gram teacher crops of its own, and gram.teacher=ema has no Gram teacher "
+                      "network (the EMA teacher sees the student's crops): set gram.teacher=snapshot or file, or "
+                      f"drop {key}")
+    if shape.transform.get("teacher_size") != size:
+        errors.append(f"'{key}' is set, but data.transform.teacher_size does not follow gram.teacher_size (the "
+                      "multicrop transform makes the teacher's crops): set data.transform.teacher_size="
+                      "${gram.teacher_size}, as the dinov3 recipes do")
+    return errors
+
+
 #: The method object: what ``method.name=dinov3`` trains.
 DINOV3 = register_method(Method(
     name="dinov3", model="dinov3", loss="dinov3", required_hooks=("momentum_teacher", "gram_teacher"),
-    transform="multicrop", masking="block", patch_tokens=True, rules=(sinkhorn_batch_rule, gram_rule),
+    transform="multicrop", masking="block", patch_tokens=True,
+    rules=(sinkhorn_batch_rule, gram_rule, teacher_crops_rule), sections=("gram", "hires.teacher_sizes"),
     summary=("DINOv3 (Siméoni et al., 2025): DINOv2's losses plus Gram anchoring of the patch features to a "
              "snapshot of the EMA teacher."),
 ))

@@ -28,6 +28,7 @@ from there again. The builder (:mod:`sslkit.builder.teacher`) reads the teacher 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sslkit import registry as R
 from sslkit.clock import StepContext, TrainClock
 from sslkit.errors import UserError
 from sslkit.hooks.base import SSLHook, method_model
-from sslkit.methods.base import Method, register_method
+from sslkit.methods.base import Method, RunShape, register_method
 from sslkit.methods.center import Center
 from sslkit.methods.dino import DINOHead, dino_cross_entropy, dino_temperatures, mean_entropy
 from sslkit.methods.dinov2 import CENTERING, SinkhornKnoppTeacher
@@ -624,9 +626,78 @@ class DistillTeacherHook(SSLHook):
 
 
 #: The method object: what ``method.name=distill`` trains.
+#: ``model.kwargs`` the distillation builder fills itself, and the key a user sets instead.
+ROUTED_KWARGS = {"teacher": "distill.teacher", "students": "distill.students", "objective": "distill.objective",
+                 "dense": "distill.patch_weight", "head_kwargs": "model.head", "lr_scales": "distill.students",
+                 "mask_student": "distill.mask_student", "teacher_blocks": "distill.teacher_blocks"}
+
+
+def _known_trunk(name: str, where: str) -> list[str]:
+    try:
+        R.get(R.TRUNKS, name, where=where)
+    except R.UnknownNameError as exc:
+        return [str(exc)]
+    return []
+
+
+def distill_rule(shape: RunShape) -> list[str]:
+    """``distill.*``: a teacher that exists, a known teacher trunk, objective and metric, the teacher's sharding and
+    blocks, students that parse (a trunk each, no name twice, registered trunks), ``model.trunk`` the first
+    student's, and no ``model.kwargs`` the builder fills from ``distill.*``."""
+    d = shape.sections.get("distill", {})
+    errors = []
+    teacher, trunk = d.get("teacher"), d.get("teacher_trunk")
+    if teacher is not None and not os.path.exists(os.path.expanduser(str(teacher))):
+        errors.append(f"'distill.teacher' = {teacher}: no such file or folder; give an sslkit run folder, a "
+                      "checkpoint, or a .pth / .safetensors weights file (with distill.teacher_trunk)")
+    if trunk is not None and not str(trunk).startswith("timm:"):
+        errors += _known_trunk(str(trunk), "distill.teacher_trunk")
+    objective, blocks = d.get("objective"), d.get("teacher_blocks", 1)
+    if objective not in OBJECTIVES:
+        errors.append(f"'distill.objective' = {objective}: use one of {', '.join(OBJECTIVES)}")
+    if d.get("metric") not in METRICS:
+        errors.append(f"'distill.metric' = {d.get('metric')}: use one of {', '.join(METRICS)}")
+    if d.get("teacher_shard", "auto") not in ("auto", True, False):
+        errors.append(f"'distill.teacher_shard' must be auto, true or false, got {d.get('teacher_shard')!r}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        errors.append(f"'distill.teacher_blocks' must be >= 1 (1: the teacher's final tokens), got {blocks!r}")
+    elif objective == "dino" and blocks != 1:
+        errors.append(f"'distill.teacher_blocks' = {blocks}: the dino objective reads the teacher's heads on its "
+                      "final tokens; the last blocks concatenated are the feature objective's (LightlyTrain "
+                      "distillationv2): set distill.teacher_blocks=1 or distill.objective=feature")
+    try:
+        specs = student_specs(d.get("students"))
+    except DistillError as exc:
+        return [*errors, str(exc)]
+    for spec in specs:
+        errors += _known_trunk(spec["trunk"], f"distill.students ({spec['name']})")
+    for key in sorted(set(shape.model_kwargs) & set(ROUTED_KWARGS)):
+        errors.append(f"'model.kwargs.{key}' is the builder's to set for a distillation (from {ROUTED_KWARGS[key]}): "
+                      f"drop it and set {ROUTED_KWARGS[key]}")
+    if shape.trunk != specs[0]["trunk"]:
+        errors.append(f"'model.trunk' = {shape.trunk}, but a distillation's model.trunk is its first student's "
+                      f"({specs[0]['trunk']}): leave model.trunk unset (null), it is filled from distill.students")
+    return errors
+
+
+def first_student(cfg: Any) -> None:
+    """A distillation leaves ``model.trunk`` null: it becomes the first student's trunk, ``model.trunk_kwargs`` its
+    kwargs (what validation, the kNN hook and the tools' records read). ``cfg``: the composed config; entries that
+    do not parse are left for :func:`distill_rule` to report."""
+    students = cfg.distill.students
+    if cfg.model.get("trunk") is not None or isinstance(students, str) or not isinstance(students, Sequence) \
+            or not students:
+        return
+    first = students[0]
+    if isinstance(first, str):
+        cfg.model.trunk, cfg.model.trunk_kwargs = first, {}
+    elif hasattr(first, "get") and isinstance(first.get("trunk"), str):
+        cfg.model.trunk, cfg.model.trunk_kwargs = first.trunk, first.get("trunk_kwargs") or {}
+
+
 DISTILL = register_method(Method(
     name="distill", model="distill", loss="distill", required_hooks=("distill_teacher",), transform="simclr",
-    takes_masks=True,
+    takes_masks=True, rules=(distill_rule,), sections=("distill",), complete=first_student,
     summary=("Distillation of a frozen teacher (an sslkit run, DINOv2/DINOv3 weights, a timm model) into one or "
              "several students: feature regression (LightlyTrain) or DINO + iBOT (DINOv3)."),
 ))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sslkit.clock import StepContext
-from sslkit.hooks.base import SSLHook
+from sslkit.hooks.freeze import FreezeParametersHook
 from sslkit.methods.base import Method, register_method
 from sslkit.methods.sinkhorn import sinkhorn_knopp
 from sslkit.models.output import ModelOutput
@@ -267,7 +267,7 @@ class SwAVLoss(nn.Module):
 
 # ---------------------------------------------------------------------------------------- hook
 @register_hook("swav_prototypes")
-class SwAVPrototypesHook(SSLHook):
+class SwAVPrototypesHook(FreezeParametersHook):
     """Keeps SwAV's prototypes on the unit sphere and frozen at the start of training.
 
     * ``on_start`` and ``on_update``: L2-normalise the rows of the prototype weight (the
@@ -275,16 +275,18 @@ class SwAVPrototypesHook(SSLHook):
     * ``on_backward``: while ``task.clock.step < freeze_prototypes_steps`` (optimizer updates),
       drop the prototypes' gradient (``grad = None``, as the reference code does), so the optimizer skips them:
       no step, no momentum, no weight decay (paper: 313 iterations, the first ImageNet epoch at
-      batch 4096).
+      batch 4096). That is :class:`~sslkit.hooks.freeze.FreezeParametersHook`'s freeze (the one mechanism).
 
     ``module`` is the attribute path of the prototype layer in ``task.base_model``.
     """
 
     name = "swav_prototypes"
+    hint = "use model.name=swav, or set the hook's module"
 
     def __init__(self, freeze_prototypes_steps: int = 313, module: str = "prototypes") -> None:
         if freeze_prototypes_steps < 0:
             raise ValueError(f"freeze_prototypes_steps must be >= 0, got {freeze_prototypes_steps}")
+        super().__init__([([f"{module}.*"], "steps", int(freeze_prototypes_steps))])
         self.freeze_prototypes_steps = int(freeze_prototypes_steps)
         self.module = module
 
@@ -306,12 +308,6 @@ class SwAVPrototypesHook(SSLHook):
         floating point (the last bits move), so a resumed run would drift from an uninterrupted one."""
         if task.clock.step == 0:
             self._normalize(task)
-
-    def on_backward(self, task: SSLTask) -> None:
-        """Drop the prototypes' gradient during the first ``freeze_prototypes_steps`` steps."""
-        if task.clock.step < self.freeze_prototypes_steps:
-            for p in self._layer(task).parameters():
-                p.grad = None
 
     def on_update(self, task: SSLTask) -> None:
         """Project the prototypes back onto the unit sphere after the optimizer step."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import MAE_VIT_S16_224, REPO
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from sslkit.config.compose import compose_config
 from sslkit.config.schema import ConfigError, schema
@@ -373,7 +373,7 @@ def test_fsdp_accepts_a_vit_recipe_with_bf16_and_checkpointing() -> None:
 
 
 def test_global_batch_must_split_over_the_processes_and_micro_batches() -> None:
-    from sslkit.config.validate import per_process_batch
+    from sslkit.config.rules import per_process_batch
 
     args = ["config=simclr", "machine.device=cpu", "distributed.nproc_per_node=3", "optim.micro_batches=2"]
     with pytest.raises(ConfigError, match=r"'data.global_batch_size' = 100 does not split over 3 process\(es\) x "
@@ -414,3 +414,23 @@ def test_a_composition_is_reused_only_while_its_files_are_unchanged(tmp_path: Pa
     a = compose_config(["data=synthetic", "config=mine", "machine.device=cpu"])
     b = compose_config(["config=simclr", "machine.device=cpu", "config=mine", "data=synthetic"])
     assert a.optim.lr == b.optim.lr == 0.125 and a.data.train.source == "synthetic" and a == b
+
+
+def test_every_key_that_defaults_to_auto_has_a_value_rule() -> None:
+    """A key defaulting to auto is not type-checked (it takes auto or a value of another type): the value table
+    checks it, or, in a section a method owns (Method.sections), that method's rules."""
+    import sslkit.methods  # noqa: F401  (registrations)
+    from sslkit import registry as R
+    from sslkit.config.schema import flat_keys, schema
+    from sslkit.config.values import VALUE_RULES
+
+    owned = [path for _, method in R.METHODS for path in method.sections]
+    ref = schema()
+    auto = [k for k in flat_keys(ref) if OmegaConf.select(ref, k) == "auto"]
+    assert "machine.device" in auto and "distill.teacher_shard" in auto
+    loose = [k for k in auto if k not in VALUE_RULES and not any(k == p or k.startswith(p + ".") for p in owned)]
+    assert not loose, f"keys defaulting to auto without a value rule: {loose}"
+    with pytest.raises(ConfigError, match=re.escape("'eval.bench.robustness.table' must be auto, imagenet or cifar")):
+        compose_config(["eval.bench.robustness.table=cifar10"])
+    with pytest.raises(ConfigError, match=re.escape("'distill.teacher_shard' must be auto, true or false")):
+        compose_config(["config=distill", "distill.teacher=.", "distill.teacher_shard=maybe"])

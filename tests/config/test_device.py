@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import sslkit.config.validate as compose
+import sslkit.config.machine as compose
 from sslkit.builder import resolve_num_workers, set_determinism
 from sslkit.config.compose import compose_config
 from sslkit.config.schema import ConfigError

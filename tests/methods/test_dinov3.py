@@ -296,7 +296,8 @@ def test_bad_gram_settings_are_config_errors_naming_the_key(extra: list[str], me
 
 
 def test_gram_settings_for_a_method_without_gram_anchoring_are_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"'gram.weight' is set, but method.name=dinov2 has no Gram anchoring"):
+    with pytest.raises(ConfigError, match=r"'gram.weight' is set, but method.name=dinov2 does not read it: the gram "
+                                          r"keys are read by method.name=dinov3 only"):
         validate(compose_config(["config=dinov2", *SMALL, *RECIPES["dinov2"], "gram.weight=2.0"]))
 
 
@@ -415,8 +416,8 @@ def test_a_high_resolution_phase_on_a_cnn_or_teacher_crops_without_a_gram_teache
     phase = ["hires.start_step=1", "hires.global_sizes=[48]", "hires.local_sizes=[16]", "hires.ratios=[1]"]
     with pytest.raises(ConfigError, match=re.escape("'hires.start_step' is set, but the trunk has no patch grid")):
         validate(compose_config(["config=simclr", *SMALL, *phase]))
-    with pytest.raises(ConfigError, match=re.escape("'hires.teacher_sizes' sizes the crops of a Gram teacher, and "
-                                                    "method.name=simclr has none")):
+    with pytest.raises(ConfigError, match=re.escape("'hires.teacher_sizes' is set, but method.name=simclr does "
+                                                    "not read it")):
         validate(compose_config(["config=simclr_vit", *SMALL, *VIT, *phase, "hires.teacher_sizes=[64]"]))
     validate(compose_config(["config=simclr_vit", *SMALL, *VIT, *phase]))  # a ViT method grows its views
 

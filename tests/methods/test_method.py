@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +100,52 @@ def test_a_method_carries_its_own_config_rules(monkeypatch: pytest.MonkeyPatch) 
     compose_config([*base, "data.batch_size=8"])
     assert seen[-1].processes == 2 and seen[-1].loss["temperature"] == pytest.approx(0.2)
     assert seen[-1].loss["name"] == "nt_xent" and isinstance(seen[-1].model_kwargs, dict)
+
+
+def test_a_method_owns_its_sections_sees_them_in_its_rules_and_completes_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key path a method declares its own (Method.sections) reaches its rules as plain values; set in a run of
+    another method it is a config error naming the key and its reader; Method.complete fills what the method
+    derives before validation. A user's method does all three without editing sslkit."""
+    from sslkit.config.schema import ConfigError
+    from sslkit.methods.base import Method, RunShape
+
+    seen: list[RunShape] = []
+
+    def ratios_sum_to_one(shape: RunShape) -> list[str]:
+        seen.append(shape)
+        ratios = shape.sections["hires.ratios"]
+        return [] if not ratios or sum(ratios) == 1 else [f"'hires.ratios' = {ratios}: mine needs them to sum to 1"]
+
+    def name_it(cfg: Any) -> None:
+        if cfg.name == "named-by-mine":
+            cfg.log.every_n_steps = 7
+
+    mine = Method(name="mine", model="ssl_model", loss="nt_xent", transform="simclr", rules=(ratios_sum_to_one,),
+                  sections=("hires.ratios",), complete=name_it)
+    monkeypatch.setitem(R.METHODS._obj_map, "mine", mine)
+    base = ["config=simclr", "machine.device=cpu"]
+    with pytest.raises(ConfigError, match=re.escape("'hires.ratios' = [0.5, 0.2]: mine needs them to sum to 1")):
+        compose_config([*base, "method.name=mine", "hires.ratios=[0.5,0.2]"])
+    cfg = compose_config([*base, "method.name=mine", "hires.ratios=[0.5,0.5]", "name=named-by-mine"])
+    assert seen[-1].sections == {"hires.ratios": [0.5, 0.5]} and seen[-1].trunk == cfg.model.trunk
+    assert seen[-1].transform["name"] == "simclr" and cfg.log.every_n_steps == 7
+    with pytest.raises(ConfigError, match=re.escape("'hires.ratios' is set, but method.name=simclr does not read it: "
+                                                    "the hires.ratios keys are read by method.name=mine only")):
+        compose_config([*base, "hires.ratios=[1.0]"])
+    compose_config(base)  # left at its default, another method's section is no error
+
+
+def test_the_config_layers_name_no_method() -> None:
+    """Validation knows no method by name: each method's checks are its rules (Method.rules), its sections its own
+    (Method.sections), so the modules of the config check hold none of the registered methods' names."""
+    import sslkit.config.machine
+    import sslkit.config.rules
+    import sslkit.config.validate
+    import sslkit.config.values
+
+    names = [name for name, _ in R.METHODS]
+    for module in (sslkit.config.validate, sslkit.config.values, sslkit.config.rules, sslkit.config.machine):
+        text = Path(module.__file__).read_text()
+        found = [n for n in names if re.search(rf"(?<![\w.]){n}(?![\w])", text)]
+        assert not found, f"{module.__name__} names the methods {found}"
