@@ -71,8 +71,9 @@ from sslkit.hooks.base import Event, SSLHook  # noqa: E402
 from sslkit.hooks.preemption import PreemptionHook  # noqa: E402
 from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
-from sslkit.task import LastBatch, SSLTask  # noqa: E402
-from sslkit.train_steps.stages import model_keywords, prepare_sample  # noqa: E402
+from sslkit.task import MicroBatch, SSLTask  # noqa: E402
+from sslkit.train_steps.sample import prepare_sample  # noqa: E402
+from sslkit.train_steps.stages import model_keywords  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
 from sslkit.trainer import train  # noqa: E402
 
@@ -252,7 +253,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
     """What a researcher would write by hand, sharing with sslkit only the construction and the
     method hooks (EMA teachers and the like, the same objects at the same events).
 
-    ``task`` is used as the hooks' view of the run: the loop keeps ``task.clock.step``,
+    ``task`` is used as the hooks' view of the run: the loop keeps ``task.clock.step``, ``task.clock.epoch``,
     ``task.phase_idx`` (the epoch) and ``task.last_batch`` current because hooks read them.
     """
     task = build_task(cfg)  # same seed -> same model init, loader, optimizer, schedules, hooks
@@ -269,7 +270,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
     for epoch in range(len(task.phases)):
         if step == max_steps:
             break
-        task.phase_idx = epoch
+        task.phase_idx = task.clock.epoch = epoch
         if loader.generator is None:  # as SSLTask.start_phase: the loader's seed draw leaves the global RNG alone
             loader.generator = torch.Generator()
         loader.generator.manual_seed(mix_seed(task.seed, epoch))
@@ -286,7 +287,7 @@ def plain_loop(cfg: DictConfig, warmup: int) -> RunResult:
                     task.clock.micro_batch = micro
                     # on the device, augmented there under data.augment_on=device, as sslkit's sample stage
                     sample = prepare_sample(task, next(batches))
-                    task.last_batch = LastBatch(sample=sample)
+                    task.last_batch = MicroBatch(sample=sample)
                     with precision():
                         # masks (drawn by the sample stage) and teacher crops, handed over as sslkit's step does
                         output = model(sample["input"], **model_keywords(sample))

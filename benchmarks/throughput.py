@@ -81,7 +81,7 @@ from sslkit.builder import build_task  # noqa: E402
 from sslkit.config.schema import ConfigError  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
 from sslkit.launch.console import setup_logging  # noqa: E402
-from sslkit.task import LastBatch, SSLTask  # noqa: E402
+from sslkit.task import MicroBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.stages import model_keywords, precision, prepare_sample, split_loss  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402
 from sslkit.trainer import train  # noqa: E402
@@ -279,7 +279,7 @@ def raw_rate(task: SSLTask, preset: Preset, steps: int, warmup: int) -> float:
         if i == warmup:
             _sync(device)
             start = time.perf_counter()
-        task.last_batch = LastBatch(sample=sample)
+        task.last_batch = MicroBatch(sample=sample)
         with precision(task):
             out = model(views, **model_keywords(sample))
             task.last_batch.model_output = out

@@ -15,9 +15,10 @@ from sslkit.data.loader import position_loader
 from sslkit.events import Event, Hook, in_order
 from sslkit.guard import UpdateGuard
 from sslkit.optim.schedules import ClockSchedule
+from sslkit.train_steps.sample import phase_samples
 from sslkit.train_steps.timing import PerfStats
 
-__all__ = ["DataPlan", "LastBatch", "Phase", "RunInfo", "SSLTask", "Training"]
+__all__ = ["DataPlan", "MicroBatch", "Phase", "RunInfo", "SSLTask", "Training"]
 
 logger = logging.getLogger("sslkit")
 
@@ -33,8 +34,9 @@ class Phase:
 
 
 @dataclass
-class LastBatch:
-    """What the current step has produced so far; hooks read it, the step fills it in."""
+class MicroBatch:
+    """One micro-batch's data as the step's stages pass it on: made by ``forward_and_loss``, taken by ``reduce``,
+    ``backward`` and ``update``; the latest is also ``task.last_batch``, what hooks read."""
 
     #: The sample dict: ``input`` (list of view tensors), ``target``, ``data_valid``, ``data_idx``.
     sample: dict[str, Any]
@@ -189,10 +191,12 @@ class SSLTask:
         self.phase_idx = 0
         #: True once the current phase has run out of data (set before ``on_phase_end``).
         self.phase_done = False
-        #: The iterator over the current phase's loader.
+        #: The current phase's samples (:func:`~sslkit.train_steps.sample.phase_samples`, opened by
+        #: :meth:`start_phase`): prepared on the device, a train phase's one ahead.
         self.data_iterator: Iterator[dict[str, Any]] = iter(())
-        #: The current step's sample, output and loss.
-        self.last_batch: LastBatch | None = None
+        #: The latest micro-batch's sample, output, loss and logged metrics (:class:`MicroBatch`), published by the
+        #: forward stage for the hooks; the stages pass it to each other, they never read it back from here.
+        self.last_batch: MicroBatch | None = None
         #: Sum of reduced losses since the last log and their count, on device (no sync).
         self.loss_sum = torch.zeros((), device=self.device)
         self.loss_count = 0
@@ -278,7 +282,7 @@ class SSLTask:
     # ------------------------------------------------------------------------------ phases
     def start_phase(self) -> None:
         """Position the current phase's loader (its seeds, epoch and resume offset: :func:`position_loader`) and
-        open its iterator."""
+        open its samples (:func:`~sslkit.train_steps.sample.phase_samples`: a train phase's prefetched)."""
         per_step = self.batches_per_step
         position_loader(self.loader, self.seed, self.epoch, start_batch=self.clock.step_in_epoch * per_step,
                         update=self.clock.step if self.train else None, batches_per_update=per_step)
@@ -286,7 +290,7 @@ class SSLTask:
         self.clock.epoch = self.epoch
         self.clock.micro_batch = 0
         self.clock.micro_batches = self.batches_per_step
-        self.data_iterator = iter(self.loader)
+        self.data_iterator = phase_samples(self, iter(self.loader), self.clock.step_in_epoch * per_step)
 
     def end_phase(self, exhausted: bool = True) -> None:
         """End the phase. It is done (a checkpoint points past it) when its data ran out; a train phase cut

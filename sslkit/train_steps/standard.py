@@ -11,7 +11,7 @@ __all__ = ["standard_train_step"]
 
 @register_train_step("standard")
 def standard_train_step(task: SSLTask) -> None:
-    """One step: ``run_micro_batches(task, forward_backward)`` then ``update(task)`` (sslkit/train_steps/stages.py).
+    """One step: ``update(task, run_micro_batches(task, forward_backward))`` (sslkit/train_steps/stages.py).
 
     With ``optim.micro_batches = K`` (train phases) it runs K micro-batches, each forward followed by
     ``backward(loss / K)``, DDP's reduction only after the last, then one optimizer update; ``on_forward`` and
@@ -19,5 +19,4 @@ def standard_train_step(task: SSLTask) -> None:
     the phase's data runs out. No host-device synchronisation happens here (the skip policies of the update guard
     read one flag per step: docs/reliability.md).
     """
-    run_micro_batches(task, forward_backward)
-    update(task)
+    update(task, run_micro_batches(task, forward_backward))

@@ -72,3 +72,55 @@ def test_no_item_call_between_log_intervals(monkeypatch) -> None:
     # the log hook reads its meter at iterations 5 and 10 only (and the DataLoader seeds itself at phase start)
     assert sorted(set(in_hooks) - {0}) == [5, 10]
 
+
+
+def test_the_stages_pass_the_micro_batch_and_never_read_it_back_from_the_task() -> None:
+    """A body that changes the loss it was handed trains on that loss, whatever ``task.last_batch`` (the hooks'
+    view) holds meanwhile; a body must return its micro-batch, and one that does not is told how."""
+    from sslkit.task import MicroBatch
+    from sslkit.train_steps import stages
+
+    def zeroed(task: SSLTask) -> MicroBatch:
+        batch = stages.forward_and_loss(task, stages.read_sample(task))
+        assert task.last_batch is batch  # published for the hooks
+        task.last_batch = MicroBatch(sample={}, loss=torch.ones((), requires_grad=True))  # a decoy: not read
+        batch.loss = batch.loss * 0.0
+        stages.reduce(task, batch)
+        stages.backward(task, batch)
+        return batch
+
+    task = make_task([Phase(train=True, epoch=0)], [])
+    w0 = task.model.lin.weight.detach().clone()
+    train(task, lambda t: stages.update(t, stages.run_micro_batches(t, zeroed)))
+    assert task.clock.step == 2 and torch.equal(task.model.lin.weight, w0)  # zero loss: zero gradient, no move
+    assert float(task.loss_sum) == 0.0
+
+    def forgetful(task: SSLTask) -> None:
+        stages.forward_backward(task)
+
+    task = make_task([Phase(train=True, epoch=0)], [])
+    with pytest.raises(TypeError, match=r"a micro-batch body returns the MicroBatch that forward_and_loss made \(got "
+                                        r"NoneType\): end it with 'return batch'"):
+        train(task, lambda t: stages.update(t, stages.run_micro_batches(t, forgetful)))
+
+
+def test_a_phase_chooses_its_samples_when_it_starts() -> None:
+    """A train phase reads through a prefetcher opened by ``start_phase`` at the clock's position (the resume
+    offset), an eval phase each batch as it comes, on the device; nothing is swapped in while the phase runs."""
+    from sslkit.data.prefetch import Prefetcher
+    from sslkit.train_steps import stages
+
+    task = make_task([Phase(train=True, epoch=0), Phase(train=False, epoch=0)], [])
+    task.start_phase()
+    opened = task.data_iterator
+    assert isinstance(opened, Prefetcher) and opened.position == 0
+    stages.update(task, stages.run_micro_batches(task))
+    assert task.data_iterator is opened and opened.position == 1
+    task.clock.step_in_epoch = 1
+    task.start_phase()  # as a resume into the phase's second step would
+    assert isinstance(task.data_iterator, Prefetcher) and task.data_iterator.position == 1
+    task.advance_phase()
+    task.start_phase()
+    assert not isinstance(task.data_iterator, Prefetcher)
+    sample = stages.read_sample(task)
+    assert isinstance(sample["input"], list) and sample["input"][0].device == task.device

@@ -32,8 +32,7 @@ def test_batches_are_prepared_one_ahead_and_counted() -> None:
 def greedy_step(task) -> None:
     """Reads a batch of its own before the standard micro-batches: one read too many."""
     stages.read_sample(task)
-    stages.run_micro_batches(task, stages.forward_backward)
-    stages.update(task)
+    stages.update(task, stages.run_micro_batches(task, stages.forward_backward))
 
 
 def test_a_custom_step_that_reads_out_of_step_is_told(tmp_path) -> None:

@@ -31,6 +31,7 @@ from sslkit.methods.distill import (
 )
 from sslkit.models.masking import Masks
 from sslkit.optim import param_groups
+from sslkit.task import MicroBatch
 
 DISTILL = ["config=distill", *SMALL, *RECIPES["distill"]]
 QUIET = ["eval.knn.enabled=false", "log.tensorboard=false", "log.report=false"]
@@ -206,13 +207,13 @@ def test_each_student_has_its_own_groups_learning_rate_scale_and_clipping() -> N
     a_before = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.students["a"].parameters()]))
     task = SimpleNamespace(optimizer=optimizer, clip_grad=1.0, clip_grad_mode="global",
                            perf_stats=SimpleNamespace(timer=lambda _n: __import__("contextlib").nullcontext()),
-                           model=model, scaler=None, device=torch.device("cpu"),
-                           last_batch=SimpleNamespace(metrics={}, unscaled=False))
-    clip_gradients(task)  # type: ignore[arg-type]
+                           model=model, scaler=None, device=torch.device("cpu"))
+    batch = MicroBatch(sample={})
+    clip_gradients(task, batch)  # type: ignore[arg-type]
     for name in ("a", "b"):
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.students[name].parameters()]))
         assert norm.item() == pytest.approx(1.0, rel=1e-4)  # each clipped to 1 by its own norm
-    assert task.last_batch.metrics["grad_norm_a"].item() == pytest.approx(a_before.item(), rel=1e-5)
+    assert batch.metrics["grad_norm_a"].item() == pytest.approx(a_before.item(), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ through the CLI
