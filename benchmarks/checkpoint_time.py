@@ -30,8 +30,8 @@ import torch
 from sslkit.builder import build_task
 from sslkit.checkpoint import Checkpointer
 from sslkit.config.compose import compose_config
+from sslkit.console import setup_logging
 from sslkit.hooks.checkpoint import CheckpointHook
-from sslkit.launch.console import setup_logging
 from sslkit.train_steps.standard import standard_train_step
 
 

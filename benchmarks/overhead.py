@@ -65,11 +65,11 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.config.compose import compose_config  # noqa: E402
+from sslkit.console import setup_logging  # noqa: E402
 from sslkit.data.seeding import mix_seed  # noqa: E402
 from sslkit.hooks import CheckpointHook, ConsistencyCheckHook, KNNHook, LogHook  # noqa: E402
 from sslkit.hooks.base import Event, SSLHook  # noqa: E402
 from sslkit.hooks.preemption import PreemptionHook  # noqa: E402
-from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.optim import set_lr, set_weight_decay  # noqa: E402
 from sslkit.task import MicroBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.sample import prepare_sample  # noqa: E402

@@ -79,8 +79,8 @@ import torch  # noqa: E402
 
 from sslkit.builder import build_task  # noqa: E402
 from sslkit.config.schema import ConfigError  # noqa: E402
+from sslkit.console import setup_logging  # noqa: E402
 from sslkit.hooks.base import Event  # noqa: E402
-from sslkit.launch.console import setup_logging  # noqa: E402
 from sslkit.task import MicroBatch, SSLTask  # noqa: E402
 from sslkit.train_steps.stages import model_keywords, precision, prepare_sample, split_loss  # noqa: E402
 from sslkit.train_steps.standard import standard_train_step  # noqa: E402

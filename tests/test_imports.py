@@ -118,7 +118,8 @@ def test_layers_import_downwards_only(who: tuple[str, ...], never: tuple[str, ..
 #: The layers of docs/architecture.md, from the edge down: a module imports its own layer's modules and those below,
 #: never one above (imports inside functions and for type checking counted).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("the edge: commands, processes, folders, what runs after training", ("sslkit.launch", "sslkit.tools")),
+    ("the edge: commands, processes, run folders, the launcher", ("sslkit.launch",)),
+    ("what runs on a run folder after training", ("sslkit.tools",)),
     ("reads the config, builds the task", ("sslkit.builder",)),
     ("the config: schema, checks, composition; never builds a model", ("sslkit.config",)),
     ("the parts a task is made of", ("sslkit.hooks", "sslkit.methods", "sslkit.models", "sslkit.evaluation")),
@@ -129,7 +130,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("what the core reads and updates with", ("sslkit.data", "sslkit.optim")),
     ("the ground: processes, clock, events, registry, errors",
      ("sslkit.parallel", "sslkit.distributed", "sslkit.clock", "sslkit.events", "sslkit.registry",
-      "sslkit.errors")),
+      "sslkit.console", "sslkit.errors")),
 ]
 
 

@@ -35,9 +35,9 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
     from sslkit import registry as R
     from sslkit.builder import build_task
     from sslkit.checkpoint import Checkpointer
+    from sslkit.console import setup_logging
     from sslkit.distributed import get_rank
     from sslkit.hooks.trackers import finish_trackers
-    from sslkit.launch.console import setup_logging
     from sslkit.launch.runfolder import write_command, write_config
     from sslkit.trainer import train
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     130: interrupted at once), without a traceback unless ``--debug`` or ``SSLKIT_DEBUG=1``. A
     traceback means a bug in sslkit (or in user code it runs).
     """
-    from sslkit.launch.console import debug_flag, guard_streams
+    from sslkit.console import debug_flag, guard_streams
 
     if argv is None:  # this process's own command (tools/run.py): a closed pipe must not cost the checkpoint
         guard_streams()
@@ -229,7 +229,7 @@ def _main(args: list[str]) -> int:
 
 def _launch_workers(args: list[str], cfg: DictConfig, plan: FolderPlan, summary: str | None) -> int:
     """Spawn this node's training workers; their failures become a message and an exit status."""
-    from sslkit.launch.console import launch_workers
+    from sslkit.console import launch_workers
 
     d = cfg.distributed
     return launch_workers(_worker_main, (args, plan, summary), "sslkit", RESUMES, nproc_per_node=d.nproc_per_node,
@@ -249,10 +249,10 @@ def _worker_main(args: list[str], plan: FolderPlan | None = None, summary: str |
     error is printed by rank 0 and ends the worker with its exit code, without a traceback.
     """
     from sslkit.config.compose import compose_config
+    from sslkit.console import end_worker
     from sslkit.distributed import get_rank
     from sslkit.errors import PREEMPTED_EXIT_CODE
     from sslkit.guard import TrainingHalted
-    from sslkit.launch.console import end_worker
     from sslkit.reliability import Preempted
 
     try:
@@ -349,7 +349,7 @@ def console(argv: list[str] | None = None) -> int:
     """The ``sslkit`` command: ``sslkit <command> [key=value ...]``, one of :data:`COMMANDS`."""
     args = sys.argv[1:] if argv is None else argv
     if argv is None:
-        from sslkit.launch.console import guard_streams
+        from sslkit.console import guard_streams
 
         guard_streams()
     if args and args[0] in COMMANDS:

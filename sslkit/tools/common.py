@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from sslkit.checkpoint import atomic_write
 from sslkit.config.schema import schema
+from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -40,7 +41,6 @@ from sslkit.evaluation.linear import (
     settings_of,
     train_epoch,
 )
-from sslkit.launch.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.registry import UnknownNameError
 from sslkit.tools.pretrained import Pretrained, ToolError, load_pretrained, select_student
 

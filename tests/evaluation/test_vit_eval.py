@@ -201,7 +201,7 @@ def _imports(path: Path) -> set[str]:
 def test_the_tools_do_not_reach_the_command_line() -> None:
     """No module that the tools after training (sslkit.tools, which use sslkit.evaluation's protocols) import,
     directly or through others, at any depth of their code, is sslkit.launch.cli: the command line dispatches to the
-    tools, never the other way round (the shared helpers are in sslkit.launch.console, which the command line uses
+    tools, never the other way round (the shared helpers are in sslkit.console, which the command line uses
     too)."""
     package = REPO / "sslkit"
     files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
@@ -213,9 +213,9 @@ def test_the_tools_do_not_reach_the_command_line() -> None:
             continue
         reached.add(module)
         todo += [m for m in _imports(files[module]) if m in files]
-    assert "sslkit.evaluation.knn" in reached and "sslkit.launch.console" in reached
+    assert "sslkit.evaluation.knn" in reached and "sslkit.console" in reached
     assert "sslkit.launch.cli" not in reached
 
     # one owner of the log's set-up, which the training command uses too
     assert "def setup_logging" not in (package / "launch" / "cli.py").read_text()
-    assert "from sslkit.launch.console import setup_logging" in (package / "launch" / "cli.py").read_text()
+    assert "from sslkit.console import setup_logging" in (package / "launch" / "cli.py").read_text()

@@ -586,7 +586,7 @@ def _bench(args: list[str]) -> int:
     if dry:
         return _dry_run(bench)
     if bench.nproc > 1:
-        from sslkit.launch.console import launch_workers
+        from sslkit.console import launch_workers
 
         return launch_workers(_bench_worker, (args,), "sslkit bench", nproc_per_node=bench.nproc, **bench.launch)
     return _measure(bench)
@@ -595,8 +595,8 @@ def _bench(args: list[str]) -> int:
 def _bench_worker(args: list[str]) -> None:
     """A spawned bench process: its share of every extraction; rank 0 also runs the protocols and writes. A user's
     error is said once, by rank 0."""
+    from sslkit.console import end_worker, setup_logging
     from sslkit.distributed import get_rank
-    from sslkit.launch.console import end_worker, setup_logging
 
     setup_logging(None, get_rank())
     try:
