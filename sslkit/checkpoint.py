@@ -32,8 +32,8 @@ from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
-__all__ = ["CheckpointError", "Checkpointer", "atomic_write", "checkpoint_dir", "commit", "latest_checkpoint",
-           "read_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "Checkpointer", "atomic_write", "checkpoint_dir", "commit",
+           "save_checkpoint"]
 
 logger = logging.getLogger("sslkit")
 
@@ -125,9 +125,9 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: str, step: int, keep_last: 
         if cause is None:
             raise
         with contextlib.suppress(OSError):  # the new file is incomplete or unpointed: keep the old pointer valid
-            if latest_checkpoint(ckpt_dir) != path and os.path.exists(path):
+            if _latest_file(ckpt_dir) != path and os.path.exists(path):
                 os.remove(path)
-        raise storage_error(cause, "the checkpoint", path, latest_checkpoint(ckpt_dir)) from exc
+        raise storage_error(cause, "the checkpoint", path, _latest_file(ckpt_dir)) from exc
     return path
 
 
@@ -147,7 +147,7 @@ def os_error_in(exc: BaseException) -> OSError | None:
     return None
 
 
-def latest_checkpoint(ckpt_dir: str) -> str | None:
+def _latest_file(ckpt_dir: str) -> str | None:
     """Path of the newest complete checkpoint: the one ``latest.txt`` names, or a newer complete one (a sharded
     folder written in the background whose run stopped before it could name it). None if there is none."""
     pointer = os.path.join(ckpt_dir, LATEST)
@@ -164,7 +164,7 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, named[1]) if named else None
 
 
-def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def _read_file(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read one checkpoint file without running code: ``torch.load(weights_only=True)`` takes tensors, numbers,
     strings and plain containers only. A file that holds anything
     else (a pickled object whose loading would call a function) raises :class:`CheckpointError` naming it.
@@ -212,13 +212,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- reading
     def latest(self) -> str | None:
-        """The checkpoint a resume would read (:func:`latest_checkpoint`)."""
-        return latest_checkpoint(self.dir)
+        """The checkpoint a resume would read (:func:`_latest_file`)."""
+        return _latest_file(self.dir)
 
     @staticmethod
     def read(path: str) -> dict[str, Any]:
-        """One checkpoint file or sharded folder, whole on the CPU, without running code (:func:`read_checkpoint`)."""
-        return read_checkpoint(path, map_location="cpu")
+        """One checkpoint file or sharded folder, whole on the CPU, without running code (:func:`_read_file`)."""
+        return _read_file(path, map_location="cpu")
 
     def read_latest(self) -> tuple[dict[str, Any], str] | None:
         """The latest readable checkpoint of the run: ``(state, path)``, or None if there is none. A latest one that
@@ -234,7 +234,7 @@ class Checkpointer:
             try:
                 if os.path.isdir(path):
                     return {**read_extra(path), "sharded": path}, path
-                return read_checkpoint(path, map_location="cpu"), path
+                return _read_file(path, map_location="cpu"), path
             except (CheckpointError, RefusedCheckpoint):
                 raise  # not a damaged file: one that would run code
             except Exception as exc:  # a truncated or corrupt file: fall back to an older one
@@ -359,7 +359,7 @@ class Checkpointer:
         for cause in causes:
             found = os_error_in(cause) if isinstance(cause, BaseException) else None
             if found is not None:
-                raise storage_error(found, "the checkpoint", path, latest_checkpoint(self.dir)) from exc
+                raise storage_error(found, "the checkpoint", path, _latest_file(self.dir)) from exc
 
     def _commit(self, name: str) -> None:
         """Rank 0 points latest.txt at the complete folder ``name`` and prunes old ones; then every rank goes on."""
@@ -394,10 +394,10 @@ class Checkpointer:
 
 def _in_folder(spec: str, path: str) -> tuple[str, str]:
     """:meth:`Checkpointer.find` of a folder that is not a checkpoint: a run folder or its ``checkpoints/``."""
-    found = latest_checkpoint(checkpoint_dir(path))
+    found = _latest_file(checkpoint_dir(path))
     run_dir = path
     if found is None:
-        found = latest_checkpoint(path)  # the checkpoints/ folder itself
+        found = _latest_file(path)  # the checkpoints/ folder itself
         run_dir = os.path.dirname(os.path.abspath(path)) if found else path
     if found is None:
         raise CheckpointError(f"checkpoint={spec}: the folder holds no checkpoint (no {checkpoint_dir(path)}/"

@@ -56,9 +56,9 @@ def hooks_override(recipe: str, *extra: dict[str, Any]) -> str:
 
 
 def latest_state(out: Path) -> dict[str, Any]:
-    from sslkit.checkpoint import latest_checkpoint
+    from sslkit.checkpoint import Checkpointer
 
-    path = Path(latest_checkpoint(str(out / "checkpoints")) or out / "checkpoints" / "latest.txt")
+    path = Path(Checkpointer(str(out)).latest() or out / "checkpoints" / "latest.txt")
     if path.is_dir():  # a sharded checkpoint: read whole, optimizer included
         from sslkit.checkpointing.sharded import read_whole
 

@@ -219,7 +219,7 @@ def test_sharded_checkpoints_of_a_cuda_run_resume_bit_identically(tmp_path: Path
     goes on): a deterministic dinov2 run killed mid-epoch resumes from its folder onto the GPU and ends identical to
     the uninterrupted run, folders holding the same state as that run's files; the folder's CUDA loss and hook
     states read onto the CPU, as a file's are."""
-    from sslkit.checkpoint import latest_checkpoint
+    from sslkit.checkpoint import Checkpointer
 
     recipe = "dinov2"
     args = [f"config={recipe}", *BASE, *(RECIPE_ARGS.get(recipe) or RECIPES[recipe]), *GPU,
@@ -231,7 +231,7 @@ def test_sharded_checkpoints_of_a_cuda_run_resume_bit_identically(tmp_path: Path
     reference = latest_state(tmp_path / "files")
     out = tmp_path / "killed"
     assert run_cli(*args, *sharded, kill, f"output_dir={out}", env=FAULT_ENV, check=False).returncode != 0
-    assert latest_checkpoint(str(out / "checkpoints")) is not None  # a complete folder (an async one may not be)
+    assert Checkpointer(str(out)).latest() is not None  # a complete folder (an async one may not be)
     run_cli(*args, *sharded, kill, f"output_dir={out}", env=FAULT_ENV)
     got = latest_state(out)  # the folder read whole, optimizer included (parameters by name)
     for key in ("loss", "hooks", "position"):
