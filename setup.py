@@ -29,7 +29,8 @@ setup(
     extras_require={
         "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4", "onnx>=1.16", "onnxruntime>=1.18",
                  "onnxscript>=0.1", "wandb>=0.17", "mlflow>=2.12", "umap-learn>=0.5",
-                 "datasets>=2.16", "webdataset>=0.2", "tifffile>=2023.1"],
+                 "datasets>=2.16", "webdataset>=0.2", "tifffile>=2023.1", "s3fs>=2024.6", "aiohttp>=3.9",
+                 "moto[server]>=5.0"],
         # launcher=slurm submits jobs through submitit (docs/distributed.md)
         "slurm": ["submitit>=1.5.4"],
         # sslkit export format=onnx writes the trunk with torch.onnx's exporter (onnxscript) and checks it with
@@ -44,6 +45,9 @@ setup(
         "hf": ["datasets>=2.16"],
         # data=webdataset: tar shards (brace patterns through webdataset's braceexpand; docs/data.md)
         "webdataset": ["webdataset>=0.2"],
+        # remote data (s3://, https://) through fsspec: s3fs for S3 and its kin, aiohttp for HTTP (docs/data.md); gs://
+        # needs gcsfs as well
+        "remote": ["fsspec>=2024.6", "s3fs>=2024.6", "aiohttp>=3.9", "braceexpand>=0.1.7"],
         # TIFF images of any channel count and 16 bits in a folder or file list (docs/data.md); without it PIL reads
         # the 8-bit TIFFs of 1 or 3 channels
         "tiff": ["tifffile>=2023.1"],

@@ -22,6 +22,7 @@ from sslkit.data import SSLDataset, StatefulDistributedSampler, build_loader, bu
 from sslkit.data.device_augment import DeviceAugment, ReadForDevice, device_augment_for
 from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
+from sslkit.data.remote import is_url
 from sslkit.data.resolution import HighResPhase, PhasedTransform
 from sslkit.data.sources import DataSourceError, dataset_labels
 from sslkit.distributed import get_rank, get_world_size
@@ -68,7 +69,11 @@ def select_classes(ds: Dataset, classes: Any, where: str = "data.classes") -> Da
 
 def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwargs: dict[str, Any]) -> Dataset:
     """One split of a data source as every part of a run reads it: ``data.classes`` kept, then the first
-    ``data.limit`` samples."""
+    ``data.limit`` samples. A remote ``path`` (``s3://``, ``https://``, ...) brings ``data.storage_options`` and
+    ``data.cache_dir`` to the source."""
+    if is_url(path):
+        kwargs = {**kwargs, "storage_options": section_kwargs(cfg.data.storage_options, ()),
+                  "cache_dir": cfg.data.cache_dir}
     return limited(select_classes(build_source(source, split, path, **kwargs), cfg.data.classes), cfg.data.limit)
 
 

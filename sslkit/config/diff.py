@@ -12,6 +12,7 @@ from sslkit.config.schema import (
     GROUPS,
     defaults_file,
 )
+from sslkit.config.secrets import hidden_value
 
 __all__ = ["ABSENT", "flatten_config", "format_recipe_diff", "group_choices", "recipe_diff", "show_value"]
 
@@ -110,5 +111,6 @@ def format_recipe_diff(overrides: list[str], cfg: DictConfig) -> str:
     diffs = recipe_diff(overrides, cfg)
     if not diffs:
         return f"{head}, as the recipe (the full config is in {where})"
-    lines = [f"  {key} {show_value(before)} -> {show_value(after)}" for key, before, after in diffs]
+    lines = [f"  {key} {show_value(hidden_value(key, before))} -> {show_value(hidden_value(key, after))}"
+             for key, before, after in diffs]
     return "\n".join([f"{head}; changed from them:", *lines, f"(the full config is in {where})"])

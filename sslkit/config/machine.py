@@ -13,6 +13,9 @@ from omegaconf import DictConfig
 __all__ = ["check_device", "check_hosts", "check_paths"]
 
 
+#: Sources that read a remote ``data.<split>.path`` (``s3://``, ``gs://``, ``https://``).
+_REMOTE_SOURCES = ("webdataset",)
+
 #: Sources that read ``data.<split>.path`` as a folder, and what to give there.
 _PATH_SOURCES = {
     "folder": "the folder source needs the folder holding the images",
@@ -25,9 +28,17 @@ def check_paths(cfg: DictConfig, errors: list[str]) -> None:
     existing folder (so a typo stops here, before the output folder is made, and never falls back to another
     copy), and for the ``folder`` source one that holds an image file; the ``folder`` source needs the train path.
     The ``filelist`` source likewise, with a file; the ``hf`` source, with a folder or file that exists."""
+    from sslkit.data.remote import is_url
+
     for split in ("train", "test"):
         source = cfg.data[split].source or cfg.data.train.source
         path = cfg.data[split].path
+        if is_url(path):
+            if source not in _REMOTE_SOURCES:
+                errors.append(f"'data.{split}.path' = {path}: a remote path is read by the "
+                              f"{' and '.join(_REMOTE_SOURCES)} source(s) (data=webdataset), not by {source}: copy the "
+                              "data to local disk, or pack it into tar shards (sslkit data pack)")
+            continue  # its shards are looked up when the source is opened, before training, each named if missing
         if source == "filelist":
             if path is None and split == "train":
                 errors.append("'data.train.path' must be set for the filelist source: the file listing the images "

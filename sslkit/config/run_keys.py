@@ -13,7 +13,8 @@ IGNORED_KEYS = (
     "name", "output_dir", "imports", "machine.device", "machine.num_threads", "data.num_workers",
     "data.pin_memory", "log.", "checkpoint.", "reliability.", "eval.", "distributed.backend",
     "distributed.timeout_s", "distributed.master_addr", "distributed.master_port", "distributed.node_rank",
-    "distributed.consistency_check_every_n_steps", "launcher", "slurm.",
+    "distributed.consistency_check_every_n_steps", "launcher", "slurm.", "data.storage_options",
+    "data.storage_options.", "data.cache_dir",
 )
 #: Keys that only split the global batch differently when ``data.global_batch_size`` is set: a run resumes with new
 #: values of these without a word (the number of processes, the strategy, the micro-batches).

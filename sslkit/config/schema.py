@@ -32,7 +32,7 @@ FREE_FORM = {
     "hooks", "method.hooks", "data.train.kwargs", "data.test.kwargs", "data.transform", "data.eval_transform",
     "model.trunk_kwargs", "model.head", "model.kwargs", "loss", "eval.data.train.kwargs", "eval.data.test.kwargs",
     "masking", "model.freeze", "slurm.additional", "log.mlflow.tags", "distill.teacher_trunk_kwargs",
-    "distill.students", "eval.reference.sets",
+    "distill.students", "eval.reference.sets", "data.storage_options",
 }
 
 

@@ -1,4 +1,5 @@
-"""The resolved config as YAML text, written by libyaml's emitter (what a run folder and every checkpoint hold)."""
+"""The resolved config as YAML text, written by libyaml's emitter, its secrets left out (what a run folder and every
+checkpoint hold)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+
+from sslkit.config.secrets import redact_config
 
 __all__ = ["config_yaml"]
 
@@ -33,8 +36,9 @@ _DUMPER = _c_dumper()
 
 
 def config_yaml(cfg: DictConfig) -> str:
-    """``cfg`` resolved, as YAML text that ``OmegaConf.create`` reads back to the same config."""
+    """``cfg`` resolved, as YAML text that ``OmegaConf.create`` reads back to the same config, less its secrets
+    (:func:`~sslkit.config.secrets.redact_config`: a remote filesystem's credentials are never written)."""
+    container: Any = redact_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # type: ignore[arg-type]
     if _DUMPER is None:
-        return OmegaConf.to_yaml(cfg, resolve=True)
-    container: Any = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        return OmegaConf.to_yaml(OmegaConf.create(container))
     return yaml.dump(container, Dumper=_DUMPER, default_flow_style=False, allow_unicode=True, sort_keys=False)

@@ -1,6 +1,7 @@
-"""Tar shards in WebDataset's layout as a source (``data=webdataset``): an index of member offsets built once per
-shard and cached beside it, so every sample is read by its global index (the sampler, resume, elastic resume and
-per-sample seeds work as for folders); and ``pack``, which writes a folder of images into such shards."""
+"""Tar shards in WebDataset's layout as a source (``data=webdataset``), on local disk or in object storage
+(``s3://``, ``gs://``, ``https://``: :mod:`sslkit.data.remote`): an index of member offsets built once per shard and
+cached, so every sample is read by its global index (the sampler, resume, elastic resume and per-sample seeds work as
+for folders; a remote sample is one ranged read); and ``pack``, which writes a folder of images into such shards."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import os
 import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.data.remote import Remote, RemoteReadError, cache_key, cache_root, is_url, url_protocol
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
-__all__ = ["INDEX_SUFFIX", "ShardDataset", "build_webdataset", "expand_shards", "pack_images", "shard_index",
-           "write_shards"]
+__all__ = ["INDEX_SUFFIX", "Shard", "ShardDataset", "build_webdataset", "expand_shards", "pack_images",
+           "remote_index", "shard_index", "write_shards"]
 
 logger = logging.getLogger("sslkit")
 
@@ -32,33 +35,55 @@ IMAGE_EXTS = tuple(e.lstrip(".").lower() for e in IMAGE_EXTENSIONS)
 LABEL_EXT = "cls"
 
 
-def expand_shards(spec: str) -> list[Path]:
-    """The shard files ``spec`` names: a brace pattern (``/data/train-{000000..000099}.tar``), a folder (its
-    ``*.tar``, sorted), a text file listing one shard a line (relative paths from its folder), or one ``.tar``."""
+#: A shard as :class:`ShardDataset` holds it: a local path, or a URL read through a :class:`Remote`.
+Shard = Path | str
+
+
+def _braces(spec: str) -> list[str]:
+    try:
+        from braceexpand import braceexpand
+    except ImportError:
+        raise DataSourceError(f"{spec} is a brace pattern, expanded by webdataset's braceexpand, which is not "
+                              "installed: pip install 'sslkit[webdataset]' (or give a folder of shards or a "
+                              "list file)") from None
+    return list(braceexpand(spec))
+
+
+def expand_shards(spec: str, remote: Remote | None = None) -> list[Shard]:
+    """The shard files ``spec`` names: a brace pattern (``/data/train-{000000..000099}.tar``,
+    ``s3://bucket/train-{000000..000099}.tar``), a folder or a remote prefix (its ``*.tar``, sorted; a store that
+    lists its files), a glob of a remote store, a text file listing one shard a line (local paths relative to its
+    folder, or URLs), or one ``.tar``. URLs stay strings (read through ``remote``)."""
+    if is_url(spec):
+        if "{" in spec:
+            return list(_braces(spec))
+        if spec.endswith(".tar"):
+            return [spec]
+        if remote is None:
+            raise DataSourceError(f"{spec}: a remote folder or glob is listed through its filesystem")
+        if url_protocol(spec) in ("http", "https"):
+            raise DataSourceError(f"{spec}: an HTTP server cannot list a folder; give a brace pattern "
+                                  "(https://host/train-{000000..000099}.tar) or a list file of URLs")
+        return remote.glob(spec if any(c in spec for c in "*?[") else spec.rstrip("/") + "/*.tar")
     path = Path(spec).expanduser()
     if "{" in spec:
-        try:
-            from braceexpand import braceexpand
-        except ImportError:
-            raise DataSourceError(f"{spec} is a brace pattern, expanded by webdataset's braceexpand, which is not "
-                                  "installed: pip install 'sslkit[webdataset]' (or give a folder of shards or a "
-                                  "list file)") from None
-        return [Path(p).expanduser() for p in braceexpand(spec)]
+        return [Path(p).expanduser() for p in _braces(spec)]
     if path.is_dir():
         return sorted(path.glob("*.tar"))
     if path.is_file() and path.suffix != ".tar":
         lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-        return [Path(ln) if Path(ln).is_absolute() else path.parent / ln for ln in lines]
+        return [ln if is_url(ln) else Path(ln) if Path(ln).is_absolute() else path.parent / ln for ln in lines]
     return [path]
 
 
-def _scan(shard: Path) -> dict[str, np.ndarray]:
-    """Read ``shard``'s tar headers once: per sample (members grouped by the name before the first dot), the offset
-    and size of its image member, its extension and its label (-1 without a ``.cls`` member)."""
+def _scan(shard: Shard, fileobj: IO[bytes] | None = None) -> dict[str, np.ndarray]:
+    """Read ``shard``'s tar headers once (from ``fileobj`` when given: a remote shard read in blocks): per sample
+    (members grouped by the name before the first dot), the offset and size of its image member, its extension and
+    its label (-1 without a ``.cls`` member)."""
     samples: dict[str, dict[str, object]] = {}
     order: list[str] = []
     try:
-        with tarfile.open(shard, "r:") as tar:
+        with tarfile.open(None if fileobj is not None else shard, "r:", fileobj=fileobj) as tar:
             for member in tar:
                 if not member.isfile():
                     continue
@@ -79,6 +104,8 @@ def _scan(shard: Path) -> dict[str, np.ndarray]:
                         raise DataSourceError(f"shard {shard}: {member.name} holds {text[:20]!r}, not an integer "
                                               "class label")
                     entry["label"] = int(text)
+    except RemoteReadError:
+        raise
     except (tarfile.TarError, OSError, ValueError, EOFError) as e:
         raise DataSourceError(f"shard {shard} cannot be read as a tar file ({type(e).__name__}: {e}): it is "
                               "truncated or damaged; copy it again or leave it out of the pattern") from None
@@ -86,8 +113,8 @@ def _scan(shard: Path) -> dict[str, np.ndarray]:
     if not keys:
         raise DataSourceError(f"shard {shard} holds no image member (<key>.{'/'.join(IMAGE_EXTS[:4])}...): not a "
                               "shard of images")
-    stat = shard.stat()
-    return {"version": np.array(INDEX_VERSION), "size": np.array(stat.st_size), "mtime_ns": np.array(stat.st_mtime_ns),
+    size, mtime = (-1, -1) if fileobj is not None else (Path(shard).stat().st_size, Path(shard).stat().st_mtime_ns)
+    return {"version": np.array(INDEX_VERSION), "size": np.array(size), "mtime_ns": np.array(mtime),
             "offsets": np.array([samples[k]["offset"] for k in keys], dtype=np.int64),
             "sizes": np.array([samples[k]["size"] for k in keys], dtype=np.int64),
             "labels": np.array([samples[k].get("label", -1) for k in keys], dtype=np.int64),
@@ -122,21 +149,78 @@ def shard_index(shard: Path) -> dict[str, np.ndarray]:
     return index
 
 
+def _read_index(data: bytes | Path) -> dict[str, np.ndarray] | None:
+    """An index file's arrays (from its bytes or its path), or None when it cannot be read or is of another
+    version."""
+    try:
+        with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as found:
+            index = {k: found[k] for k in found.files}
+        return index if int(index["version"]) == INDEX_VERSION else None
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+
+
+def _save_index(index: dict[str, np.ndarray], path: Path) -> None:
+    """Write ``index`` to ``path`` atomically (a folder that cannot be written only loses the cache)."""
+    partial = Path(f"{path}.{os.getpid()}.part.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(partial, **index)
+        os.replace(partial, path)
+    except OSError as e:
+        logger.info("data: the index %s is not cached (%s): built again by the next run", path, e)
+
+
+def remote_index(url: str, remote: Remote, cache_dir: str | None = None) -> dict[str, np.ndarray]:
+    """The index of the remote shard ``url``, cached locally under ``cache_root(cache_dir)/shard-index/`` by the
+    shard's URL, size and ETag (a shard changed in place is indexed again). Not cached yet: the index file beside the
+    shard (``<shard>.sslkit-idx.npz``, which ``sslkit data pack`` writes) when it is there and of the shard's size,
+    else the shard's tar headers read in blocks (the whole shard once, for shards of small images)."""
+    identity = remote.identity(url)
+    cached = cache_root(cache_dir) / "shard-index" / f"{cache_key(url, identity)}.npz"
+    if cached.is_file():
+        index = _read_index(cached)
+        if index is not None:
+            return index
+    index = None
+    beside = f"{url}{INDEX_SUFFIX}"
+    if remote.exists(beside):
+        index = _read_index(remote.call(f"reading {beside}", lambda: remote.fs.cat_file(beside)))
+        if index is not None and int(index["size"]) not in (identity[0], -1):
+            logger.info("data: the index beside %s is of another size of the shard: it is read again", url)
+            index = None
+    if index is None:
+        logger.info("data: indexing %s (its tar headers, read in blocks)", url)
+        with remote.open(url) as f:
+            index = _scan(url, f)
+    index["size"], index["mtime_ns"] = np.array(identity[0]), np.array(-1)
+    _save_index(index, cached)
+    return index
+
+
 class ShardDataset(Dataset):
     """The images of tar shards (WebDataset's layout: ``<key>.jpg`` and an optional ``<key>.cls`` label per
     sample), addressed by a global index over the shards in order, through the index of member offsets each shard
-    has beside it (:func:`shard_index`). A read is one seek and one read of the member; a member that does not decode
-    raises :class:`UnreadableSampleError` (skipped and counted); a missing, truncated or empty shard stops the run
-    when the dataset is built, naming it."""
+    has beside it (:func:`shard_index`; a remote shard's: :func:`remote_index`). A read is one seek and one read of
+    the member (a remote one: one ranged request, retried with backoff); a member that does not decode raises
+    :class:`UnreadableSampleError` (skipped and counted), a remote read that fails after every retry
+    :class:`~sslkit.data.remote.RemoteReadError` (the run stops, to resume once the store answers); a missing,
+    truncated or empty shard stops the run when the dataset is built, naming it. ``storage_options``: the remote
+    filesystem's arguments (never logged)."""
 
-    def __init__(self, spec: str, channels: int = 3) -> None:
+    def __init__(self, spec: str, channels: int = 3, storage_options: dict[str, Any] | None = None,
+                 cache_dir: str | None = None) -> None:
         if int(channels) < 1:
             raise DataSourceError(f"channels must be 1 or more, got {channels}")
-        self.shards = expand_shards(spec)
+        first = spec if is_url(spec) else None
+        self.remote = Remote(url_protocol(first), storage_options) if first else None
+        self.shards = expand_shards(spec, self.remote)
+        if self.remote is None and any(is_url(s) for s in self.shards):  # a list file of URLs
+            self.remote = Remote(url_protocol(str(next(s for s in self.shards if is_url(s)))), storage_options)
         if not self.shards:
             raise DataSourceError(f"{spec} names no shard: give a brace pattern (train-{{000000..000099}}.tar), a "
                                   "folder of .tar files or a list file")
-        indexes = [shard_index(s) for s in self.shards]
+        indexes = [self._index(s, cache_dir) for s in self.shards]
         self.offsets = [ix["offsets"] for ix in indexes]
         self.sizes = [ix["sizes"] for ix in indexes]
         self.labels = np.concatenate([ix["labels"] for ix in indexes])
@@ -147,8 +231,26 @@ class ShardDataset(Dataset):
             raise DataSourceError(f"{spec}: {int((~labelled).sum())} of {len(self.labels)} samples have no .cls label "
                                   "and the others have one: label every sample or none")
         self.num_classes = int(self.labels.max()) + 1 if labelled.all() else 0
+        if self.remote is not None:  # one ranged read now: a store that cannot serve them stops here, not per sample
+            try:
+                first = int(self.offsets[0][0])
+                self.remote.read(str(self.shards[0]), first, first + int(self.sizes[0][0]))
+            except RemoteReadError as e:
+                raise DataSourceError(f"shard {self.shards[0]}: {e}") from None
         logger.info("data: %d shard(s) from %s: %d samples%s", len(self.shards), spec, len(self),
                     f", {self.num_classes} classes" if self.num_classes else ", no labels")
+
+    def _index(self, shard: Shard, cache_dir: str | None) -> dict[str, np.ndarray]:
+        if not is_url(shard):
+            return shard_index(Path(shard))
+        assert self.remote is not None
+        if url_protocol(str(shard)) != self.remote.protocol:
+            raise DataSourceError(f"shard {shard}: the shards of one source are read through one filesystem "
+                                  f"({self.remote.protocol}://)")
+        try:
+            return remote_index(str(shard), self.remote, cache_dir)
+        except RemoteReadError as e:
+            raise DataSourceError(f"shard {shard} cannot be read: {e}") from None
 
     def __len__(self) -> int:
         """The samples over all shards."""
@@ -163,6 +265,14 @@ class ShardDataset(Dataset):
         """The encoded image of sample ``i``, as stored."""
         shard, j = self.locate(i)
         path = self.shards[shard]
+        if self.remote is not None and is_url(path):
+            start = int(self.offsets[shard][j])
+            try:
+                return self.remote.read(str(path), start, start + int(self.sizes[shard][j]))
+            except RemoteReadError as e:  # not a bad sample to skip: the store is unreachable, or the shard is gone
+                raise RemoteReadError(f"sample {j} of shard {path} cannot be read ({e}). The run stops here rather "
+                                      "than train on other samples than it should; once the store answers again, "
+                                      "the same command resumes from the last checkpoint") from None
         try:
             with open(path, "rb") as f:
                 f.seek(int(self.offsets[shard][j]))
@@ -183,13 +293,16 @@ class ShardDataset(Dataset):
 
 
 @register_dataset("webdataset")
-def build_webdataset(split: str, path: str | None = None, channels: int = 3) -> ShardDataset:
-    """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file."""
+def build_webdataset(split: str, path: str | None = None, channels: int = 3,
+                     storage_options: dict[str, Any] | None = None, cache_dir: str | None = None) -> ShardDataset:
+    """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file, local
+    or remote (``s3://``, ``gs://``, ``https://``; ``storage_options`` and ``cache_dir``: ``data.storage_options``
+    and ``data.cache_dir``, which the builder passes)."""
     if not path:
         raise DataSourceError(f"the 'webdataset' source needs shards: set data.{split}.path to a brace pattern, a "
                               "folder of .tar files or a list file")
     try:
-        return ShardDataset(path, channels)
+        return ShardDataset(path, channels, storage_options, cache_dir)
     except DataSourceError as e:
         raise DataSourceError(f"data.{split}.path: {e}") from None
 

@@ -187,10 +187,13 @@ def write_config(cfg: DictConfig) -> str:
 
 def write_command(output_dir: str, argv: list[str]) -> str:
     """Write ``<output_dir>/command.json``: the arguments of this start (``config=simclr a.b=c ...``), which
-    the run report turns into the config's difference from its recipe; returns the path."""
+    the run report turns into the config's difference from its recipe, secrets hidden
+    (:func:`~sslkit.config.secrets.redact_overrides`); returns the path."""
     import json
 
+    from sslkit.config.secrets import redact_overrides
+
     path = os.path.join(output_dir, COMMAND_FILE)
-    text = json.dumps({"argv": list(argv)}, indent=1)
+    text = json.dumps({"argv": redact_overrides(list(argv))}, indent=1)
     atomic_write(path, lambda f: f.write(text.encode()))
     return path

@@ -1,0 +1,174 @@
+"""Tar shards in object storage, against real servers on localhost (an HTTP file server with byte ranges, moto's S3
+server): every sample read by one ranged request gives back the local shard's bytes and labels; the index comes from
+the file beside the shard, or from the tar headers once, cached by the shard's ETag; a flaky network is retried to
+the same bytes; a server without byte ranges, a missing shard and a remote path for a local source are named; the
+credentials never reach the run folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import photo_folder, run_main
+from remote_servers import http_server, s3_server
+
+from sslkit.config.compose import compose_config
+from sslkit.config.schema import ConfigError
+from sslkit.config.secrets import HIDDEN, hidden_value, redact_config, redact_overrides
+from sslkit.data.remote import Remote, RemoteReadError, Retries
+from sslkit.data.shards import INDEX_SUFFIX, ShardDataset, pack_images
+from sslkit.data.sources import DataSourceError, FolderDataset
+
+pytest.importorskip("aiohttp")
+QUICK = Retries(attempts=5, base_s=0.01, max_s=0.05)
+SMALL_WDS = ["config=simclr", "data=webdataset", "machine.device=cpu", "model.trunk=small_cnn",
+             "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16", "data.image_size=32",
+             "data.small_image_size=16", "log.tensorboard=false", "log.report=false"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of 3+ shards of ~40 kB (48 images of many sizes, JPEG and PNG, 2 classes), each with its index."""
+    root = tmp_path_factory.mktemp("remote")
+    photo_folder(root / "images", n=48)
+    folder = FolderDataset(root / "images", probe=0)
+    pack_images([(p, label) for p, label in folder.samples], root / "shards", shard_bytes=40_000)
+    return root / "shards"
+
+
+def _pattern(base: str, shards: Path) -> str:
+    n = len(list(shards.glob("*.tar")))
+    return f"{base}/shard-{{000000..{n - 1:06d}}}.tar"
+
+
+def _same_as_local(remote: ShardDataset, shards: Path) -> None:
+    local = ShardDataset(str(shards))
+    assert len(remote) == len(local) and remote.num_classes == local.num_classes == 2
+    np.testing.assert_array_equal(remote.labels, local.labels)
+    for i in range(len(local)):
+        assert remote.raw(i) == local.raw(i), i
+
+
+def test_http_shards_read_sample_by_sample_as_the_local_ones(shards: Path, tmp_path: Path) -> None:
+    with http_server(shards) as (base, faults):
+        ds = ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"))
+        _same_as_local(ds, shards)
+        tar_gets = [r for r in faults.requests if r[0] == "GET" and r[1].endswith(".tar")]
+        assert tar_gets and all(r[2].startswith("bytes=") for r in tar_gets)  # one ranged request a sample
+        assert len(tar_gets) == len(ds) + 1  # each sample once, and the first once more when the dataset opened
+        assert any(r[1].endswith(INDEX_SUFFIX) for r in faults.requests)  # the index beside each shard
+    assert len(list((tmp_path / "cache" / "shard-index").glob("*.npz"))) == len(ds.shards)
+
+
+def test_without_index_files_the_headers_are_read_once_and_cached_by_the_shards_etag(shards: Path,
+                                                                                       tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    shutil.copytree(shards, served)
+    for index in served.glob(f"*{INDEX_SUFFIX}"):
+        index.unlink()
+    cache = str(tmp_path / "cache")
+    with http_server(served) as (base, faults):
+        first = ShardDataset(_pattern(base, served), cache_dir=cache)
+        _same_as_local(first, shards)
+        faults.requests.clear()
+        again = ShardDataset(_pattern(base, served), cache_dir=cache)  # from the local cache: a HEAD per shard
+        np.testing.assert_array_equal(again.labels, first.labels)
+        assert [r[0] for r in faults.requests if r[1].endswith(".tar")] == ["HEAD"] * len(first.shards) + ["GET"]
+        tar = sorted(served.glob("*.tar"))[0]
+        os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))  # a new ETag: indexed again
+        faults.requests.clear()
+        ShardDataset(_pattern(base, served), cache_dir=cache)
+        assert sum(1 for r in faults.requests if r[0] == "GET" and r[1].endswith(tar.name)) >= 2
+
+
+def test_a_flaky_network_is_retried_to_the_same_bytes_and_a_dead_one_is_named(shards: Path, tmp_path: Path) -> None:
+    with http_server(shards) as (base, faults):
+        ds = ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"))
+        ds.remote.retries = QUICK
+        local = ShardDataset(str(shards))
+        faults.fail, faults.drop = 2, 1  # two 503 replies, then one reply cut off mid-body
+        assert ds.raw(5) == local.raw(5)
+        assert ds.remote.retried == 3 and faults.fail == faults.drop == 0
+        faults.fail = 100
+        with pytest.raises(RemoteReadError, match=r"sample \d+ of shard .* cannot be read \(.*failed 5 times.*The run "
+                                                  r"stops here .* resumes from the last checkpoint"):
+            ds.raw(6)  # not skipped as a corrupt image would be: the store is unreachable
+        faults.fail = 0
+        assert ds.raw(6) == local.raw(6)
+
+
+def test_a_server_without_byte_ranges_and_a_missing_shard_stop_before_training(shards: Path, tmp_path: Path) -> None:
+    with http_server(shards, ranges=False) as (base, _):
+        with pytest.raises(DataSourceError, match="ignores byte ranges"):
+            ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"))
+    with http_server(shards) as (base, _):
+        n = len(list(shards.glob("*.tar")))  # the first shard past the last one there is named
+        with pytest.raises(DataSourceError, match=rf"shard http://.*/shard-{n:06d}.tar cannot be read: .*"
+                                                  r"FileNotFoundError"):
+            ShardDataset(f"{base}/shard-{{000000..000099}}.tar", cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(DataSourceError, match="an HTTP server cannot list a folder"):
+            ShardDataset(f"{base}/", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"'data.train.path' = s3://bucket/x: a remote path is read by the "
+                                          r"webdataset source"):
+        compose_config(["data=folder", "data.train.path=s3://bucket/x"])
+
+
+def test_s3_shards_from_moto_read_as_the_local_ones_and_list_by_prefix(shards: Path, tmp_path: Path) -> None:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    with s3_server() as options:
+        store = Remote("s3", options)
+        store.fs.mkdir("sslkit-test")
+        for f in sorted(shards.iterdir()):
+            store.put(f, f"s3://sslkit-test/train/{f.name}")
+        ds = ShardDataset("s3://sslkit-test/train/", storage_options=options, cache_dir=str(tmp_path / "cache"))
+        assert [str(s).rsplit("/", 1)[1] for s in ds.shards] == sorted(p.name for p in shards.glob("*.tar"))
+        _same_as_local(ds, shards)
+        braces = ShardDataset(_pattern("s3://sslkit-test/train", shards), storage_options=options,
+                              cache_dir=str(tmp_path / "cache"))
+        assert braces.shards == ds.shards
+        with pytest.raises(DataSourceError, match=r"shard s3://sslkit-test/nothing.tar cannot be read"):
+            ShardDataset("s3://sslkit-test/nothing.tar", storage_options=options, cache_dir=str(tmp_path / "c"))
+
+
+def test_secrets_are_hidden_and_plain_options_kept() -> None:
+    options = {"endpoint_url": "http://minio:9000", "key": "AKIA", "secret": "s3cr3t",
+               "client_kwargs": {"region_name": "eu", "aws_session_token": "tok"}}
+    kept = redact_config({"data": {"storage_options": options, "batch_size": 8}})
+    assert kept == {"data": {"storage_options": {"endpoint_url": "http://minio:9000",
+                                                 "client_kwargs": {"region_name": "eu"}}, "batch_size": 8}}
+    assert redact_overrides(["config=simclr", "data.storage_options.secret=s3cr3t", "+data.storage_options={key: A}",
+                             "data.storage_options.endpoint_url=http://m:9"]) == [
+        "config=simclr", f"data.storage_options.secret={HIDDEN}", f"+data.storage_options={HIDDEN}",
+        "data.storage_options.endpoint_url=http://m:9"]
+    assert hidden_value("data.storage_options.key", "AKIA") == HIDDEN
+    assert hidden_value("data.storage_options.anon", True) is True and hidden_value("data.limit", 3) == 3
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_shards_trains_and_writes_no_credential(shards: Path, tmp_path: Path) -> None:
+    """Through the CLI (one loader worker: the filesystem is made again in the worker), two steps on moto's S3 with
+    the credentials in data.storage_options: nothing of the secret in the run folder, the log or the output."""
+    pytest.importorskip("s3fs")
+    with s3_server() as options:
+        store = Remote("s3", options)
+        store.fs.mkdir("sslkit-run")
+        for f in sorted(shards.iterdir()):
+            store.put(f, f"s3://sslkit-run/{f.name}")
+        secret = "sEcReT-dO-nOt-WrItE-42"
+        out = tmp_path / "run"
+        proc = run_main(*SMALL_WDS, "data.train.path=s3://sslkit-run/", "data.batch_size=16", "data.num_workers=1",
+                        "optim.max_steps=2", "eval.knn.enabled=false", "checkpoint.every_n_steps=1",
+                        f"data.storage_options={{endpoint_url: '{options['endpoint_url']}', key: testing-key, "
+                        f"secret: {secret}}}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}",
+                        check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert secret not in proc.stdout + proc.stderr
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in written) and any("checkpoint" in str(p) for p in written)
+    for path in written:
+        assert secret.encode() not in path.read_bytes(), path
+    assert options["endpoint_url"] in (out / "config.yaml").read_text()  # the plain options kept, for the tools
