@@ -69,11 +69,12 @@ def select_classes(ds: Dataset, classes: Any, where: str = "data.classes") -> Da
 
 def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwargs: dict[str, Any]) -> Dataset:
     """One split of a data source as every part of a run reads it: ``data.classes`` kept, then the first
-    ``data.limit`` samples. A remote ``path`` (``s3://``, ``https://``, ...) brings ``data.storage_options`` and
-    ``data.cache_dir`` to the source."""
+    ``data.limit`` samples. A remote ``path`` (``s3://``, ``https://``, ...) brings ``data.storage_options``,
+    ``data.cache_dir`` and the retries (``data.read_attempts``, ``data.read_backoff_s``) to the source."""
     if is_url(path):
         kwargs = {**kwargs, "storage_options": section_kwargs(cfg.data.storage_options, ()),
-                  "cache_dir": cfg.data.cache_dir}
+                  "cache_dir": cfg.data.cache_dir,
+                  "retries": {"attempts": cfg.data.read_attempts, "base_s": cfg.data.read_backoff_s}}
     return limited(select_classes(build_source(source, split, path, **kwargs), cfg.data.classes), cfg.data.limit)
 
 

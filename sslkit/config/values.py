@@ -176,6 +176,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.shard_span": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "data.decode_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
+    "data.read_attempts": (lambda v: v >= 1, ">= 1"),
+    "data.read_backoff_s": (lambda v: v >= 0 and _finite(v), ">= 0 (seconds)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),
     "data.min_crop_scale": (lambda v: 0 < v <= 1, "in (0, 1] (an area fraction)"),

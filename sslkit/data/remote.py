@@ -70,6 +70,9 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+#: The jitter's own generator: the global one (which a transform may draw from) is left alone.
+_JITTER = random.Random()
+
 #: Errors that no retry mends: the file is not there, or the credentials are refused.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
 
@@ -85,7 +88,7 @@ class Retries:
 
     def wait(self, failures: int) -> float:
         """Seconds to wait after ``failures`` failures in a row."""
-        return min(self.max_s, self.base_s * 2 ** (failures - 1)) * (0.5 + random.random() / 2)
+        return min(self.max_s, self.base_s * 2 ** (failures - 1)) * (0.5 + _JITTER.random() / 2)
 
 
 class Remote:

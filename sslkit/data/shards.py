@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.data.remote import Remote, RemoteReadError, cache_key, cache_root, is_url, url_protocol
+from sslkit.data.remote import Remote, RemoteReadError, Retries, cache_key, cache_root, is_url, url_protocol
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
@@ -209,14 +209,15 @@ class ShardDataset(Dataset):
     filesystem's arguments (never logged)."""
 
     def __init__(self, spec: str, channels: int = 3, storage_options: dict[str, Any] | None = None,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, retries: Retries | None = None) -> None:
         if int(channels) < 1:
             raise DataSourceError(f"channels must be 1 or more, got {channels}")
         first = spec if is_url(spec) else None
-        self.remote = Remote(url_protocol(first), storage_options) if first else None
+        self.remote = Remote(url_protocol(first), storage_options, retries) if first else None
         self.shards = expand_shards(spec, self.remote)
         if self.remote is None and any(is_url(s) for s in self.shards):  # a list file of URLs
-            self.remote = Remote(url_protocol(str(next(s for s in self.shards if is_url(s)))), storage_options)
+            protocol = url_protocol(str(next(s for s in self.shards if is_url(s))))
+            self.remote = Remote(protocol, storage_options, retries)
         if not self.shards:
             raise DataSourceError(f"{spec} names no shard: give a brace pattern (train-{{000000..000099}}.tar), a "
                                   "folder of .tar files or a list file")
@@ -294,15 +295,17 @@ class ShardDataset(Dataset):
 
 @register_dataset("webdataset")
 def build_webdataset(split: str, path: str | None = None, channels: int = 3,
-                     storage_options: dict[str, Any] | None = None, cache_dir: str | None = None) -> ShardDataset:
+                     storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
+                     retries: dict[str, Any] | None = None) -> ShardDataset:
     """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file, local
-    or remote (``s3://``, ``gs://``, ``https://``; ``storage_options`` and ``cache_dir``: ``data.storage_options``
-    and ``data.cache_dir``, which the builder passes)."""
+    or remote (``s3://``, ``gs://``, ``https://``; ``storage_options``, ``cache_dir`` and ``retries``
+    (:class:`~sslkit.data.remote.Retries`' fields): ``data.storage_options``, ``data.cache_dir``,
+    ``data.read_attempts`` and ``data.read_backoff_s``, which the builder passes)."""
     if not path:
         raise DataSourceError(f"the 'webdataset' source needs shards: set data.{split}.path to a brace pattern, a "
                               "folder of .tar files or a list file")
     try:
-        return ShardDataset(path, channels, storage_options, cache_dir)
+        return ShardDataset(path, channels, storage_options, cache_dir, Retries(**retries) if retries else None)
     except DataSourceError as e:
         raise DataSourceError(f"data.{split}.path: {e}") from None
 

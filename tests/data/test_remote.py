@@ -7,6 +7,7 @@ credentials never reach the run folder."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -172,3 +173,102 @@ def test_a_run_on_s3_shards_trains_and_writes_no_credential(shards: Path, tmp_pa
     for path in written:
         assert secret.encode() not in path.read_bytes(), path
     assert options["endpoint_url"] in (out / "config.yaml").read_text()  # the plain options kept, for the tools
+
+
+@pytest.mark.slow
+def test_a_run_on_http_shards_killed_mid_epoch_resumes_bit_identically(shards: Path, tmp_path: Path) -> None:
+    """As tests/data/test_shards.py's, the shards served over HTTP: 48 of the 49 samples in batches of 16 (3 steps an
+    epoch, 4 epochs), a checkpoint every 4 steps, SIGKILL after step 10 (a process of its own, 2 loader workers
+    reading by ranged requests): resumed from update 8, it ends bit-identical to an uninterrupted run."""
+    from reliability_helpers import killed_at_10_resumes_identically
+
+    with http_server(shards) as (base, _):
+        args = [*SMALL_WDS, f"data.train.path='{_pattern(base, shards)}'", f"data.cache_dir={tmp_path / 'cache'}",
+                "data.batch_size=16", "optim.epochs=4", "checkpoint.every_n_steps=4", "checkpoint.every_n_epochs=0",
+                "checkpoint.keep_last=0",
+                "eval.knn.enabled=false", "data.num_workers=2", "imports=[sslkit_faults]"]
+        killed_at_10_resumes_identically(args, "simclr", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_elastic_resume_from_s3_shards_reads_the_same_samples_at_every_step(tmp_path: Path) -> None:
+    """As tests/data/test_shards.py's, the 4 shards in moto's S3: a 2-process run (global batch 32, 4 steps an epoch,
+    2 epochs, read shard by shard) crashed after step 5 resumes on 1 and on 4 processes from its checkpoint of step 3,
+    every later step reading the samples the uninterrupted run read."""
+    pytest.importorskip("s3fs")
+    from dist_workers import elastic_steps
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    files = []
+    for i in range(128):
+        pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
+        files.append((str(images / f"{i}.png"), i % 3))
+        Image.fromarray(pixels).save(files[-1][0])
+    for j in range(4):
+        pack_images(files[32 * j:32 * (j + 1)], tmp_path / "shards", prefix=f"part{j}")
+    with s3_server() as options:
+        store = Remote("s3", options)
+        store.fs.mkdir("sslkit-elastic")
+        for f in sorted((tmp_path / "shards").iterdir()):
+            store.put(f, f"s3://sslkit-elastic/{f.name}")
+        storage = f"data.storage_options={{endpoint_url: '{options['endpoint_url']}', key: k, secret: s}}"
+        args = [*SMALL_WDS, "data.train.path=s3://sslkit-elastic/", storage, f"data.cache_dir={tmp_path / 'cache'}",
+                "data.order=shards", "data.shard_span=2", "data.global_batch_size=32", "optim.epochs=2",
+                "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
+                "eval.knn.enabled=false", "data.num_workers=0", "imports=[sslkit_faults]"]
+        expected, resumed = elastic_steps(args, tmp_path)
+    assert sorted(i for step in range(4) for i in expected[step]) == list(range(128))  # epoch 0: each sample once
+    for world, got in resumed.items():
+        assert sorted(got) == [3, 4, 5, 6, 7] and all(got[s] == expected[s] for s in got), world
+
+
+@pytest.mark.slow
+def test_shards_gone_mid_run_stop_it_with_a_message_and_the_same_command_resumes(shards: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The store loses the shards after step 3 (a checkpoint at step 2, no loader worker): the next read fails, the
+    run stops with exit 2 and a message naming the shard and saying how to go on, without training on other
+    samples; with the shards back, the same command resumes from step 2 and ends as an uninterrupted run."""
+    from reliability_helpers import assert_identical, latest_state
+
+    from sslkit.hooks.base import SSLHook
+    from sslkit.registry import HOOKS, register_hook
+
+    served = tmp_path / "served"
+    shutil.copytree(shards, served)
+    hidden = tmp_path / "hidden"
+    unplugged: list[int] = []  # once: the store comes back for the rerun
+
+    class UnplugStore(SSLHook):
+        name = "unplug_store_test"
+
+        def __init__(self, step: int = 3) -> None:
+            self.at = step
+
+        def on_step(self, task) -> None:
+            if task.clock.step == self.at and not unplugged:
+                unplugged.append(self.at)
+                served.rename(hidden)
+
+    if "unplug_store_test" not in HOOKS:
+        register_hook("unplug_store_test")(UnplugStore)
+    with http_server(tmp_path) as (base, _):
+        args = [*SMALL_WDS, f"data.train.path='{_pattern(base + '/served', shards)}'",
+                f"data.cache_dir={tmp_path / 'cache'}", "data.read_attempts=2", "data.read_backoff_s=0.01",
+                "data.batch_size=16", "optim.epochs=2", "checkpoint.every_n_steps=2", "checkpoint.every_n_epochs=0",
+                "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=0"]
+        ref = run_main(*args, "hooks=[{name: unplug_store_test, step: 1000000}]", f"output_dir={tmp_path / 'ref'}")
+        assert ref.returncode == 0
+        out = tmp_path / "run"
+        proc = run_main(*args, "hooks=[{name: unplug_store_test}]", f"output_dir={out}", check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert re.search(r"sample \d+ of shard http://\S+/served/shard-\d+\.tar cannot be read .*FileNotFoundError.*"
+                         r"the same command resumes from the last checkpoint", proc.stderr), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert latest_state(out)["position"]["step"] == 2
+        hidden.rename(served)
+        again = run_main(*args, "hooks=[{name: unplug_store_test}]", f"output_dir={out}")
+        assert "checkpoint_000000002.pt" in again.stdout + again.stderr
+    assert_identical(latest_state(out), latest_state(tmp_path / "ref"))
