@@ -9,7 +9,7 @@ import io
 import logging
 import os
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,7 +22,7 @@ from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSam
 from sslkit.registry import register_dataset
 
 __all__ = ["INDEX_SUFFIX", "Shard", "ShardDataset", "build_webdataset", "expand_shards", "pack_images",
-           "remote_index", "shard_index", "write_shards"]
+           "remote_index", "shard_index", "upload_shard", "write_remote_index", "write_shards"]
 
 logger = logging.getLogger("sslkit")
 
@@ -311,10 +311,12 @@ def build_webdataset(split: str, path: str | None = None, channels: int = 3,
 
 
 def write_shards(items: Iterable[tuple[str, bytes, int]], output: Path, shard_bytes: int = 256 << 20,
-                 prefix: str = "shard") -> list[Path]:
+                 prefix: str = "shard", on_shard: Callable[[Path], None] | None = None) -> list[Path]:
     """Write ``items`` (extension, encoded image, label; label -1: none) into tar shards
     ``<output>/<prefix>-NNNNNN.tar`` of about ``shard_bytes`` each, in order: item ``k`` is ``<k:09d>.<ext>`` with the
-    bytes as they are and ``<k:09d>.cls`` with its label; then each shard's index. Returns the shards."""
+    bytes as they are and ``<k:09d>.cls`` with its label; each shard's index is written beside it as soon as the
+    shard is complete, and ``on_shard(shard)`` called then (an upload can take it, and remove it). Returns the
+    shards."""
     output.mkdir(parents=True, exist_ok=True)
     shards: list[Path] = []
     tar: tarfile.TarFile | None = None
@@ -326,10 +328,17 @@ def write_shards(items: Iterable[tuple[str, bytes, int]], output: Path, shard_by
         assert tar is not None
         tar.addfile(info, io.BytesIO(data))
 
+    def close() -> None:
+        assert tar is not None
+        tar.close()
+        shard_index(shards[-1])
+        if on_shard is not None:
+            on_shard(shards[-1])
+
     for k, (ext, data, label) in enumerate(items):
         if tar is None or written >= shard_bytes:
             if tar is not None:
-                tar.close()
+                close()
             shards.append(output / f"{prefix}-{len(shards):06d}.tar")
             tar, written = tarfile.open(shards[-1], "w", format=tarfile.USTAR_FORMAT), 0
         add(f"{k:09d}.{ext}", data)
@@ -337,15 +346,37 @@ def write_shards(items: Iterable[tuple[str, bytes, int]], output: Path, shard_by
             add(f"{k:09d}.{LABEL_EXT}", str(label).encode())
         written += len(data) + 1024
     if tar is not None:
-        tar.close()
-    for shard in shards:
-        shard_index(shard)
+        close()
     return shards
 
 
 def pack_images(files: Sequence[tuple[str, int]], output: Path, shard_bytes: int = 256 << 20,
-                prefix: str = "shard") -> list[Path]:
+                prefix: str = "shard", on_shard: Callable[[Path], None] | None = None) -> list[Path]:
     """Write the image files ``files`` (path, label) into shards with :func:`write_shards`, each file's bytes as they
     are (nothing re-encoded) under its own extension. Returns the shards."""
     items = ((Path(f).suffix.lstrip(".").lower() or "jpg", Path(f).read_bytes(), label) for f, label in files)
-    return write_shards(items, output, shard_bytes, prefix)
+    return write_shards(items, output, shard_bytes, prefix, on_shard)
+
+
+def upload_shard(shard: Path, url_prefix: str, remote: Remote) -> str:
+    """Upload ``shard`` and its index beside it to ``url_prefix`` (a remote folder), then remove the local files;
+    returns the shard's URL."""
+    url = f"{url_prefix.rstrip('/')}/{shard.name}"
+    index = Path(f"{shard}{INDEX_SUFFIX}")
+    remote.put(shard, url)
+    if index.is_file():
+        remote.put(index, f"{url}{INDEX_SUFFIX}")
+        index.unlink()
+    shard.unlink()
+    return url
+
+
+def write_remote_index(url: str, remote: Remote, cache_dir: str | None = None) -> str:
+    """Write the remote shard ``url``'s index beside it (``<url>.sslkit-idx.npz``: what every later reader fetches in
+    one request instead of reading the tar headers); returns the index's URL."""
+    index = remote_index(url, remote, cache_dir)
+    local = cache_root(cache_dir) / "shard-index" / f"upload-{os.getpid()}{INDEX_SUFFIX}"
+    _save_index(index, local)
+    remote.put(local, f"{url}{INDEX_SUFFIX}")
+    local.unlink()
+    return f"{url}{INDEX_SUFFIX}"

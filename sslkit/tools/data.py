@@ -1,4 +1,5 @@
-"""``sslkit data pack`` (a folder or file list into tar shards with their index), ``sslkit data info`` (what a
+"""``sslkit data pack`` (a folder or file list into tar shards with their index, on disk or uploaded to object
+storage), ``sslkit data index`` (the index written beside shards that have none), ``sslkit data info`` (what a
 source holds: samples, classes, image sizes of a sample of it, unreadable ones), ``sslkit data scenes`` (the
 offline dense task, written as a segmentation folder) and ``sslkit data stats`` (each channel's mean and std)."""
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from sslkit.data.remote import is_url
 from sslkit.data.sources import UnreadableSampleError, build_source
 from sslkit.tools.common import parse_tool_args, run_tool
 from sslkit.tools.pretrained import ToolError
@@ -21,7 +23,9 @@ __all__ = ["channel_stats", "data_main", "guess_source", "source_info"]
 logger = logging.getLogger("sslkit")
 
 PACK_KEYS = {"input": "a folder of images (an ImageFolder tree or a flat folder) or a file list (path[,label])",
-             "output": "the folder the shards go to (shard-000000.tar, ... and each one's index)",
+             "output": "the folder the shards go to (shard-000000.tar, ... and each one's index), or a remote one "
+                       "(s3://bucket/train/, gs://...; credentials from the environment or a profile): each shard is "
+                       "uploaded as soon as it is written, then removed here",
              "shard_mb": "about how many MB of images a shard holds (default 256)"}
 INFO_KEYS = {"path": "a folder of images, a file list, tar shards (a folder, a brace pattern, a list of .tar) or a "
                      "Hugging Face dataset (a save_to_disk folder, Parquet or Arrow files)",
@@ -34,6 +38,8 @@ SCENES_KEYS = {"output": "the folder the scenes go to, in ADE20K's layout (image
                "garments": "fewest and most garments per scene, e.g. [2,4] (default)",
                "jitter": "pixels a garment moves from its cell (default 6)",
                "seed": "the scenes' seed (default 0)"}
+INDEX_KEYS = {"path": "remote shards (a brace pattern, a prefix s3://bucket/train/, a glob) or local ones",
+              "cache_dir": "where the indexes are cached here (default: $SSLKIT_CACHE, else ~/.cache/sslkit)"}
 STATS_KEYS = {"path": "a folder of images (any channels, 8 or 16 bits: .npy, TIFF, PNG, ...), a file list, shards or "
                       "a Hugging Face dataset",
               "source": "folder | filelist | webdataset | hf (default: guessed from path)",
@@ -41,12 +47,15 @@ STATS_KEYS = {"path": "a folder of images (any channels, 8 or 16 bits: .npy, TIF
               "sample": "how many images, spread over the source, are read (default 10000; 0: all)",
               "output": "the JSON file written (default: data_stats.json in the current folder); train with "
                         "data.stats=FILE"}
-USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER [shard_mb=256]
+USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER_OR_URL [shard_mb=256]
+       sslkit data index path=SHARDS [cache_dir=...]
        sslkit data info path=SOURCE [source=...] [sample=64]
        sslkit data scenes output=FOLDER [train=4000] [test=1000] [canvas=56] [garments=[2,4]] [seed=0]
        sslkit data stats path=SOURCE [source=...] [channels=3] [sample=10000] [output=data_stats.json]
 
 pack: {'; '.join(f'{k}= {v}' for k, v in PACK_KEYS.items())}
+index: each shard's index of members (its tar headers read once) written beside it, so that every later reader
+  fetches one small file per shard; {'; '.join(f'{k}= {v}' for k, v in INDEX_KEYS.items())}
 info: {'; '.join(f'{k}= {v}' for k, v in INFO_KEYS.items())}
 scenes: Fashion-MNIST garments of several classes on a larger canvas, each pixel labelled with its garment's class
   or background (the dense probe's offline task, eval.dense.dataset=scenes); {'; '.join(f'{k}= {v}' for k, v in
@@ -61,7 +70,7 @@ def guess_source(path: str) -> str:
     them), ``hf`` (a ``save_to_disk`` folder, ``.parquet`` / ``.arrow`` files), ``filelist`` (another file),
     ``folder`` (another folder)."""
     p = Path(path).expanduser()
-    if "{" in path or p.suffix == ".tar":
+    if "{" in path or p.suffix == ".tar" or is_url(path):
         return "webdataset"
     if p.is_dir():
         if any(p.glob("*.tar")):
@@ -114,6 +123,8 @@ def _pack(args: list[str]) -> int:
     except ValueError:
         raise ToolError(f"shard_mb={opts['shard_mb']}: give a number of megabytes") from None
     start = time.perf_counter()
+    if is_url(opts["output"]):
+        return _pack_remote(ds, opts["output"], shard_mb, start, opts["input"])
     output = Path(opts["output"]).expanduser()
     if output.exists() and any(output.glob("*.tar")):
         raise ToolError(f"output={output} holds shards already: give an empty or new folder")
@@ -123,6 +134,64 @@ def _pack(args: list[str]) -> int:
           f"{len(shards)} shard(s) in {output}, {size / 1e6:.1f} MB, with their index, in "
           f"{time.perf_counter() - start:.1f} s")
     print(f"train on them: python tools/run.py config=simclr data=webdataset data.train.path={output}")
+    return 0
+
+
+def _pack_remote(ds: Any, url: str, shard_mb: float, start: float, given: str) -> int:
+    """Pack into a local staging folder and upload each shard with its index as soon as it is complete."""
+    import shutil
+    import tempfile
+
+    from sslkit.data.remote import Remote, RemoteReadError, cache_root, url_protocol
+    from sslkit.data.shards import pack_images, upload_shard
+
+    remote = Remote(url_protocol(url))
+    prefix = url.rstrip("/")
+    try:
+        if remote.glob(f"{prefix}/*.tar"):
+            raise ToolError(f"output={url} holds shards already: give an empty or new prefix")
+    except RemoteReadError:
+        pass  # a prefix that does not exist yet
+    cache_root().mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="pack-", dir=cache_root()))
+    uploaded: list[str] = []
+    try:
+        pack_images(list(ds.samples), staging, int(shard_mb * (1 << 20)),  # type: ignore[attr-defined]
+                    on_shard=lambda shard: uploaded.append(upload_shard(shard, prefix, remote)))
+    except RemoteReadError as exc:
+        raise ToolError(f"output={url}: {exc} ({len(uploaded)} shard(s) uploaded before it)") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"packed {len(ds)} images ({getattr(ds, 'num_classes', 0)} classes) from {given} into "
+          f"{len(uploaded)} shard(s) at {prefix}/, with their index, in {time.perf_counter() - start:.1f} s")
+    print(f"train on them: python tools/run.py config=simclr data=webdataset data.train.path={prefix}/")
+    return 0
+
+
+def _index(args: list[str]) -> int:
+    from sslkit.data.remote import Remote, RemoteReadError, url_protocol
+    from sslkit.data.shards import expand_shards, shard_index, write_remote_index
+
+    opts, overrides = parse_tool_args("data index", args, INDEX_KEYS)
+    if overrides or "path" not in opts:
+        raise ToolError("sslkit data index needs path=SHARDS (and takes cache_dir=)")
+    path = opts["path"]
+    remote = Remote(url_protocol(path)) if is_url(path) else None
+    start = time.perf_counter()
+    shards = expand_shards(path, remote)
+    if not shards:
+        raise ToolError(f"path={path} names no shard")
+    for shard in shards:
+        if not is_url(shard):
+            shard_index(Path(shard))  # built and written beside the shard, or found there up to date
+            continue
+        assert remote is not None
+        try:
+            logger.info("data: %s", write_remote_index(str(shard), remote, opts.get("cache_dir")))
+        except RemoteReadError as exc:
+            raise ToolError(f"{shard}: {exc}") from None
+    print(f"indexed {len(shards)} shard(s) of {path}, each index beside its shard, in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -245,11 +314,11 @@ def _stats(args: list[str]) -> int:
 
 
 def data_main(argv: list[str] | None = None) -> int:
-    """``sslkit data pack|info|scenes ...``."""
+    """``sslkit data pack|index|info|scenes|stats ...``."""
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
-    bodies = {"pack": _pack, "info": _info, "scenes": _scenes, "stats": _stats}
+    bodies = {"pack": _pack, "index": _index, "info": _info, "scenes": _scenes, "stats": _stats}
     if not args or args[0] not in bodies:
         print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2

@@ -272,3 +272,39 @@ def test_shards_gone_mid_run_stop_it_with_a_message_and_the_same_command_resumes
         again = run_main(*args, "hooks=[{name: unplug_store_test}]", f"output_dir={out}")
         assert "checkpoint_000000002.pt" in again.stdout + again.stderr
     assert_identical(latest_state(out), latest_state(tmp_path / "ref"))
+
+
+def test_pack_uploads_to_s3_and_index_writes_the_missing_indexes(shards: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sslkit data pack output=s3://...`` uploads each shard with its index (credentials and endpoint from the
+    environment, as s3fs takes them) and leaves nothing staged; the shards read back as the local pack; ``sslkit
+    data index`` writes the index beside shards that have none, which the next reader fetches instead of the
+    headers."""
+    pytest.importorskip("s3fs")
+    from helpers import photo_folder, run_sslkit
+
+    photo_folder(tmp_path / "images", n=48)
+    with s3_server() as options:
+        for var, value in (("AWS_ENDPOINT_URL", options["endpoint_url"]), ("AWS_ACCESS_KEY_ID", options["key"]),
+                           ("AWS_SECRET_ACCESS_KEY", options["secret"])):
+            monkeypatch.setenv(var, value)
+        monkeypatch.setenv("SSLKIT_CACHE", str(tmp_path / "cache"))
+        store = Remote("s3", {})
+        store.fs.mkdir("sslkit-pack")
+        code, out, err = run_sslkit("data", "pack", f"input={tmp_path / 'images'}", "output=s3://sslkit-pack/train/",
+                                    "shard_mb=0.04")
+        assert code == 0, err
+        assert re.search(r"packed 49 images \(2 classes\) .* into \d+ shard\(s\) at s3://sslkit-pack/train/", out)
+        assert not any((tmp_path / "cache").glob("pack-*/*"))  # nothing left staged here
+        names = sorted(p.rsplit("/", 1)[1] for p in store.glob("s3://sslkit-pack/train/*"))
+        assert names == sorted(p.name for p in shards.iterdir())  # each shard and its index, as the local pack
+        ds = ShardDataset("s3://sslkit-pack/train/", cache_dir=str(tmp_path / "c1"))
+        _same_as_local(ds, shards)
+        code, _, err = run_sslkit("data", "pack", f"input={tmp_path / 'images'}", "output=s3://sslkit-pack/train/")
+        assert code == 2 and "holds shards already" in err
+        for f in sorted(shards.glob("*.tar")):  # shards without an index beside them
+            store.put(f, f"s3://sslkit-pack/bare/{f.name}")
+        code, out, err = run_sslkit("data", "index", "path=s3://sslkit-pack/bare/")
+        assert code == 0 and re.search(r"indexed \d+ shard\(s\) of s3://sslkit-pack/bare/", out), err
+        assert len(store.glob(f"s3://sslkit-pack/bare/*{INDEX_SUFFIX}")) == len(list(shards.glob("*.tar")))
+        _same_as_local(ShardDataset("s3://sslkit-pack/bare/", cache_dir=str(tmp_path / "c2")), shards)
