@@ -73,7 +73,7 @@ def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwar
     ``data.cache_dir`` and the retries (``data.read_attempts``, ``data.read_backoff_s``) to the source."""
     if is_url(path):
         kwargs = {**kwargs, "storage_options": section_kwargs(cfg.data.storage_options, ()),
-                  "cache_dir": cfg.data.cache_dir,
+                  "cache_dir": cfg.data.cache_dir, "cache_gb": float(cfg.data.cache_gb),
                   "retries": {"attempts": cfg.data.read_attempts, "base_s": cfg.data.read_backoff_s}}
     return limited(select_classes(build_source(source, split, path, **kwargs), cfg.data.classes), cfg.data.limit)
 

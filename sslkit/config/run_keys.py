@@ -14,7 +14,7 @@ IGNORED_KEYS = (
     "data.pin_memory", "log.", "checkpoint.", "reliability.", "eval.", "distributed.backend",
     "distributed.timeout_s", "distributed.master_addr", "distributed.master_port", "distributed.node_rank",
     "distributed.consistency_check_every_n_steps", "launcher", "slurm.", "data.storage_options",
-    "data.storage_options.", "data.cache_dir", "data.read_attempts", "data.read_backoff_s",
+    "data.storage_options.", "data.cache_dir", "data.read_attempts", "data.read_backoff_s", "data.cache_gb",
 )
 #: Keys that only split the global batch differently when ``data.global_batch_size`` is set: a run resumes with new
 #: values of these without a word (the number of processes, the strategy, the micro-batches).

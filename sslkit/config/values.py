@@ -177,6 +177,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.decode_on": (lambda v: v in ("auto", "workers", "device"), "auto, workers or device"),
     "data.limit": (lambda v: v >= 0, ">= 0 (0 = all)"),
     "data.read_attempts": (lambda v: v >= 1, ">= 1"),
+    "data.cache_gb": (lambda v: v >= 0 and _finite(v), ">= 0 (0: no local copies of whole shards)"),
     "data.read_backoff_s": (lambda v: v >= 0 and _finite(v), ">= 0 (seconds)"),
     "data.image_size": (lambda v: v > 0, "> 0 (the crop side in pixels)"),
     "data.small_image_size": (lambda v: v > 0, "> 0 (the local crop side in pixels)"),

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from sslkit.data.remote import Remote, RemoteReadError, Retries, cache_key, cache_root, is_url, url_protocol
+from sslkit.data.shard_cache import ShardCache
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
@@ -193,7 +194,7 @@ def remote_index(url: str, remote: Remote, cache_dir: str | None = None) -> dict
         logger.info("data: indexing %s (its tar headers, read in blocks)", url)
         with remote.open(url) as f:
             index = _scan(url, f)
-    index["size"], index["mtime_ns"] = np.array(identity[0]), np.array(-1)
+    index["size"], index["mtime_ns"], index["etag"] = np.array(identity[0]), np.array(-1), np.array(identity[1])
     _save_index(index, cached)
     return index
 
@@ -209,7 +210,7 @@ class ShardDataset(Dataset):
     filesystem's arguments (never logged)."""
 
     def __init__(self, spec: str, channels: int = 3, storage_options: dict[str, Any] | None = None,
-                 cache_dir: str | None = None, retries: Retries | None = None) -> None:
+                 cache_dir: str | None = None, retries: Retries | None = None, cache_gb: float = 0.0) -> None:
         if int(channels) < 1:
             raise DataSourceError(f"channels must be 1 or more, got {channels}")
         first = spec if is_url(spec) else None
@@ -222,6 +223,12 @@ class ShardDataset(Dataset):
             raise DataSourceError(f"{spec} names no shard: give a brace pattern (train-{{000000..000099}}.tar), a "
                                   "folder of .tar files or a list file")
         indexes = [self._index(s, cache_dir) for s in self.shards]
+        #: Whole remote shards kept locally (``cache_gb`` > 0), and each shard's key and size there.
+        self.shard_cache = ShardCache(cache_root(cache_dir) / "shards", int(cache_gb * (1 << 30)), self.remote) \
+            if self.remote is not None and cache_gb > 0 else None
+        self.copy_keys = [cache_key(str(s), (int(ix["size"]), str(ix["etag"]))) if "etag" in ix else ""
+                          for s, ix in zip(self.shards, indexes, strict=True)]
+        self.shard_sizes = [int(ix["size"]) for ix in indexes]
         self.offsets = [ix["offsets"] for ix in indexes]
         self.sizes = [ix["sizes"] for ix in indexes]
         self.labels = np.concatenate([ix["labels"] for ix in indexes])
@@ -268,12 +275,12 @@ class ShardDataset(Dataset):
         path = self.shards[shard]
         if self.remote is not None and is_url(path):
             start = int(self.offsets[shard][j])
-            try:
-                return self.remote.read(str(path), start, start + int(self.sizes[shard][j]))
-            except RemoteReadError as e:  # not a bad sample to skip: the store is unreachable, or the shard is gone
-                raise RemoteReadError(f"sample {j} of shard {path} cannot be read ({e}). The run stops here rather "
-                                      "than train on other samples than it should; once the store answers again, "
-                                      "the same command resumes from the last checkpoint") from None
+            local = self.shard_cache.local(str(path), self.copy_keys[shard], self.shard_sizes[shard]) \
+                if self.shard_cache is not None and self.copy_keys[shard] else None
+            if local is not None:
+                path = local  # the whole shard on local disk: read below as a local shard's member
+            else:
+                return self._read_remote(str(path), shard, j, start)
         try:
             with open(path, "rb") as f:
                 f.seek(int(self.offsets[shard][j]))
@@ -283,6 +290,15 @@ class ShardDataset(Dataset):
         if len(data) != int(self.sizes[shard][j]):
             raise UnreadableSampleError(f"sample {j} of shard {path} is cut short (the shard changed?)", str(path))
         return data
+
+    def _read_remote(self, url: str, shard: int, j: int, start: int) -> bytes:
+        assert self.remote is not None
+        try:
+            return self.remote.read(url, start, start + int(self.sizes[shard][j]))
+        except RemoteReadError as e:  # not a bad sample to skip: the store is unreachable, or the shard is gone
+            raise RemoteReadError(f"sample {j} of shard {url} cannot be read ({e}). The run stops here rather than "
+                                  "train on other samples than it should; once the store answers again, the same "
+                                  "command resumes from the last checkpoint") from None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         """Sample ``i``'s image as ``[C, H, W]`` (uint8, or uint16 for 16-bit members; a JPEG's bytes with
@@ -296,16 +312,18 @@ class ShardDataset(Dataset):
 @register_dataset("webdataset")
 def build_webdataset(split: str, path: str | None = None, channels: int = 3,
                      storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
-                     retries: dict[str, Any] | None = None) -> ShardDataset:
+                     retries: dict[str, Any] | None = None, cache_gb: float = 0.0) -> ShardDataset:
     """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file, local
     or remote (``s3://``, ``gs://``, ``https://``; ``storage_options``, ``cache_dir`` and ``retries``
-    (:class:`~sslkit.data.remote.Retries`' fields): ``data.storage_options``, ``data.cache_dir``,
-    ``data.read_attempts`` and ``data.read_backoff_s``, which the builder passes)."""
+    (:class:`~sslkit.data.remote.Retries`' fields) and ``cache_gb`` (whole shards kept on local disk:
+    :class:`~sslkit.data.shard_cache.ShardCache`): ``data.storage_options``, ``data.cache_dir``, ``data.read_attempts``,
+    ``data.read_backoff_s`` and ``data.cache_gb``, which the builder passes)."""
     if not path:
         raise DataSourceError(f"the 'webdataset' source needs shards: set data.{split}.path to a brace pattern, a "
                               "folder of .tar files or a list file")
     try:
-        return ShardDataset(path, channels, storage_options, cache_dir, Retries(**retries) if retries else None)
+        return ShardDataset(path, channels, storage_options, cache_dir, Retries(**retries) if retries else None,
+                            cache_gb)
     except DataSourceError as e:
         raise DataSourceError(f"data.{split}.path: {e}") from None
 

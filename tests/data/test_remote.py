@@ -308,3 +308,51 @@ def test_pack_uploads_to_s3_and_index_writes_the_missing_indexes(shards: Path, t
         assert code == 0 and re.search(r"indexed \d+ shard\(s\) of s3://sslkit-pack/bare/", out), err
         assert len(store.glob(f"s3://sslkit-pack/bare/*{INDEX_SUFFIX}")) == len(list(shards.glob("*.tar")))
         _same_as_local(ShardDataset("s3://sslkit-pack/bare/", cache_dir=str(tmp_path / "c2")), shards)
+
+
+def _wait_for(condition, what: str, hang_s: float = 60.0) -> None:
+    """Wait for ``condition()`` (a background fetch's outcome) under a generous hang guard."""
+    import time
+
+    deadline = time.monotonic() + hang_s
+    while not condition():
+        assert time.monotonic() < deadline, f"hung waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_whole_shards_are_fetched_in_the_background_once_then_read_locally_and_evicted_past_the_limit(
+        shards: Path, tmp_path: Path) -> None:
+    """data.cache_gb: the first read of a shard's sample comes by range and starts the shard's fetch; once it is
+    there the shard's samples are read from disk (no request), the same bytes; past the limit the least recently
+    read copy goes; a second process (a loader worker) reuses the copies and fetches nothing the first fetched."""
+    import multiprocessing
+
+    files = sorted(shards.glob("*.tar"))
+    limit_gb = (files[0].stat().st_size + files[1].stat().st_size + 100) / (1 << 30)  # two shards fit, not three
+    cache = tmp_path / "cache"
+    with http_server(shards) as (base, faults):
+        ds = ShardDataset(_pattern(base, shards), cache_dir=str(cache), cache_gb=limit_gb)
+        local = ShardDataset(str(shards))
+        copies = cache / "shards"
+        first = range(int(ds.starts[0]), int(ds.starts[1]))
+        assert ds.raw(first[0]) == local.raw(first[0])  # by range; the fetch starts
+        _wait_for(lambda: len(list(copies.glob("*.tar"))) == 1, "the first shard's copy")
+        faults.requests.clear()
+        assert all(ds.raw(i) == local.raw(i) for i in first)
+        assert faults.requests == []  # every sample of the shard from its local copy
+        for shard in (1, 2):
+            ds.raw(int(ds.starts[shard]))
+            _wait_for(lambda n=shard: ds.shard_cache.fetched == n + 1, f"shard {shard}'s copy")
+        assert sorted(p.name for p in copies.glob("*.tar")) == sorted(f"{k}.tar" for k in ds.copy_keys[1:])
+        assert not list(copies.glob("*.part"))  # the oldest copy went; nothing half-written left
+
+        def worker(queue: multiprocessing.Queue) -> None:  # a forked loader worker: the copies are there
+            queue.put([ds.raw(int(ds.starts[s])) == local.raw(int(ds.starts[s])) for s in (1, 2)])
+
+        faults.requests.clear()
+        queue: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
+        proc = multiprocessing.get_context("fork").Process(target=worker, args=(queue,))
+        proc.start()
+        assert queue.get(timeout=120) == [True, True]
+        proc.join(120)
+        assert faults.requests == []
