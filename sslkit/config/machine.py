@@ -14,7 +14,7 @@ __all__ = ["check_device", "check_hosts", "check_paths"]
 
 
 #: Sources that read a remote ``data.<split>.path`` (``s3://``, ``gs://``, ``https://``).
-_REMOTE_SOURCES = ("webdataset",)
+_REMOTE_SOURCES = ("webdataset", "hf")
 
 #: Sources that read ``data.<split>.path`` as a folder, and what to give there.
 _PATH_SOURCES = {
@@ -36,8 +36,9 @@ def check_paths(cfg: DictConfig, errors: list[str]) -> None:
         if is_url(path):
             if source not in _REMOTE_SOURCES:
                 errors.append(f"'data.{split}.path' = {path}: a remote path is read by the "
-                              f"{' and '.join(_REMOTE_SOURCES)} source(s) (data=webdataset), not by {source}: copy the "
-                              "data to local disk, or pack it into tar shards (sslkit data pack)")
+                              f"{' and '.join(_REMOTE_SOURCES)} sources (data=webdataset: tar shards; data=hf: Parquet "
+                              f"files), not by {source}: pack the images into tar shards (sslkit data pack "
+                              "output=s3://...), or copy them to local disk")
             continue  # its shards are looked up when the source is opened, before training, each named if missing
         if source == "filelist":
             if path is None and split == "train":

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.data.remote import is_url
 from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
 
@@ -154,12 +155,21 @@ class HFDataset(Dataset):
 
 @register_dataset("hf")
 def build_hf(split: str, path: str | None = None, image_column: str = "image", label_column: str | None = None,
-             channels: int = 3) -> HFDataset:
-    """A Hugging Face dataset on local disk (``data=hf``): ``path`` a ``save_to_disk`` folder (a ``DatasetDict``'s
-    split picked by name) or Parquet / Arrow files; images in ``image_column``, labels in ``label_column``."""
+             channels: int = 3, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
+             retries: dict[str, Any] | None = None, cache_gb: float = 0.0) -> Dataset:
+    """A Hugging Face dataset (``data=hf``): ``path`` a ``save_to_disk`` folder (a ``DatasetDict``'s split picked by
+    name) or Parquet / Arrow files on local disk, or Parquet files in object storage (``s3://bucket/ds/``, read by
+    :class:`~sslkit.data.hf_remote.RemoteParquet` with ``storage_options``, ``cache_dir``, ``retries`` and
+    ``cache_gb``, which the builder passes); images in ``image_column``, labels in ``label_column``."""
     if not path:
         raise DataSourceError(f"the 'hf' source needs a dataset folder or files: set data.{split}.path")
     try:
+        if is_url(path):
+            from sslkit.data.hf_remote import RemoteParquet
+            from sslkit.data.remote import Retries
+
+            return RemoteParquet(path, split, image_column, label_column, channels, storage_options, cache_dir,
+                                 Retries(**retries) if retries else None, cache_gb)
         return HFDataset(path, split, image_column, label_column, channels)
     except DataSourceError as e:
         raise DataSourceError(f"data.{split}.path: {e}") from None

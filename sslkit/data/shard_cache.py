@@ -20,8 +20,9 @@ logger = logging.getLogger("sslkit")
 
 
 class ShardCache:
-    """Local copies of remote shards under ``root`` (``<key>.tar``, ``key`` the shard's URL, size and ETag), at most
-    ``max_bytes`` of them; ``fetchers`` background downloads at a time in each process.
+    """Local copies of remote files under ``root`` (``<key><suffix>``, ``key`` the file's URL, size and ETag: tar
+    shards, Parquet files), at most ``max_bytes`` of them; ``fetchers`` background downloads at a time in each
+    process.
 
     :meth:`local` answers where a shard can be read from now: its local copy, or None (then it starts the copy's
     fetch, unless it is there or another process holds the fetch's lock, and the caller reads the range remotely).
@@ -30,8 +31,9 @@ class ShardCache:
     completes removes the least recently touched copies past ``max_bytes`` (never the one just fetched).
     """
 
-    def __init__(self, root: Path, max_bytes: int, remote: Remote, fetchers: int = 2) -> None:
+    def __init__(self, root: Path, max_bytes: int, remote: Remote, fetchers: int = 2, suffix: str = ".tar") -> None:
         self.root = Path(root)
+        self.suffix = suffix
         self.max_bytes = int(max_bytes)
         self.remote = remote
         self.fetchers = fetchers
@@ -60,7 +62,7 @@ class ShardCache:
     def local(self, url: str, key: str, size: int) -> Path | None:
         """The local copy of ``url`` (its cache ``key``, its ``size``) when it is complete, touched; else None, its
         fetch started in the background."""
-        path = self.root / f"{key}.tar"
+        path = self.root / f"{key}{self.suffix}"
         try:
             os.utime(path)
             return path
@@ -75,8 +77,8 @@ class ShardCache:
         return None
 
     def _fetch(self, url: str, key: str, size: int) -> None:
-        path = self.root / f"{key}.tar"
-        part = self.root / f"{key}.tar.part"
+        path = self.root / f"{key}{self.suffix}"
+        part = self.root / f"{key}{self.suffix}.part"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(part, "ab") as held:
@@ -105,7 +107,7 @@ class ShardCache:
     def _evict(self, keep: Path) -> None:
         """Remove the least recently read copies until the cache holds at most ``max_bytes`` (``keep`` stays)."""
         copies = []
-        for p in self.root.glob("*.tar"):
+        for p in self.root.glob(f"*{self.suffix}"):
             try:
                 st = p.stat()
             except FileNotFoundError:

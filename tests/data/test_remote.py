@@ -356,3 +356,61 @@ def test_whole_shards_are_fetched_in_the_background_once_then_read_locally_and_e
         assert queue.get(timeout=120) == [True, True]
         proc.join(120)
         assert faults.requests == []
+
+
+def _parquet_dataset(root: Path, n: int = 60) -> Path:
+    """n JPEG rows (labels in 4 named classes) as a Hugging Face dataset's Parquet files: 2 files of row groups of
+    8 rows."""
+    import io
+
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    def jpeg(i: int) -> bytes:
+        buf = io.BytesIO()
+        pixels = (np.random.default_rng(i).random((30 + i % 7, 26, 3)) * 255).astype(np.uint8)
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list("abcd"))})
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": jpeg(i), "path": None} for i in range(n)],
+                                     "label": [i % 4 for i in range(n)]}, features=features)
+    root.mkdir(parents=True)
+    half = n // 2
+    for k, part in enumerate((ds.select(range(half)), ds.select(range(half, n)))):
+        part.to_parquet(str(root / f"train-{k:05d}-of-00002.parquet"), batch_size=8)
+    return root
+
+
+def test_hugging_face_parquet_in_s3_is_read_row_by_row_as_the_local_files(tmp_path: Path) -> None:
+    """data=hf with an s3:// prefix: every row's image and label as the local Parquet files give them, the class
+    names from the dataset's metadata; row groups read by range and kept, or, with data.cache_gb, the whole file
+    fetched in the background and read from disk after."""
+    pytest.importorskip("s3fs")
+    import torch
+
+    from sslkit.data.hf import HFDataset, build_hf
+
+    local = HFDataset(_parquet_dataset(tmp_path / "ds"), label_column="label")
+    with s3_server() as options:
+        store = Remote("s3", options)
+        store.fs.mkdir("sslkit-hf")
+        for f in sorted((tmp_path / "ds").iterdir()):
+            store.put(f, f"s3://sslkit-hf/ds/data/{f.name}")
+        ds = build_hf("train", "s3://sslkit-hf/ds/", label_column="label", storage_options=options,
+                      cache_dir=str(tmp_path / "cache"))
+        assert len(ds) == len(local) == 60 and ds.classes == list("abcd") and ds.num_classes == 4
+        np.testing.assert_array_equal(ds.labels, local.labels)
+        for i in range(len(local)):
+            image, label = ds[i]
+            torch.testing.assert_close(image, local[i][0], rtol=0, atol=0)
+            assert label == local[i][1]
+        cached = build_hf("train", "s3://sslkit-hf/ds/", label_column="label", storage_options=options,
+                          cache_dir=str(tmp_path / "cache"), cache_gb=1.0)
+        cached[0]  # by range; the first file's fetch starts
+        _wait_for(lambda: cached.cache.fetched == 1, "the first file's copy")
+        cached._kept.clear()
+        torch.testing.assert_close(cached[9][0], local[9][0], rtol=0, atol=0)  # from the local copy
+        with pytest.raises(DataSourceError, match="has no column 'pixels'"):
+            build_hf("train", "s3://sslkit-hf/ds/", image_column="pixels", storage_options=options,
+                     cache_dir=str(tmp_path / "other"))
