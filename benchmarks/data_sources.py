@@ -1,7 +1,7 @@
 """Sharded sources at scale: start-up and images/s per loader worker against the per-core JPEG decode limit.
 
     python benchmarks/data_sources.py [--samples 1000000] [--size 64] [--workers 1,2] [--batches 40]
-                                      [--scratch DIR] [--quick]
+                                      [--scratch DIR] [--quick] [--remote] [--latency-ms 50]
 
 Writes a synthetic set of ``--samples`` small JPEGs (``--size`` px; 1000 distinct smooth images, encoded once at
 quality 90 and cycled, so the set costs the time of writing it, not of encoding it) as tar shards of 256 MB
@@ -17,6 +17,11 @@ time in this process:
   first batch of 256 is out of the loader (its workers started, decoding and augmenting);
 * images/s per loader worker: decode + SimCLR augmentation of two views in the workers (``data.augment_on=workers``),
   ``--batches`` batches of 256 after 3 of warm-up, for each number of ``--workers``, divided by the workers.
+
+With ``--remote``, the shards served over HTTP from this process (tests/remote_servers.py: Python's HTTP server with
+byte ranges, in a thread) are measured too: the time to index them remotely with and without the index files
+beside them, and images/s per loader worker by ranged reads and with the whole shards fetched (``data.cache_gb``),
+on localhost and with ``--latency-ms`` added to every request (a distant store).
 
 Prints a table for docs/data.md with the machine. ``--quick`` (2000 samples, 10 batches, half a second a decoder)
 checks it runs.
@@ -122,7 +127,7 @@ def open_times(root: Path) -> dict[str, float]:
     return times
 
 
-def _config(source: str, path: Path, size: int, workers: int, batches: int, out: Path):
+def _config(source: str, path: Path | str, size: int, workers: int, batches: int, out: Path):
     from sslkit.config.compose import compose_config
 
     extra = ["data.train.kwargs.label_column=label"] if source == "hf" else []
@@ -164,6 +169,54 @@ def loader_rates(root: Path, size: int, workers: list[int], batches: int) -> lis
     return rows
 
 
+def remote_rates(root: Path, size: int, workers: list[int], batches: int,
+                 latency_ms: float) -> list[tuple[str, float, str]]:
+    """The shards over HTTP: (measure, value, unit) rows, one thing at a time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from remote_servers import http_server
+
+    from sslkit.builder.data import build_train_data
+    from sslkit.data.shards import ShardDataset
+
+    shards = sorted((root / "shards").glob("*.tar"))
+    pattern = f"shard-{{000000..{len(shards) - 1:06d}}}.tar"
+    rows: list[tuple[str, float, str]] = []
+    with http_server(root / "shards") as (base, faults):
+        for label, keep in (("remote shards: the index read from the files beside them", True),
+                            ("remote shards: the index built from the tar headers over HTTP", False)):
+            hidden = []
+            if not keep:
+                for index in (root / "shards").glob("*.sslkit-idx.npz"):
+                    index.rename(index.with_suffix(".hidden"))
+                    hidden.append(index)
+            start = time.perf_counter()
+            ShardDataset(f"{base}/{pattern}", cache_dir=str(root / f"cache-{keep}"))
+            rows.append((label, time.perf_counter() - start, "s"))
+            for index in hidden:
+                index.with_suffix(".hidden").rename(index)
+            print(f"{label}: {rows[-1][1]:.1f} s", flush=True)
+        for latency in (0.0, latency_ms / 1000):
+            faults.latency_s = latency
+            for cache_gb in (0.0, 64.0):
+                for w in workers:
+                    cfg = _config("webdataset", f"'{base}/{pattern}'", size, w, batches, root / "run")
+                    cfg.data.cache_gb, cfg.data.cache_dir = cache_gb, str(root / f"cache-run-{latency}-{cache_gb}")
+                    data = build_train_data(cfg, torch.device("cpu"), 1)
+                    it = _cycle(data.loader)
+                    for _ in range(3):
+                        next(it)
+                    start, images = time.perf_counter(), 0
+                    for _ in range(batches):
+                        images += len(next(it)["data_idx"])
+                    rate = images / (time.perf_counter() - start) / w
+                    del it
+                    how = "whole shards fetched (data.cache_gb)" if cache_gb else "ranged reads"
+                    label = f"remote shards, {latency * 1000:.0f} ms a request, {how}, {w} worker(s), per worker"
+                    rows.append((label, rate, "img/s"))
+                    print(f"{label}: {rate:,.0f} img/s", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
@@ -172,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--remote", action="store_true", help="also the shards served over HTTP (see above)")
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="added to every request in the remote rows")
     parser.add_argument("--reuse", action="store_true", help="keep the sets already in --scratch (not timed again); "
                         "their shards' indexes are deleted, so the first open builds them")
     a = parser.parse_args(argv)
@@ -199,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     opens = open_times(root)
     print(f"opened: {opens}", flush=True)
     rows = loader_rates(root, a.size, [int(w) for w in a.workers.split(",")], a.batches)
+    remote = remote_rates(root, a.size, [int(w) for w in a.workers.split(",")], a.batches, a.latency_ms) \
+        if a.remote else []
     print()
     print("| measure | value |")
     print("| --- | ---: |")
@@ -209,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     for source, w, first, rate in rows:
         print(f"| {source}, {w} worker(s): time to the first batch (index cached) | {first:,.1f} s |")
         print(f"| {source}, {w} worker(s): decode + 2 SimCLR views, per worker | {rate / w:,.0f} img/s |")
+    for name, value, unit in remote:
+        print(f"| {name} | {value:,.1f} {unit} |" if unit == "s" else f"| {name} | {value:,.0f} {unit} |")
     if not a.scratch:
         shutil.rmtree(root, ignore_errors=True)
     return 0

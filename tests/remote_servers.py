@@ -8,7 +8,9 @@ import http.server
 import logging
 import os
 import re
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,11 +19,13 @@ from typing import Any
 
 class Faults:
     """What the HTTP server does wrong next: ``fail`` requests answered 503 (S3's SlowDown), then ``drop`` replies
-    cut off mid-body (the connection closed); ``requests`` logs (method, path, Range header) of every request."""
+    cut off mid-body (the connection closed); ``latency_s`` before every reply (a distant store);
+    ``requests`` logs (method, path, Range header) of every request."""
 
     def __init__(self) -> None:
         self.fail = 0
         self.drop = 0
+        self.latency_s = 0.0
         self.requests: list[tuple[str, str, str]] = []
         self.lock = threading.Lock()
 
@@ -42,12 +46,15 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
     faults: Faults
     ranges = True
+    protocol_version = "HTTP/1.1"  # connections kept alive, as a store's are
 
     def log_message(self, *args: Any) -> None:
         pass
 
     def send_head(self) -> Any:
         self.faults.requests.append((self.command, self.path, self.headers.get("Range", "")))
+        if self.faults.latency_s:
+            time.sleep(self.faults.latency_s)
         self._range: tuple[int, int] | None = None
         self._fault = self.faults.take() if self.command == "GET" else None
         if self._fault == "fail":
@@ -101,7 +108,18 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
             left -= len(chunk)
         if self._fault == "drop":
             self.wfile.flush()
+            self.close_connection = True
             self.connection.shutdown(2)  # the reply is cut short: the client sees the connection drop
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    """A client that goes away with its connections kept alive (a loader worker's end) is no error to print."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError | OSError):
+            super().handle_error(request, client_address)
 
 
 @contextmanager
@@ -109,7 +127,7 @@ def http_server(root: Path, ranges: bool = True) -> Iterator[tuple[str, Faults]]
     """Serve ``root`` on a free localhost port: yields its base URL and its :class:`Faults`."""
     faults = Faults()
     handler = type("Handler", (RangeHandler,), {"faults": faults, "ranges": ranges})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    server = _QuietServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:

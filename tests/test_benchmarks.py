@@ -224,8 +224,8 @@ def test_throughput_names_the_attention_kernel_a_vit_runs(tmp_path: Path) -> Non
 
 def test_the_data_sources_benchmark_prints_decode_limits_start_up_and_rates_per_worker(tmp_path: Path,
                                                                                         capsys) -> None:
-    """benchmarks/data_sources.py --quick in this process: 2000 JPEGs as shards and as an HF dataset, and every row
-    of its table with a positive figure."""
+    """benchmarks/data_sources.py --quick --remote in this process: 2000 JPEGs as shards and as an HF dataset, the
+    shards also over HTTP, and every row of its table with a positive figure."""
     pytest.importorskip("datasets")
     import importlib.util
 
@@ -233,13 +233,16 @@ def test_the_data_sources_benchmark_prints_decode_limits_start_up_and_rates_per_
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--quick", "--workers", "1", "--scratch", str(tmp_path)]) == 0
+    assert bench.main(["--quick", "--workers", "1", "--scratch", str(tmp_path), "--remote", "--latency-ms", "5"]) == 0
     out = capsys.readouterr().out
     rows = dict(re.findall(r"^\| (.+?) \| ([\d,.]+) (?:img/s|s) \|$", out, re.M))
     for name in ("decode limit, one core: PIL, 64 px",
                  "decode limit, one core: torchvision.io.decode_jpeg, 500 x 375 px", "shards, index built",
                  "webdataset, 1 worker(s): decode + 2 SimCLR views, per worker",
-                 "hf, 1 worker(s): time to the first batch (index cached)"):
+                 "hf, 1 worker(s): time to the first batch (index cached)",
+                 "remote shards: the index built from the tar headers over HTTP",
+                 "remote shards, 5 ms a request, ranged reads, 1 worker(s), per worker",
+                 "remote shards, 5 ms a request, whole shards fetched (data.cache_gb), 1 worker(s), per worker"):
         assert name in rows, out
     assert float(rows["webdataset, 1 worker(s): decode + 2 SimCLR views, per worker"].replace(",", "")) > 0
     assert len(list((tmp_path / "shards").glob("*.tar"))) == 1 and (tmp_path / "hf" / "state.json").exists()

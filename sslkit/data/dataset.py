@@ -48,6 +48,18 @@ class SSLDataset(Dataset):
         self._warned: set[str] = set()
         self._first_error = ""
 
+    def __getitems__(self, keys: list[Any]) -> list[dict[str, Any]]:
+        """A batch's samples (what the loader asks for at once): a source that reads faster many at a time (remote
+        shards: concurrent ranged reads, :meth:`~sslkit.data.shards.ShardDataset.prefetch`) is told the batch's
+        indices first; then each sample as :meth:`__getitem__` makes it."""
+        source, indices = self.source, [int(k[1]) if isinstance(k, tuple | list) else int(k) for k in keys]
+        while isinstance(source, Subset):
+            source, indices = source.dataset, [int(source.indices[i]) for i in indices]
+        prefetch = getattr(source, "prefetch", None)
+        if callable(prefetch):
+            prefetch(indices)
+        return [self[k] for k in keys]
+
     def __len__(self) -> int:
         """Length of the source."""
         return len(self.source)  # type: ignore[arg-type]

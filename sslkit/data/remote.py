@@ -105,6 +105,8 @@ class Remote:
         self.protocol = protocol
         self.storage_options = dict(storage_options or {})
         self.retries = retries or Retries()
+        #: Requests in flight at once when a batch is read (:meth:`read_many`), per process.
+        self.concurrency = 16
         self.retried = 0
         self._fs: Any = None
         self._pid = -1
@@ -171,6 +173,25 @@ class Remote:
             return data
 
         return self.call(f"reading bytes {start}-{end - 1} of {url}", fetch)
+
+    def read_many(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of each ``(url, start, end)``, requested concurrently (fsspec's ``cat_ranges``, at
+        most :attr:`concurrency` at a time), the whole retried as one read; each reply's length checked as
+        :meth:`read` does."""
+        def fetch() -> list[bytes]:
+            found = self.fs.cat_ranges([r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges],
+                                       batch_size=self.concurrency)
+            for (url, start, end), data in zip(ranges, found, strict=True):
+                if isinstance(data, BaseException):
+                    raise data
+                if len(data) > end - start:
+                    raise RemoteReadError(f"{url}: asked for bytes {start}-{end - 1} and the server sent {len(data)} "
+                                          "bytes: it ignores byte ranges (HTTP Range), which random access needs")
+                if len(data) != end - start:
+                    raise OSError(f"{url}: bytes {start}-{end - 1}: {len(data)} of {end - start} arrived")
+            return list(found)
+
+        return self.call(f"reading {len(ranges)} samples of {ranges[0][0]} and others", fetch)
 
     def identity(self, url: str) -> tuple[int, str]:
         """``url``'s size and a tag that changes when its content does (the ETag; the modification time where a

@@ -269,8 +269,34 @@ class ShardDataset(Dataset):
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
         return shard, int(i - self.starts[shard])
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Read the remote samples among ``indices`` at once (concurrent ranged requests, retried as a whole), for
+        :meth:`raw` to take: a batch costs about one round trip instead of one per sample. Samples whose shard has a
+        local copy, and local shards, are left to :meth:`raw`. Only the last call's samples are kept."""
+        self._ahead: dict[int, bytes] = {}
+        if self.remote is None:
+            return
+        wanted = []
+        for i in dict.fromkeys(int(i) for i in indices):
+            shard, j = self.locate(i)
+            cached = self.shard_cache is not None and self.copy_keys[shard] and (
+                self.shard_cache.root / f"{self.copy_keys[shard]}.tar").is_file()
+            if is_url(self.shards[shard]) and not cached:
+                start = int(self.offsets[shard][j])
+                wanted.append((i, str(self.shards[shard]), start, start + int(self.sizes[shard][j])))
+        if len(wanted) < 2:
+            return
+        try:
+            self._ahead = dict(zip((w[0] for w in wanted), self.remote.read_many([w[1:] for w in wanted]),
+                                   strict=True))
+        except RemoteReadError:
+            self._ahead = {}  # each sample is read alone then, and a failure is named there
+
     def raw(self, i: int) -> bytes:
         """The encoded image of sample ``i``, as stored."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead and i in ahead:
+            return ahead.pop(i)
         shard, j = self.locate(i)
         path = self.shards[shard]
         if self.remote is not None and is_url(path):

@@ -53,6 +53,26 @@ def _same_as_local(remote: ShardDataset, shards: Path) -> None:
         assert remote.raw(i) == local.raw(i), i
 
 
+def test_a_batch_is_read_in_one_round_of_concurrent_ranged_requests(shards: Path, tmp_path: Path) -> None:
+    """The loader asks for a batch at once (SSLDataset.__getitems__): its remote samples are requested together, the
+    same bytes, and a store that fails the whole round is retried as one read."""
+    from sslkit.data.dataset import SSLDataset
+
+    with http_server(shards) as (base, faults):
+        ds = ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"))
+        ds.remote.retries = QUICK
+        local = ShardDataset(str(shards))
+        batch = [0, 17, 30, 45, 3]
+        ds.prefetch(batch)
+        faults.requests.clear()
+        assert [ds.raw(i) for i in batch] == [local.raw(i) for i in batch]
+        assert faults.requests == []  # every one of them read by the round before
+        wrapped = SSLDataset(ds, lambda image: [image.float()])
+        faults.fail = 1  # the round's first request fails: the round is read again
+        samples = wrapped.__getitems__([(0, i) for i in batch])
+        assert [s["index"] for s in samples] == batch and ds.remote.retried >= 1
+
+
 def test_http_shards_read_sample_by_sample_as_the_local_ones(shards: Path, tmp_path: Path) -> None:
     with http_server(shards) as (base, faults):
         ds = ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"))
@@ -113,7 +133,7 @@ def test_a_server_without_byte_ranges_and_a_missing_shard_stop_before_training(s
         with pytest.raises(DataSourceError, match="an HTTP server cannot list a folder"):
             ShardDataset(f"{base}/", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"'data.train.path' = s3://bucket/x: a remote path is read by the "
-                                          r"webdataset source"):
+                                          r"webdataset and hf sources .* not by folder"):
         compose_config(["data=folder", "data.train.path=s3://bucket/x"])
 
 
