@@ -83,7 +83,15 @@ def executor(cfg: DictConfig) -> Any:
 
 def submit(cfg: DictConfig, argv: list[str], entry: Callable[[list[str]], int]) -> int:
     """Submit the run ``argv`` describes as a SLURM job whose tasks run ``entry(argv)`` (the CLI's ``main``); print
-    its id and log paths. Returns the exit code (0)."""
+    its id and log paths. Returns the exit code (0). A command that gives credentials on its line
+    (``data.storage_options``' secrets) is refused: submitit writes the command into the run folder."""
+    from sslkit.config.secrets import redact_overrides
+
+    if redact_overrides(list(argv)) != list(argv):
+        raise UserError("launcher=slurm writes the command into the run folder (submitit's job file), and this one "
+                        "gives credentials in data.storage_options: set them in the job's environment instead "
+                        "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS), "
+                        "which s3fs and gcsfs read, and keep only plain options (endpoint_url, anon, ...) on the line")
     ex = executor(cfg)
     try:
         job = ex.submit(SlurmTask(list(argv), int(cfg.slurm.max_requeues), entry))

@@ -172,3 +172,15 @@ def test_without_sbatch_or_submitit_the_message_says_what_to_do(tmp_path: Path, 
     err = capsys.readouterr().err
     assert "pip install 'sslkit[slurm]'" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_credentials_on_the_command_line_are_refused_before_submitit_writes_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """submitit pickles the command into the run folder: a data.storage_options secret on it stops the submission,
+    naming the environment variables to use, and nothing is written."""
+    args = [*RUN, *SLURM, "data.storage_options.secret=hush-42", f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "gives credentials in data.storage_options" in err and "AWS_SECRET_ACCESS_KEY" in err
+    assert "hush-42" not in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
