@@ -6,11 +6,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from sslkit.data.remote import is_url
-from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image
+from sslkit.data.sources import DataSourceError, UnreadableSampleError, array_image, decode_image
 from sslkit.registry import register_dataset
 
 __all__ = ["HFDataset", "build_hf"]
@@ -61,7 +62,9 @@ class HFDataset(Dataset):
     """Rows of a Hugging Face dataset on local disk, each an image and optionally a label, addressed by row index.
 
     The dataset is memory-mapped (Arrow), so loader workers share its pages instead of copying it. ``image_column``
-    holds images (a ``datasets.Image`` feature, encoded bytes, or file paths), decoded lazily (PIL, or ``.npy`` / TIFF
+    holds images (a ``datasets.Image`` feature, encoded bytes, or file paths; or the pixels themselves, an
+    ``Array2D`` / ``Array3D`` feature of any channels, as :func:`~sslkit.data.sources.array_image` reads them), decoded
+    lazily (PIL, or ``.npy`` / TIFF
     bytes of any channels and 16 bits: :func:`~sslkit.data.sources.decode_image`) to ``[C, H, W]`` (a JPEG's bytes,
     1-D, with :attr:`jpeg_bytes` for ``data.decode_on=device``); ``label_column`` (None: no labels, -1) holds integer
     class indices (``num_classes`` from a ``ClassLabel`` feature, else the largest + 1).
@@ -88,6 +91,10 @@ class HFDataset(Dataset):
         feature = ds.features[image_column]
         if isinstance(feature, datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # bytes / path, decoded here
+        #: An ``Array2D`` / ``Array3D`` image column (pixels as numbers: any channels, 8 or 16 bits, float in 0..1):
+        #: rows read as NumPy arrays. False for encoded images.
+        self.arrays = isinstance(feature, datasets.Array2D | datasets.Array3D)
+        self.array_dtype = str(feature.dtype) if self.arrays else None  # the feature's (a cell may come as int64)
         self.channels, self.jpeg_bytes = channels, False
         self.image_column, self.label_column = image_column, label_column
         self.classes: list[str] = []
@@ -99,6 +106,8 @@ class HFDataset(Dataset):
                 raise DataSourceError(f"{self.root}: column '{label_column}' (data.{split}.kwargs.label_column) holds "
                                       f"{getattr(label, 'dtype', label)}, not integer class indices")
         self.ds = ds.select_columns([image_column] + ([label_column] if label_column else []))
+        if self.arrays:
+            self.ds = self.ds.with_format("numpy")
         self.num_classes = len(self.classes) or (self._largest_label() + 1 if label_column else 0)
         logger.info("data: %s, %s: %d rows, images in '%s'%s", self.root, what, len(self.ds), image_column,
                     f", labels in '{label_column}' ({self.num_classes} classes)" if label_column else ", no labels")
@@ -127,6 +136,9 @@ class HFDataset(Dataset):
         """Row ``i``'s image as uint8 ``[C, H, W]`` (or a JPEG's bytes) and its label (-1 without labels)."""
         row = self.ds[int(i)]
         label = int(row[self.label_column]) if self.label_column else -1
+        if self.arrays:
+            cell = np.asarray(row[self.image_column], dtype=self.array_dtype)
+            return array_image(cell, self.channels, f"row {i} of {self.root}"), label
         data = self._bytes(row[self.image_column], i)
         image = decode_image(data, self.channels, self.jpeg_bytes, f"the image of row {i} of {self.root}",
                              f"{self.root}[{i}]")

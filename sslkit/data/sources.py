@@ -31,6 +31,7 @@ __all__ = [
     "SyntheticDataset",
     "TensorImageDataset",
     "UnreadableSampleError",
+    "array_image",
     "build_cifar10",
     "build_cifar100",
     "build_fashion_mnist",
@@ -378,11 +379,18 @@ def read_array_image(path: str | Path, channels: int, data: bytes | None = None)
         raise
     except Exception as e:  # a truncated or foreign file
         raise UnreadableSampleError(f"cannot read image {where}: {type(e).__name__}: {e}", where) from e
+    return array_image(arr, channels, where)
+
+
+def array_image(arr: np.ndarray, channels: int, where: str) -> torch.Tensor:
+    """An image held as an array (a ``.npy`` or TIFF file's, a Hugging Face ``Array3D`` cell's) as ``[channels, H,
+    W]``: uint8, uint16 (16-bit depth kept) or float (float32, taken to be in 0..1), its channel axis found by
+    :func:`_channels_first`'s rule. Other pixel types raise :class:`UnreadableSampleError` naming ``where``."""
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)
     if arr.dtype not in (np.uint8, np.uint16, np.float32):
         raise UnreadableSampleError(f"{where}: pixels of type {arr.dtype}; sslkit reads 8- and 16-bit unsigned "
-                                    "images (uint8, uint16) and float ones in 0..1: convert the file", where)
+                                    "images (uint8, uint16) and float ones in 0..1: convert the data", where)
     return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, where)))
 
 

@@ -54,8 +54,9 @@ def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) ->
 
 
 def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_files(tmp_path: Path) -> None:
-    """``sslkit data pack`` copies the files' bytes into tar shards; the shards and a Hugging Face dataset of the same
-    bytes give each image as the folder does, 16 bits and 4 channels kept."""
+    """``sslkit data pack`` copies the files' bytes into tar shards; the shards, a Hugging Face dataset of the same
+    bytes, and ones of the pixels as Array3D cells (channels first or last) give each image as the folder does, 16 bits
+    and 4 channels kept."""
     datasets = pytest.importorskip("datasets")
     from sslkit.data.hf import HFDataset
     from sslkit.data.shards import ShardDataset
@@ -75,10 +76,19 @@ def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_fi
     with pytest.MonkeyPatch.context() as m:  # the labels come from the Arrow column, not from decoding every row
         m.setattr(HFDataset, "__getitem__", lambda *_: pytest.fail("decoded a row to read its label"))
         assert dataset_labels(hf).tolist() == [y for _, y in folder.samples]
+    arrays = [folder[i][0].numpy() for i in range(len(folder))]  # the pixels themselves, [C, H, W] and [H, W, C]
+    features = datasets.Features({"image": datasets.Array3D((4, 32, 32), "uint16"), "label": datasets.Value("int64")})
+    datasets.Dataset.from_dict({"image": arrays, "label": [y for _, y in folder.samples]},
+                               features=features).save_to_disk(str(tmp_path / "hf_chw"))
+    features = datasets.Features({"image": datasets.Array3D((32, 32, 4), "uint16"), "label": datasets.Value("int64")})
+    datasets.Dataset.from_dict({"image": [a.transpose(1, 2, 0) for a in arrays],
+                                "label": [y for _, y in folder.samples]},
+                               features=features).save_to_disk(str(tmp_path / "hf_hwc"))
+    cells = [HFDataset(tmp_path / name, label_column="label", channels=4) for name in ("hf_chw", "hf_hwc")]
     for i in (0, 7, 12, 24):
         image, label = folder[i]
         assert image.dtype == torch.uint16 and image.shape == (4, 32, 32)
-        for other in (shards, hf):
+        for other in (shards, hf, *cells):
             got, got_label = other[i]
             assert torch.equal(got, image) and got_label == label
 
