@@ -288,3 +288,29 @@ def four_channel_folder(root: Path) -> None:
             x = pixels((32, 32, 4), np.uint16, 10 * c + i) // 2
             x[..., 3] += np.uint16(30000 * c)
             np.save(root / f"class{c}" / f"{i}.npy", x)
+
+
+#: A small SimCLR run on tar shards (data=webdataset): its CNN, heads and crops sized for the test images.
+SMALL_WDS = ["config=simclr", "data=webdataset", "machine.device=cpu", "model.trunk=small_cnn",
+             "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16", "data.image_size=32",
+             "data.small_image_size=16", "eval.knn.k=5", "log.tensorboard=false", "log.report=false"]
+
+
+def four_shards(root: Path) -> Path:
+    """128 PNGs of 20 px (labels i % 3) packed into 4 shards of 32 (``part{j}-000000.tar``) under ``root/shards``: the
+    elastic-resume tests' set, where a window of 2 shards is 2 global batches of 32."""
+    import numpy as np
+    from PIL import Image
+
+    from sslkit.data.shards import pack_images
+
+    images = root / "images"
+    images.mkdir(parents=True)
+    files = []
+    for i in range(128):
+        pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
+        files.append((str(images / f"{i}.png"), i % 3))
+        Image.fromarray(pixels).save(files[-1][0])
+    for j in range(4):
+        pack_images(files[32 * j:32 * (j + 1)], root / "shards", prefix=f"part{j}")
+    return root / "shards"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import photo_folder, run_main
+from helpers import SMALL_WDS, four_shards, photo_folder, run_main
 from remote_servers import http_server, s3_server
 
 from sslkit.config.compose import compose_config
@@ -25,9 +25,6 @@ from sslkit.data.sources import DataSourceError, FolderDataset
 
 pytest.importorskip("aiohttp")
 QUICK = Retries(attempts=5, base_s=0.01, max_s=0.05)
-SMALL_WDS = ["config=simclr", "data=webdataset", "machine.device=cpu", "model.trunk=small_cnn",
-             "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16", "data.image_size=32",
-             "data.small_image_size=16", "log.tensorboard=false", "log.report=false"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +40,14 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pattern(base: str, shards: Path) -> str:
     n = len(list(shards.glob("*.tar")))
     return f"{base}/shard-{{000000..{n - 1:06d}}}.tar"
+
+
+def _upload(options: dict, folder: Path, prefix: str) -> None:
+    """Every file of ``folder`` to ``prefix`` (``s3://bucket[/path]``) on the S3 server ``options`` reach."""
+    store = Remote("s3", options)
+    store.fs.mkdir(prefix.split("://", 1)[1].split("/", 1)[0])
+    for f in sorted(folder.iterdir()):
+        store.put(f, f"{prefix}/{f.name}")
 
 
 def _same_as_local(remote: ShardDataset, shards: Path) -> None:
@@ -141,10 +146,7 @@ def test_s3_shards_from_moto_read_as_the_local_ones_and_list_by_prefix(shards: P
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
     with s3_server() as options:
-        store = Remote("s3", options)
-        store.fs.mkdir("sslkit-test")
-        for f in sorted(shards.iterdir()):
-            store.put(f, f"s3://sslkit-test/train/{f.name}")
+        _upload(options, shards, "s3://sslkit-test/train")
         ds = ShardDataset("s3://sslkit-test/train/", storage_options=options, cache_dir=str(tmp_path / "cache"))
         assert [str(s).rsplit("/", 1)[1] for s in ds.shards] == sorted(p.name for p in shards.glob("*.tar"))
         _same_as_local(ds, shards)
@@ -175,10 +177,7 @@ def test_a_run_on_s3_shards_trains_and_writes_no_credential(shards: Path, tmp_pa
     the credentials in data.storage_options: nothing of the secret in the run folder, the log or the output."""
     pytest.importorskip("s3fs")
     with s3_server() as options:
-        store = Remote("s3", options)
-        store.fs.mkdir("sslkit-run")
-        for f in sorted(shards.iterdir()):
-            store.put(f, f"s3://sslkit-run/{f.name}")
+        _upload(options, shards, "s3://sslkit-run")
         secret = "sEcReT-dO-nOt-WrItE-42"
         out = tmp_path / "run"
         proc = run_main(*SMALL_WDS, "data.train.path=s3://sslkit-run/", "data.batch_size=16", "data.num_workers=1",
@@ -218,22 +217,10 @@ def test_an_elastic_resume_from_s3_shards_reads_the_same_samples_at_every_step(t
     every later step reading the samples the uninterrupted run read."""
     pytest.importorskip("s3fs")
     from dist_workers import elastic_steps
-    from PIL import Image
 
-    images = tmp_path / "images"
-    images.mkdir()
-    files = []
-    for i in range(128):
-        pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
-        files.append((str(images / f"{i}.png"), i % 3))
-        Image.fromarray(pixels).save(files[-1][0])
-    for j in range(4):
-        pack_images(files[32 * j:32 * (j + 1)], tmp_path / "shards", prefix=f"part{j}")
+    shards = four_shards(tmp_path)
     with s3_server() as options:
-        store = Remote("s3", options)
-        store.fs.mkdir("sslkit-elastic")
-        for f in sorted((tmp_path / "shards").iterdir()):
-            store.put(f, f"s3://sslkit-elastic/{f.name}")
+        _upload(options, shards, "s3://sslkit-elastic")
         storage = f"data.storage_options={{endpoint_url: '{options['endpoint_url']}', key: k, secret: s}}"
         args = [*SMALL_WDS, "data.train.path=s3://sslkit-elastic/", storage, f"data.cache_dir={tmp_path / 'cache'}",
                 "data.order=shards", "data.shard_span=2", "data.global_batch_size=32", "optim.epochs=2",

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import photo_folder, run_main, run_sslkit
+from helpers import SMALL_WDS, four_shards, photo_folder, run_main, run_sslkit
 from PIL import Image
 
 from sslkit.data.shards import INDEX_SUFFIX, ShardDataset, expand_shards, pack_images, shard_index
@@ -142,9 +142,6 @@ def test_data_info_says_what_a_source_holds(packed: tuple[Path, Path]) -> None:
     assert code == 2 and "holds shards already" in err
 
 
-SMALL_WDS = ["config=simclr", "data=webdataset", "machine.device=cpu", "model.trunk=small_cnn",
-             "model.trunk_kwargs={width: 8}", "model.head.hidden_dim=32", "model.head.out_dim=16", "data.image_size=32",
-             "data.small_image_size=16", "eval.knn.k=5", "log.tensorboard=false", "log.report=false"]
 
 
 def test_a_run_trains_on_shards_through_the_cli_skipping_the_corrupt_member(packed: tuple[Path, Path],
@@ -183,15 +180,7 @@ def test_an_elastic_resume_on_one_and_four_processes_reads_the_same_samples_at_e
     alone). (data.order=random, the sampler's permutation, is the folder's and hf's elastic test.)"""
     from dist_workers import elastic_steps
 
-    images = tmp_path / "images"
-    images.mkdir()
-    files = []
-    for i in range(128):
-        pixels = (np.random.default_rng(i).random((20, 20, 3)) * 255).astype(np.uint8)
-        files.append((str(images / f"{i}.png"), i % 3))
-        Image.fromarray(pixels).save(files[-1][0])
-    for j in range(4):  # 4 shards of 32: a window of 2 shards is 2 global batches of 32
-        pack_images(files[32 * j:32 * (j + 1)], tmp_path / "shards", prefix=f"part{j}")
+    four_shards(tmp_path)
     args = [*SMALL_WDS, f"data.train.path={tmp_path / 'shards'}", "data.order=shards", "data.shard_span=2",
             "data.global_batch_size=32", "optim.epochs=2",
             "checkpoint.every_n_steps=3", "checkpoint.every_n_epochs=0", "checkpoint.keep_last=0",
