@@ -108,6 +108,8 @@ def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train
         drop_last=train and cfg.data.drop_last, track_updates=phase is not None,
         groups=_shard_groups(cfg, source) if train else None, group_span=int(cfg.data.shard_span),
     )
+    if sampler.groups is not None and callable(getattr(source, "plan_windows", None)):
+        source.plan_windows(cfg.seed, int(cfg.data.shard_span))  # type: ignore[attr-defined]  (remote read-ahead)
     ignores = tuple(int(getattr(signal, name)) for name in preemption_signals(cfg))
     collate = functools.partial(collate_views, stack=collate_raw) if device_augment is not None else collate_views
     return build_loader(ds, batch_size, sampler, num_workers=workers, pin_memory=pin,

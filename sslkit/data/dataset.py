@@ -53,11 +53,12 @@ class SSLDataset(Dataset):
         shards: concurrent ranged reads, :meth:`~sslkit.data.shards.ShardDataset.prefetch`) is told the batch's
         indices first; then each sample as :meth:`__getitem__` makes it."""
         source, indices = self.source, [int(k[1]) if isinstance(k, tuple | list) else int(k) for k in keys]
+        epoch = int(keys[0][0]) if keys and isinstance(keys[0], tuple | list) else 0
         while isinstance(source, Subset):
             source, indices = source.dataset, [int(source.indices[i]) for i in indices]
         prefetch = getattr(source, "prefetch", None)
         if callable(prefetch):
-            prefetch(indices)
+            prefetch(indices, epoch=epoch)
         return [self[k] for k in keys]
 
     def __len__(self) -> int:

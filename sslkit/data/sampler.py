@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["StatefulDistributedSampler", "grouped_order"]
+__all__ = ["StatefulDistributedSampler", "grouped_order", "shard_windows"]
 
 logger = logging.getLogger("sslkit.data")
 
@@ -175,9 +175,20 @@ def grouped_order(n: int, starts: list[int], span: int, seed: int) -> torch.Tens
     of processes and a resumed run compute the same order."""
     g = torch.Generator().manual_seed(seed)
     bounds = list(starts) + [n]
-    shards = torch.randperm(len(starts), generator=g).tolist()
     pieces = []
-    for w in range(0, len(shards), span):
-        window = torch.cat([torch.arange(bounds[k], bounds[k + 1]) for k in shards[w:w + span]])
+    for shards in _windows(len(starts), span, g):
+        window = torch.cat([torch.arange(bounds[k], bounds[k + 1]) for k in shards])
         pieces.append(window[torch.randperm(len(window), generator=g)])
     return torch.cat(pieces) if pieces else torch.arange(0)
+
+
+def shard_windows(num_shards: int, span: int, seed: int) -> list[list[int]]:
+    """The windows of shards :func:`grouped_order` reads for ``seed`` (the sampler's seed + the epoch), in order: what
+    a source that fetches whole shards reads ahead from."""
+    return _windows(num_shards, span, torch.Generator().manual_seed(seed))
+
+
+def _windows(num_shards: int, span: int, g: torch.Generator) -> list[list[int]]:
+    """The shards shuffled by ``g``'s next draw, ``span`` at a time."""
+    shards = torch.randperm(num_shards, generator=g).tolist()
+    return [shards[w:w + span] for w in range(0, len(shards), span)]

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from sslkit.data.remote import Remote, RemoteReadError, Retries, cache_key, cache_root, is_url, url_protocol
+from sslkit.data.sampler import shard_windows
 from sslkit.data.shard_cache import ShardCache
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
 from sslkit.registry import register_dataset
@@ -269,13 +270,42 @@ class ShardDataset(Dataset):
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
         return shard, int(i - self.starts[shard])
 
-    def prefetch(self, indices: Sequence[int]) -> None:
+    def plan_windows(self, seed: int, span: int) -> None:
+        """Read ahead in ``data.order=shards`` (the sampler's ``seed`` and ``span``): with local copies of whole shards
+        (``cache_gb``), a batch of one window starts the fetch of the next window's shards
+        (:func:`~sslkit.data.sampler.shard_windows`, the sampler's own order)."""
+        self._plan = (int(seed), int(span))
+        if self.shard_cache is not None:
+            need = 2 * span * max(self.shard_sizes)
+            if self.shard_cache.max_bytes < need:
+                logger.warning("data: data.cache_gb holds %.2f GB and two windows of %d shards take up to %.2f GB: "
+                               "the next window's shards would push out the current ones; raise data.cache_gb",
+                               self.shard_cache.max_bytes / (1 << 30), span, need / (1 << 30))
+
+    def _read_ahead(self, indices: Sequence[int], epoch: int) -> None:
+        """Start the fetch of the shards of the window after the one ``indices`` are in (this epoch's order)."""
+        if self.shard_cache is None or getattr(self, "_plan", None) is None or not len(indices):
+            return
+        seed, span = self._plan
+        if getattr(self, "_windows", (None,))[0] != epoch:
+            self._windows = (epoch, shard_windows(len(self.shards), span, seed + epoch))
+        windows = self._windows[1]
+        shard = self.locate(int(indices[0]))[0]
+        w = next((k for k, window in enumerate(windows) if shard in window), len(windows))
+        for nxt in windows[w + 1] if w + 1 < len(windows) else []:
+            if is_url(self.shards[nxt]) and self.copy_keys[nxt]:
+                self.shard_cache.local(str(self.shards[nxt]), self.copy_keys[nxt], self.shard_sizes[nxt])
+
+    def prefetch(self, indices: Sequence[int], epoch: int | None = None) -> None:
         """Read the remote samples among ``indices`` at once (concurrent ranged requests, retried as a whole), for
         :meth:`raw` to take: a batch costs about one round trip instead of one per sample. Samples whose shard has a
-        local copy, and local shards, are left to :meth:`raw`. Only the last call's samples are kept."""
+        local copy, and local shards, are left to :meth:`raw`. Only the last call's samples are kept. With ``epoch``
+        and :meth:`plan_windows`, the next window's shards are fetched meanwhile."""
         self._ahead: dict[int, bytes] = {}
         if self.remote is None:
             return
+        if epoch is not None:
+            self._read_ahead(indices, epoch)
         wanted = []
         for i in dict.fromkeys(int(i) for i in indices):
             shard, j = self.locate(i)

@@ -421,3 +421,20 @@ def test_hugging_face_parquet_in_s3_is_read_row_by_row_as_the_local_files(tmp_pa
         with pytest.raises(DataSourceError, match="has no column 'pixels'"):
             build_hf("train", "s3://sslkit-hf/ds/", image_column="pixels", storage_options=options,
                      cache_dir=str(tmp_path / "other"))
+
+
+def test_the_next_window_of_shards_is_fetched_while_this_one_is_read(shards: Path, tmp_path: Path) -> None:
+    """data.order=shards with whole shards cached: a batch of the epoch's first window (the sampler's own order,
+    shard_windows) starts the fetch of the second window's shard, not of the third's."""
+    from sslkit.data.sampler import grouped_order, shard_windows
+
+    with http_server(shards) as (base, _):
+        ds = ShardDataset(_pattern(base, shards), cache_dir=str(tmp_path / "cache"), cache_gb=1.0)
+        ds.plan_windows(seed=7, span=1)
+        windows = shard_windows(len(ds.shards), 1, 7 + 3)  # epoch 3
+        order = grouped_order(len(ds), [int(s) for s in ds.starts[:-1]], 1, 7 + 3)
+        assert [ds.locate(int(i))[0] for i in order[:4]] == [windows[0][0]] * 4  # the sampler reads that window first
+        ds.prefetch([int(i) for i in order[:4]], epoch=3)
+        nxt, later = windows[1][0], windows[2][0]
+        _wait_for(lambda: (ds.shard_cache.root / f"{ds.copy_keys[nxt]}.tar").is_file(), "the next window's shard")
+        assert not (ds.shard_cache.root / f"{ds.copy_keys[later]}.tar").exists()
