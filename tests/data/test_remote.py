@@ -438,3 +438,20 @@ def test_the_next_window_of_shards_is_fetched_while_this_one_is_read(shards: Pat
         nxt, later = windows[1][0], windows[2][0]
         _wait_for(lambda: (ds.shard_cache.root / f"{ds.copy_keys[nxt]}.tar").is_file(), "the next window's shard")
         assert not (ds.shard_cache.root / f"{ds.copy_keys[later]}.tar").exists()
+
+
+@pytest.mark.slow
+def test_a_run_on_remote_parquet_killed_mid_epoch_resumes_bit_identically(tmp_path: Path) -> None:
+    """data=hf on a Hugging Face dataset's Parquet files served over HTTP (a brace pattern): 60 rows in batches of 16
+    (3 steps an epoch, 4 epochs), a checkpoint every 4 steps, SIGKILL after step 10 (2 loader workers): resumed from
+    update 8, it ends bit-identical to an uninterrupted run."""
+    from reliability_helpers import killed_at_10_resumes_identically
+
+    root = _parquet_dataset(tmp_path / "ds")
+    with http_server(root) as (base, _):
+        hf = [a.replace("data=webdataset", "data=hf") for a in SMALL_WDS]
+        args = [*hf, f"data.train.path='{base}/train-{{00000..00001}}-of-00002.parquet'",
+                "data.train.kwargs.label_column=label", f"data.cache_dir={tmp_path / 'cache'}", "data.batch_size=16",
+                "optim.epochs=4", "checkpoint.every_n_steps=4", "checkpoint.every_n_epochs=0",
+                "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=2", "imports=[sslkit_faults]"]
+        killed_at_10_resumes_identically(args, "simclr", tmp_path)
