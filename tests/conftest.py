@@ -80,6 +80,31 @@ def _restore_sslkit_logger():
     _reset_sslkit_logger()
 
 
+#: A worker holding more than this many MB after a test gives its free heap back (:func:`_give_back_memory`).
+_TRIM_ABOVE_MB = 1500
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE_MB
+
+
+@pytest.fixture(autouse=True)
+def _give_back_memory():
+    """After a test that left this worker large (a paper-size ViT's step: 10 GB), its freed memory is given back to
+    the system (a garbage collection, then glibc's ``malloc_trim``): freed heap stays resident otherwise, and a
+    worker grew to 10 GB on a 24 GB machine. Measured on dinov3_vitb16's first step: 2,134 MB resident after the
+    test, 819 MB after this. Only above :data:`_TRIM_ABOVE_MB` (a read of /proc per test otherwise)."""
+    yield
+    if sys.platform.startswith("linux") and _resident_mb() > _TRIM_ABOVE_MB:
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The small distillation recipe's teacher file (tests/helpers.RECIPES["distill"] names it) is written before any
     test composes that recipe (once per machine: every later session finds it)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SMALL_WDS, four_shards, photo_folder, run_main
+from helpers import HANG_S, SMALL_WDS, four_shards, photo_folder, run_main
 from remote_servers import http_server, s3_server
 
 from sslkit.config.compose import compose_config
@@ -317,11 +317,11 @@ def test_pack_uploads_to_s3_and_index_writes_the_missing_indexes(shards: Path, t
         _same_as_local(ShardDataset("s3://sslkit-pack/bare/", cache_dir=str(tmp_path / "c2")), shards)
 
 
-def _wait_for(condition, what: str, hang_s: float = 60.0) -> None:
-    """Wait for ``condition()`` (a background fetch's outcome) under a generous hang guard."""
+def _wait_for(condition, what: str) -> None:
+    """Wait for ``condition()`` (a background fetch's outcome) under the suite's hang guard."""
     import time
 
-    deadline = time.monotonic() + hang_s
+    deadline = time.monotonic() + HANG_S
     while not condition():
         assert time.monotonic() < deadline, f"hung waiting for {what}"
         time.sleep(0.01)
@@ -360,8 +360,8 @@ def test_whole_shards_are_fetched_in_the_background_once_then_read_locally_and_e
         queue: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
         proc = multiprocessing.get_context("fork").Process(target=worker, args=(queue,))
         proc.start()
-        assert queue.get(timeout=120) == [True, True]
-        proc.join(120)
+        assert queue.get(timeout=HANG_S) == [True, True]
+        proc.join(HANG_S)
         assert faults.requests == []
 
 

@@ -56,8 +56,14 @@ def test_paper_recipe_holds_the_reference_values_and_its_lr_rule(recipe: str, tm
         assert cfg.model.trunk_kwargs.pool == "avg" and cfg.model.kwargs.predictor_dim == 384
 
 
+#: The paper recipes whose first step fits the suite's 4 GB a process on the CPU (peak resident, measured 2026-11-28:
+#: 1.5-3.7 GB). DINOv3's ViT-B/16 (4.5 GB) and ViT-L/16 (11 GB: the trunk, its EMA and Gram teachers and AdamW's two
+#: moments in float32) take theirs on a GPU (tests/gpu/test_paper_recipes_cuda.py).
+CPU_STEP = [r for r in PAPER if r not in ("dinov3_vitb16", "dinov3_vitl16")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", PAPER)
+@pytest.mark.parametrize("recipe", CPU_STEP)
 def test_paper_recipe_takes_its_first_step_on_a_folder_of_jpegs(recipe: str, tmp_path: Path) -> None:
     """The whole recipe (224 px crops, its multi-crop, heads and masks, its optimizer and schedules) built as
     tools/run.py builds it and trained for one update on 2 JPEGs on the CPU. Every recipe asks for bf16 autocast;
