@@ -21,7 +21,8 @@ time in this process:
 With ``--remote``, the shards served over HTTP from this process (tests/remote_servers.py: Python's HTTP server with
 byte ranges, in a thread) are measured too: the time to index them remotely with and without the index files
 beside them, and images/s per loader worker by ranged reads and with the whole shards fetched (``data.cache_gb``),
-on localhost and with ``--latency-ms`` added to every request (a distant store).
+on localhost and with ``--latency-ms`` added to every request (a distant store); the whole shards read in
+``data.order=shards`` (two at a time, the next two fetched ahead), the ranged reads in the random order.
 
 Prints a table for docs/data.md with the machine. ``--quick`` (2000 samples, 10 batches, half a second a decoder)
 checks it runs.
@@ -201,6 +202,8 @@ def remote_rates(root: Path, size: int, workers: list[int], batches: int,
                 for w in workers:
                     cfg = _config("webdataset", f"'{base}/{pattern}'", size, w, batches, root / "run")
                     cfg.data.cache_gb, cfg.data.cache_dir = cache_gb, str(root / f"cache-run-{latency}-{cache_gb}")
+                    if cache_gb:  # whole shards are for reading shard by shard (two at a time, the next two ahead)
+                        cfg.data.order, cfg.data.shard_span = "shards", 2
                     data = build_train_data(cfg, torch.device("cpu"), 1)
                     it = _cycle(data.loader)
                     for _ in range(3):
@@ -210,7 +213,7 @@ def remote_rates(root: Path, size: int, workers: list[int], batches: int,
                         images += len(next(it)["data_idx"])
                     rate = images / (time.perf_counter() - start) / w
                     del it
-                    how = "whole shards fetched (data.cache_gb)" if cache_gb else "ranged reads"
+                    how = "whole shards fetched (data.cache_gb, data.order=shards)" if cache_gb else "ranged reads"
                     label = f"remote shards, {latency * 1000:.0f} ms a request, {how}, {w} worker(s), per worker"
                     rows.append((label, rate, "img/s"))
                     print(f"{label}: {rate:,.0f} img/s", flush=True)

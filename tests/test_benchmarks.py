@@ -242,7 +242,8 @@ def test_the_data_sources_benchmark_prints_decode_limits_start_up_and_rates_per_
                  "hf, 1 worker(s): time to the first batch (index cached)",
                  "remote shards: the index built from the tar headers over HTTP",
                  "remote shards, 5 ms a request, ranged reads, 1 worker(s), per worker",
-                 "remote shards, 5 ms a request, whole shards fetched (data.cache_gb), 1 worker(s), per worker"):
+                 "remote shards, 5 ms a request, whole shards fetched (data.cache_gb, data.order=shards), 1 worker(s), "
+                 "per worker"):
         assert name in rows, out
     assert float(rows["webdataset, 1 worker(s): decode + 2 SimCLR views, per worker"].replace(",", "")) > 0
     assert len(list((tmp_path / "shards").glob("*.tar"))) == 1 and (tmp_path / "hf" / "state.json").exists()
