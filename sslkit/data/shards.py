@@ -306,12 +306,14 @@ class ShardDataset(Dataset):
             return
         if epoch is not None:
             self._read_ahead(indices, epoch)
-        wanted = []
+        wanted, copies = [], {}
         for i in dict.fromkeys(int(i) for i in indices):
             shard, j = self.locate(i)
-            cached = self.shard_cache is not None and self.copy_keys[shard] and (
-                self.shard_cache.root / f"{self.copy_keys[shard]}.tar").is_file()
-            if is_url(self.shards[shard]) and not cached:
+            if shard not in copies:  # a shard with a local copy is read from it; one without starts its fetch here
+                copies[shard] = self.shard_cache.local(str(self.shards[shard]), self.copy_keys[shard],
+                                                       self.shard_sizes[shard]) \
+                    if self.shard_cache is not None and self.copy_keys[shard] else None
+            if is_url(self.shards[shard]) and copies[shard] is None:
                 start = int(self.offsets[shard][j])
                 wanted.append((i, str(self.shards[shard]), start, start + int(self.sizes[shard][j])))
         if len(wanted) < 2:

@@ -436,6 +436,8 @@ def test_the_next_window_of_shards_is_fetched_while_this_one_is_read(shards: Pat
         assert [ds.locate(int(i))[0] for i in order[:4]] == [windows[0][0]] * 4  # the sampler reads that window first
         ds.prefetch([int(i) for i in order[:4]], epoch=3)
         nxt, later = windows[1][0], windows[2][0]
+        _wait_for(lambda: (ds.shard_cache.root / f"{ds.copy_keys[windows[0][0]]}.tar").is_file(),
+                  "the batch's own shard, whose fetch its round of ranged reads started")
         _wait_for(lambda: (ds.shard_cache.root / f"{ds.copy_keys[nxt]}.tar").is_file(), "the next window's shard")
         assert not (ds.shard_cache.root / f"{ds.copy_keys[later]}.tar").exists()
 
