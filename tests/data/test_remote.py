@@ -89,6 +89,18 @@ def test_http_shards_read_sample_by_sample_as_the_local_ones(shards: Path, tmp_p
     assert len(list((tmp_path / "cache" / "shard-index").glob("*.npz"))) == len(ds.shards)
 
 
+def test_a_list_file_of_urls_names_the_remote_shards(shards: Path, tmp_path: Path) -> None:
+    """A local text file listing shard URLs (one a line, comments and blank lines skipped) reads them as the brace
+    pattern does."""
+    with http_server(shards) as (base, _):
+        names = sorted(p.name for p in shards.glob("*.tar"))
+        listing = tmp_path / "shards.txt"
+        listing.write_text("# the training shards\n" + "\n".join(f"{base}/{n}" for n in names) + "\n\n")
+        ds = ShardDataset(str(listing), cache_dir=str(tmp_path / "cache"))
+        assert ds.shards == [f"{base}/{n}" for n in names] and ds.remote is not None
+        _same_as_local(ds, shards)
+
+
 def test_without_index_files_the_headers_are_read_once_and_cached_by_the_shards_etag(shards: Path,
                                                                                        tmp_path: Path) -> None:
     served = tmp_path / "served"
