@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterable
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_STOPPED", "PREEMPTED_EXIT_CODE", "RENAMED", "StorageError",
-           "UserError", "did_you_mean", "plural", "storage_error"]
+           "UserError", "did_you_mean", "plural", "storage_error", "worker_message"]
 
 #: Keys renamed when every counter took one word, "step" for an optimizer step (docs/configs.md, Renamed keys): the
 #: old last part of a key -> the new one, in any section (``gram.start_update`` -> ``gram.start_step``).
@@ -124,3 +124,18 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
 def plural(n: int, noun: str) -> str:
     """``"1 epoch"``, ``"3 epochs"``: a count and its noun for a message (an English ``s`` plural)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def worker_message(text: str) -> str:
+    """The message of an error raised in a DataLoader worker as the user should read it: torch re-raises it in the
+    main process as ``Caught X in DataLoader worker process N.\nOriginal Traceback ...``, the worker's traceback in the
+    text; this keeps the original message (the traceback's last line, less the exception's name), saying where it
+    was raised. Any other text is returned as it is."""
+    head, sep, trace = text.partition("\nOriginal Traceback (most recent call last):")
+    if not sep or not head.startswith("Caught "):
+        return text
+    last = trace.rstrip().rsplit("\n", 1)[-1]
+    _, colon, message = last.partition(": ")
+    where = head.split(" in ", 1)[1].rstrip(".") if " in " in head else "a loader worker"
+    return f"{message if colon else last} (in {where})"
+

@@ -11,7 +11,15 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from sslkit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, STORAGE_ERRNOS, UserError, storage_error
+from sslkit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    STORAGE_ERRNOS,
+    UserError,
+    storage_error,
+    worker_message,
+)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -163,7 +171,7 @@ def _exit_status(exc: BaseException, debug: bool) -> int | None:
             return getattr(exc, "exit_code", EXIT_BAD_INPUT)  # rank 0 says it once, not every rank
         kind = "config error" if isinstance(exc, ConfigError | R.UnknownNameError) else (
             "data error" if isinstance(exc, DataSourceError) else "error")
-        print(f"sslkit: {kind}: {exc}", file=sys.stderr)
+        print(f"sslkit: {kind}: {worker_message(str(exc))}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_BAD_INPUT)
     if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         print(f"sslkit: error: {storage_error(exc, 'to', str(exc.filename or '?'), known=False)}", file=sys.stderr)

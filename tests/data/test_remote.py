@@ -247,9 +247,10 @@ def test_an_elastic_resume_from_s3_shards_reads_the_same_samples_at_every_step(t
 @pytest.mark.slow
 def test_shards_gone_mid_run_stop_it_with_a_message_and_the_same_command_resumes(shards: Path,
                                                                                  tmp_path: Path) -> None:
-    """The store loses the shards after step 3 (a checkpoint at step 2, no loader worker): the next read fails, the
-    run stops with exit 2 and a message naming the shard and saying how to go on, without training on other
-    samples; with the shards back, the same command resumes from step 2 and ends as an uninterrupted run."""
+    """The store loses the shards after step 3 (a checkpoint at step 2, one loader worker, whose error torch re-raises
+    here with the worker's traceback in its text): the next read fails, the run stops with exit 2 and a message
+    naming the shard and saying how to go on, no traceback, without training on other samples; with the shards back,
+    the same command resumes from step 2 and ends as an uninterrupted run."""
     from reliability_helpers import assert_identical, latest_state
 
     from sslkit.hooks.base import SSLHook
@@ -277,14 +278,15 @@ def test_shards_gone_mid_run_stop_it_with_a_message_and_the_same_command_resumes
         args = [*SMALL_WDS, f"data.train.path='{_pattern(base + '/served', shards)}'",
                 f"data.cache_dir={tmp_path / 'cache'}", "data.read_attempts=2", "data.read_backoff_s=0.01",
                 "data.batch_size=16", "optim.epochs=2", "checkpoint.every_n_steps=2", "checkpoint.every_n_epochs=0",
-                "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=0"]
+                "checkpoint.keep_last=0", "eval.knn.enabled=false", "data.num_workers=1"]
         ref = run_main(*args, "hooks=[{name: unplug_store_test, step: 1000000}]", f"output_dir={tmp_path / 'ref'}")
         assert ref.returncode == 0
         out = tmp_path / "run"
         proc = run_main(*args, "hooks=[{name: unplug_store_test}]", f"output_dir={out}", check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert re.search(r"sample \d+ of shard http://\S+/served/shard-\d+\.tar cannot be read .*FileNotFoundError.*"
-                         r"the same command resumes from the last checkpoint", proc.stderr), proc.stderr[-2000:]
+        assert re.search(r"sslkit: data error: sample \d+ of shard http://\S+/served/shard-\d+\.tar cannot be read .*"
+                         r"FileNotFoundError.*the same command resumes from the last checkpoint \(in DataLoader "
+                         r"worker process 0\)", proc.stderr), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         assert latest_state(out)["position"]["step"] == 2
         hidden.rename(served)
