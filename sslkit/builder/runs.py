@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from sslkit.checkpoint import Checkpointer, CheckpointError
 from sslkit.config.compose import apply_overrides, import_modules
 from sslkit.config.schema import schema
+from sslkit.config.upgrade import upgrade_saved
 from sslkit.config.validate import validate
 from sslkit.optim.param_groups import in_trunk
 
@@ -31,8 +32,9 @@ def saved_config(state: dict[str, Any], path: str) -> DictConfig:
 def eval_config(saved: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's config, completed with today's defaults for keys it predates, with ``overrides`` applied
     (``eval.knn.k=20``, ``machine.device=cpu``, ...) and validated like a training config: an unknown key is an
-    error naming the closest one. ``distributed.*`` starts from the defaults (one process), not the run's."""
-    saved = copy.deepcopy(saved)
+    error naming the closest one. ``distributed.*`` starts from the defaults (one process), not the run's. Keys
+    renamed since the run was trained are read under their new names (:func:`~sslkit.config.upgrade.upgrade_saved`)."""
+    saved, _ = upgrade_saved(copy.deepcopy(saved))
     if "bench" in saved.get("eval", {}):  # the run's own bench settings say nothing of this evaluation (and a key
         with open_dict(saved):            # the bench has since renamed would stop it)
             del saved.eval["bench"]
