@@ -272,9 +272,9 @@ def plan(command: str) -> Plan:
             argv[:2] == ["python", "tools/audit.py"]:
         return Plan("quick")
     if _tool(argv) is not None:
-        if _tool(argv) == "export" and not {"twin=none", "format=onnx"} & set(argv) and \
+        if _tool(argv) == "export" and not {"twin=none", "format=onnx", "student=vit_tiny"} & set(argv) and \
                 not re.search(_READS[DOC_RELEASED], command):
-            # the tiny run's small CNN has no torchvision twin (docs/adapt.md's released ViT has timm's)
+            # the tiny run's small CNN has no torchvision twin (docs/adapt.md's released ViT and ViT student: timm's)
             return Plan("refusal", names="no torchvision twin")
         return Plan("tool", names=_tool(argv) or "")
     if argv[:2] in (["python", "benchmarks/overhead.py"], ["python", "benchmarks/throughput.py"]):
@@ -345,7 +345,8 @@ def _tiny_other(factory: pytest.TempPathFactory, which: str) -> Path:
             DOC_RELEASED: lambda: ["config=dinov3", *_FEW, "gram.start_step=1", "gram.every=1"],
             DOC_ADAPTED: lambda: ["config=dinov3_adapt_small", *_FEW, "model.pretrained="
                                   f"{_tiny_other(factory, DOC_RELEASED) / 'teacher.safetensors'}"],
-            DOC_STUDENT: lambda: ["config=distill", *_FEW, f"distill.teacher={_tiny_other(factory, DOC_ADAPTED)}"]}
+            DOC_STUDENT: lambda: ["config=distill", *_FEW, f"distill.teacher={_tiny_other(factory, DOC_ADAPTED)}",
+                                  "distill.students=[small_cnn, vit_tiny]"]}
         run_main(*made[which](), "optim.max_steps=2", "log.tensorboard=false", f"output_dir={out}")
         if which == DOC_RELEASED:
             from sslkit.tools.export import export_main
