@@ -98,7 +98,7 @@ def loader_for(cfg: DictConfig, source: Dataset, transform: DictConfig, *, train
     and draw each sample's augmentation parameters (:class:`~sslkit.data.device_augment.ReadForDevice`); batches
     of images of many sizes come packed (:func:`~sslkit.data.device_decode.collate_raw`). With ``phase`` (a
     high-resolution phase) the transform changes with the update each sample's key names."""
-    made = ReadForDevice(device_augment.num_views) if device_augment is not None else \
+    made = ReadForDevice(device_augment.num_views, device_augment.per_channel) if device_augment is not None else \
         build_transform(transform.name, **section_kwargs(transform))
     if phase is not None:
         made = _phased(made, transform, phase)

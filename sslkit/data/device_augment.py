@@ -4,10 +4,10 @@ The augmentation of ``data.augment_on=device`` (docs/data.md). It computes what
 :class:`sslkit.data.transforms.SimCLRTransform` computes for one image, for a batch of images at once, on
 the batch's device (CPU or CUDA), with no Python loop over images and no host-device sync. It takes the
 uniforms in the per-image transform's layout (54 per view: 40 for the crop, then flip, jitter, grayscale,
-blur, solarize): each sample's, drawn in the loader workers (:class:`ReadForDevice`, for
-:meth:`DeviceAugment.apply`), or drawn for the batch from a generator (``__call__``). Given the same
-uniforms both pipelines draw the same crop boxes, flips, jitter factors and order, grayscale, blur sigmas
-and solarisation. The crop and resize is one ``torchvision.ops.roi_align`` over all boxes
+blur, solarize; 2 a channel more with ``jitter_per_channel``): each sample's, drawn in the loader workers
+(:class:`ReadForDevice`, for :meth:`DeviceAugment.apply`), or drawn for the batch from a generator
+(``__call__``). Given the same uniforms both pipelines draw the same crop boxes, flips, jitter factors and
+order, grayscale, blur sigmas and solarisation. The crop and resize is one ``torchvision.ops.roi_align`` over all boxes
 (bilinear, averaging several samples per output pixel where it shrinks a crop), which differs from the per-image
 antialiased ``F.interpolate`` in the last digits of a resized crop (tests/data/test_device_augment.py
 measures how much); every other operation gives the per-image result up to float rounding.
@@ -25,11 +25,11 @@ from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_tap
 
 __all__ = [
     "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "ReadForDevice",
-    "crop_and_resize", "crop_boxes", "device_augment_for", "pack",
+    "channels_of", "crop_and_resize", "crop_boxes", "device_augment_for", "pack",
 ]
 
 #: Uniforms one view consumes, in :class:`SimCLRTransform`'s layout.
-UNIFORMS_PER_VIEW = SimCLRTransform._N_UNIFORMS
+UNIFORMS_PER_VIEW = SimCLRTransform.N_UNIFORMS
 _GRAY = (0.299, 0.587, 0.114)
 
 
@@ -171,6 +171,11 @@ def _resize_boxes(x: torch.Tensor, boxes: torch.Tensor, s: int) -> torch.Tensor:
     return roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
 
 
+def channels_of(images: torch.Tensor | PackedImages) -> int:
+    """The channel count of a packed batch (:func:`pack`'s)."""
+    return images.shape[1] if isinstance(images, torch.Tensor) else images.channels
+
+
 def pack(images: Images) -> torch.Tensor | PackedImages:
     """A batch as the augmentation takes it: one tensor where all images have one size, else packed."""
     if isinstance(images, torch.Tensor):
@@ -266,6 +271,9 @@ class DeviceSimCLRAugment:
         x = crop_and_resize(images, u, spec.image_size, spec.crop_scale, spec.crop_ratio)
         mean, inv_std = self._normalisation(x.shape[1], x.device)
         taps = blur_taps(spec.image_size, spec.blur_kernel // 2, str(x.device))
+        if u.shape[1] != spec.uniforms(x.shape[1]):
+            raise ValueError(f"{u.shape[1]} uniforms per view for {x.shape[1]}-channel images: this augmentation "
+                             f"draws {spec.uniforms(x.shape[1])}")
         pixels = self._pixels if self.compiled is None else self.compiled
         return pixels(x, u[:, 40:].to(x.dtype), mean, inv_std, taps)
 
@@ -277,7 +285,7 @@ class DeviceSimCLRAugment:
         spec = self.spec
         c, s = x.shape[1], x.shape[-1]
         x = torch.where((v[:, 0] < spec.hflip_p).view(-1, 1, 1, 1), x.flip(-1), x)
-        x = self._jitter(x, v[:, 1] < spec.jitter_p, v[:, 2:10])
+        x = self._jitter(x, v[:, 1] < spec.jitter_p, v[:, 2:10], v[:, 14:])
         if c == 3:
             x = torch.where((v[:, 10] < spec.grayscale_p).view(-1, 1, 1, 1), _luma(x).expand(-1, 3, -1, -1), x)
         if spec.blur_p > 0:
@@ -310,9 +318,11 @@ class DeviceSimCLRAugment:
             self._stats[key] = (made[0], 1.0 / made[1])
         return self._stats[key]
 
-    def _jitter(self, x: torch.Tensor, apply: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _jitter(self, x: torch.Tensor, apply: torch.Tensor, v: torch.Tensor, per_channel: torch.Tensor) -> torch.Tensor:
         """Brightness, contrast, saturation, hue with per-sample factors, each sample in its own random order:
-        in round r every sample applies its r-th adjustment (the other three are neutral for it)."""
+        in round r every sample applies its r-th adjustment (the other three are neutral for it). With
+        ``per_channel`` ``[N, 2C]`` (``jitter_per_channel``), brightness and contrast take a factor per channel,
+        contrast towards each channel's own mean."""
         strength = self.spec.jitter_strength
         if strength <= 0:
             return x
@@ -324,6 +334,8 @@ class DeviceSimCLRAugment:
             -hue + v[:, 3] * 2 * hue,
         ], 1)
         order = torch.argsort(v[:, 4:8], dim=1, stable=True)  # as sorted(range(4), key=u[4 + i])
+        if per_channel.shape[1]:
+            return self._channel_jitter(x, apply, order, factors, per_channel)
         rgb = x.shape[1] == 3
         view = (-1, 1, 1, 1)
         affine = 3 if rgb else 2  # brightness, contrast and (RGB only) saturation are blends: one fused pass
@@ -342,12 +354,34 @@ class DeviceSimCLRAugment:
                 x = torch.addcmul(b, a, x).clamp_(0.0, 1.0)
         return x
 
+    def _channel_jitter(self, x: torch.Tensor, apply: torch.Tensor, order: torch.Tensor, factors: torch.Tensor,
+                        per_channel: torch.Tensor) -> torch.Tensor:
+        """:meth:`_jitter` with a brightness and a contrast factor per channel (``per_channel`` ``[N, 2C]``: the
+        per-image transform's ``_channel_contrast``); saturation and hue (RGB) as one factor per sample."""
+        n, c = x.shape[:2]
+        lo, hi = max(0.0, 1 - 0.8 * self.spec.jitter_strength), 1 + 0.8 * self.spec.jitter_strength
+        bright = lo + per_channel[:, :c] * (hi - lo)  # brightness and contrast: one range
+        contrast = lo + per_channel[:, c : 2 * c] * (hi - lo)
+        rgb = c == 3
+        for r in range(4):
+            op = torch.where(apply, order[:, r], -1).view(-1, 1)
+            f = factors.gather(1, order[:, r : r + 1])  # [N, 1]: saturation's and hue's factor
+            keep = torch.where(op == 2, f, 1.0) if rgb else 1.0
+            a = torch.where(op == 0, bright, torch.where(op == 1, contrast, keep)).view(n, c, 1, 1)
+            shift = (torch.where(op == 1, 1 - contrast, 0.0) * x.mean(dim=(2, 3))).view(n, c, 1, 1)
+            if rgb:  # saturation: f * x + (1 - f) * luma of the image before this round
+                shift = torch.addcmul(shift, torch.where(op == 2, 1 - f, 0.0).view(-1, 1, 1, 1), _luma(x))
+            x = torch.addcmul(shift, a, x).clamp_(0.0, 1.0)
+            if rgb:
+                x = torch.where(((op == 3) & (f != 0)).view(-1, 1, 1, 1), _shift_hue(x, f.view(-1)), x)
+        return x
+
     def __call__(self, images: Images, generator: torch.Generator) -> list[torch.Tensor]:
         """``num_views`` views of the batch, their uniforms drawn from ``generator`` (one call per view)."""
         images = pack(images)
         n, device = len(images), images.device
-        return [self.views(images, torch.rand(n, UNIFORMS_PER_VIEW, generator=generator, dtype=torch.float64,
-                                              device=device))
+        width = self.spec.uniforms(channels_of(images))
+        return [self.views(images, torch.rand(n, width, generator=generator, dtype=torch.float64, device=device))
                 for _ in range(self.spec.num_views)]
 
     @property
@@ -363,7 +397,15 @@ class DeviceAugment:
     transform's list."""
 
     def __init__(self, groups: Sequence[DeviceSimCLRAugment]) -> None:
+        """Apply ``groups`` in order; they must agree on ``jitter_per_channel`` (one width of uniforms a view)."""
         self.groups = list(groups)
+        if len({g.spec.jitter_per_channel for g in self.groups}) > 1:
+            raise ValueError("the crops' groups disagree on jitter_per_channel: give every group the same")
+        self.per_channel = bool(self.groups) and self.groups[0].spec.jitter_per_channel
+
+    def uniforms(self, channels: int) -> int:
+        """Uniforms per view for ``channels``-channel images (:meth:`SimCLRTransform.uniforms`)."""
+        return self.groups[0].spec.uniforms(channels) if self.groups else UNIFORMS_PER_VIEW
 
     def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
         """Compile every group's pixel operations (:meth:`DeviceSimCLRAugment.compile`)."""
@@ -384,10 +426,10 @@ class DeviceAugment:
         """Every view of the batch from given uniforms ``[N, num_views, UNIFORMS_PER_VIEW]`` (view after view, in
         the per-image transform's order): with the uniforms :class:`ReadForDevice` draws per sample, the views
         of the per-image transform for the same (seed, epoch, index)."""
-        if uniforms.shape[1:] != (self.num_views, UNIFORMS_PER_VIEW):
-            raise ValueError(f"uniforms of shape {tuple(uniforms.shape)} for {self.num_views} views of "
-                             f"{UNIFORMS_PER_VIEW}")
         images = pack(images)
+        width = self.uniforms(channels_of(images))
+        if uniforms.shape[1:] != (self.num_views, width):
+            raise ValueError(f"uniforms of shape {tuple(uniforms.shape)} for {self.num_views} views of {width}")
         views, k = [], 0
         for group in self.groups:
             for _ in range(group.num_views):
@@ -403,15 +445,18 @@ class ReadForDevice:
     index), so a sample's augmentation does not depend on its batch, the number of processes or a resume, and
     equals the workers pipeline's, parameter for parameter."""
 
-    def __init__(self, num_views: int) -> None:
-        """Draw the uniforms of ``num_views`` views per image."""
+    def __init__(self, num_views: int, per_channel: bool = False) -> None:
+        """Draw the uniforms of ``num_views`` views per image (2 a channel more each with ``per_channel``: the
+        transform's ``jitter_per_channel``)."""
         self.num_views = num_views
+        self.per_channel = per_channel
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
         """``[image, uniforms]`` (a 16-bit image as float32 in 0..1: the device's uint16 support is thin)."""
         if image.dtype == torch.uint16:
             image = unit_float(image)
-        return [image, torch.rand(self.num_views, UNIFORMS_PER_VIEW, dtype=torch.float64)]
+        width = UNIFORMS_PER_VIEW + (2 * image.shape[0] if self.per_channel else 0)
+        return [image, torch.rand(self.num_views, width, dtype=torch.float64)]
 
 
 def device_augment_for(transform: object) -> DeviceAugment:

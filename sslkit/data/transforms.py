@@ -167,6 +167,13 @@ def _contrast(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x.mul_(factor).add_((1.0 - factor) * mean).clamp_(0.0, 1.0)
 
 
+def _channel_contrast(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Each channel blended with its own mean by its own factor (``factors`` ``[C, 1, 1]``): a channel's contrast
+    alone, where the channels are separate measurements (a microscope's stains, a satellite's bands)."""
+    mean = x.mean(dim=(1, 2), keepdim=True)
+    return x.mul_(factors).add_((1.0 - factors) * mean).clamp_(0.0, 1.0)
+
+
 def _saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Blend an RGB image with its luma image, as torchvision's ``adjust_saturation``."""
     return torch.lerp(_gray(x), x, factor).clamp_(0.0, 1.0)
@@ -225,7 +232,7 @@ class SimCLRTransform:
     """
 
     # 40 for the crop; then flip, jitter (apply, 4 factors, 4 order keys), gray, blur (apply, sigma), solarize
-    _N_UNIFORMS = 40 + 14
+    N_UNIFORMS = 40 + 14
 
     def __init__(
         self,
@@ -242,6 +249,7 @@ class SimCLRTransform:
         solarize_p: float = 0.0,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        jitter_per_channel: bool = False,
     ) -> None:
         """Configure the augmentation; see :func:`build_simclr` for the arguments."""
         if image_size < 1 or num_views < 1:
@@ -273,9 +281,17 @@ class SimCLRTransform:
         self.blur_sigma = (float(blur_sigma[0]), float(blur_sigma[1]))
         self.blur_kernel = _blur_kernel(self.image_size)
         self.solarize_p = float(solarize_p)
+        self.jitter_per_channel = bool(jitter_per_channel)
         self.normalize = Normalize(mean, std)
 
-    def _jitter(self, x: torch.Tensor, u: Sequence[float]) -> torch.Tensor:
+    def uniforms(self, channels: int) -> int:
+        """The uniforms one view of a ``channels``-channel image draws: 54 (40 for the crop, 14 after it), and with
+        ``jitter_per_channel`` two per channel after them (its brightness and contrast factors)."""
+        return self.N_UNIFORMS + (2 * channels if self.jitter_per_channel else 0)
+
+    def _jitter(self, x: torch.Tensor, u: Sequence[float], per_channel: Sequence[float]) -> torch.Tensor:
+        """Brightness, contrast, saturation, hue in the order ``u[4:8]`` draws; with ``per_channel`` (2 uniforms a
+        channel) brightness and contrast take one factor per channel (:func:`build_simclr`)."""
         s = self.jitter_strength
         b, c, sat, hue = 0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s
         factors = (
@@ -284,13 +300,18 @@ class SimCLRTransform:
             max(0.0, 1 - sat) + u[2] * (1 + sat - max(0.0, 1 - sat)),
             -hue + u[3] * 2 * hue,
         )
-        rgb = x.shape[0] == 3
+        channels = x.shape[0]
+        if per_channel:
+            draws = torch.tensor(per_channel[: 2 * channels], dtype=torch.float32).view(2, channels, 1, 1)
+            bright = max(0.0, 1 - b) + draws[0] * (1 + b - max(0.0, 1 - b))
+            contrast = max(0.0, 1 - c) + draws[1] * (1 + c - max(0.0, 1 - c))
+        rgb = channels == 3
         for op in sorted(range(4), key=lambda i: u[4 + i]):  # random order of the four adjustments
             f = factors[op]
             if op == 0:
-                x = _brightness(x, f)
+                x = x.mul_(bright).clamp_(0.0, 1.0) if per_channel else _brightness(x, f)
             elif op == 1:
-                x = _contrast(x, f)
+                x = _channel_contrast(x, contrast) if per_channel else _contrast(x, f)
             elif op == 2 and rgb:
                 x = _saturation(x, f)
             elif op == 3 and rgb and f != 0.0:
@@ -308,7 +329,7 @@ class SimCLRTransform:
         colour, blur and solarize applied too (the same draws, the blur's sigma scaled with the size) only with
         ``teacher_distortions`` (DINOv3's ``gram_teacher_no_distortions: true`` is ``False`` here). The teacher crop
         is resized from the image's crop box itself, not from the view, so it holds the detail the view lost."""
-        u = torch.rand(self._N_UNIFORMS, dtype=torch.float64).tolist()
+        u = torch.rand(self.uniforms(image.shape[0]), dtype=torch.float64).tolist()
         _, h, w = image.shape
         top, left, ch, cw = random_resized_crop_box(u, h, w, self.crop_scale, self.crop_ratio)
         crop = _to_float(image[:, top : top + ch, left : left + cw])
@@ -330,7 +351,7 @@ class SimCLRTransform:
         if u[0] < self.hflip_p:
             x = x.flip(-1)
         if u[1] < self.jitter_p:
-            x = self._jitter(x, u[2:10])
+            x = self._jitter(x, u[2:10], u[14:])
         if x.shape[0] == 3 and u[10] < self.grayscale_p:
             x = _gray(x).expand(3, -1, -1).contiguous()
         if u[11] < self.blur_p:
@@ -441,6 +462,7 @@ def build_simclr(
     crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
     jitter_p: float = 0.8,
     blur_sigma: Sequence[float] = (0.1, 2.0),
+    jitter_per_channel: bool = False,
 ) -> SimCLRTransform:
     """SimCLR augmentation producing ``num_views`` views of ``image_size`` x ``image_size``.
 
@@ -451,6 +473,12 @@ def build_simclr(
     image size, sigma in (0.1, 2.0)), solarize with ``solarize_p``, then normalise with ``mean``
     and ``std`` (None: 0.5 per channel). ``crop_ratio`` bounds the crop's aspect ratio,
     ``jitter_p`` is the probability of the colour jitter, ``blur_sigma`` the blur's sigma range.
+
+    ``jitter_per_channel``: brightness and contrast draw one factor per channel (in the same ranges; contrast blends
+    each channel with its own mean, not with the luma's), for images whose channels are separate measurements
+    (fluorescence stains, spectral bands), where one factor for all keeps their ratios fixed. Off: torchvision's
+    ``ColorJitter`` (one factor; contrast towards the mean luma). Saturation and hue stay RGB-only either way. It
+    draws 2 uniforms a channel more per view, so it changes every later draw of a seeded run.
     """
     return SimCLRTransform(
         image_size,
@@ -466,6 +494,7 @@ def build_simclr(
         crop_ratio=crop_ratio,
         jitter_p=jitter_p,
         blur_sigma=blur_sigma,
+        jitter_per_channel=jitter_per_channel,
     )
 
 
@@ -526,6 +555,7 @@ def build_multicrop(
     std: Sequence[float] | None = None,
     teacher_size: int | None = None,
     teacher_distortions: bool = False,
+    jitter_per_channel: bool = False,
 ) -> MultiCropTransform:
     """Multi-crop (SwAV, Caron et al. 2020; DINO): ``num_large`` crops of ``image_size`` with area
     in ``crop_scale``, then ``num_small`` crops of ``small_size`` with area in ``small_scale``.
@@ -534,7 +564,8 @@ def build_multicrop(
     one value per large crop, for the asymmetric augmentation of BYOL and DINO (blur 1.0 / 0.1,
     solarize 0.0 / 0.2); the small crops use ``small_blur_p`` and no solarize. ``teacher_size``: each large crop
     also at this size, for a teacher that sees the global crops at another resolution (DINOv3's Gram teacher:
-    ``gram.teacher_size``), distorted as the crop only with ``teacher_distortions``.
+    ``gram.teacher_size``), distorted as the crop only with ``teacher_distortions``. ``jitter_per_channel``:
+    :func:`build_simclr`'s, for every crop.
     """
     def per_large(value: float | Sequence[float], name: str) -> list[float]:
         values = [float(value)] * num_large if isinstance(value, int | float) else [float(v) for v in value]
@@ -542,7 +573,8 @@ def build_multicrop(
             raise ValueError(f"{name} has {len(values)} values for {num_large} large crops")
         return values
 
-    common = dict(hflip_p=hflip_p, jitter_strength=jitter_strength, grayscale_p=grayscale_p, mean=mean, std=std)
+    common = dict(hflip_p=hflip_p, jitter_strength=jitter_strength, grayscale_p=grayscale_p, mean=mean, std=std,
+                  jitter_per_channel=jitter_per_channel)
     blurs, sols = per_large(blur_p, "blur_p"), per_large(solarize_p, "solarize_p")
     groups = [SimCLRTransform(image_size, num_views=1, crop_scale=crop_scale, blur_p=b, solarize_p=z, **common)
               for b, z in zip(blurs, sols)]

@@ -41,9 +41,9 @@ def test_crop_area_and_aspect_follow_scale_and_ratio() -> None:
     assert 0.45 < area.mean().item() < 0.54
 
 
-def _same_uniforms(n: int, seed: int) -> torch.Tensor:
+def _same_uniforms(n: int, seed: int, width: int = UNIFORMS_PER_VIEW) -> torch.Tensor:
     torch.manual_seed(seed)
-    return torch.stack([torch.rand(UNIFORMS_PER_VIEW, dtype=torch.float64) for _ in range(n)])
+    return torch.stack([torch.rand(width, dtype=torch.float64) for _ in range(n)])
 
 
 def _cpu_views(transform: SimCLRTransform, images: torch.Tensor, seed: int) -> torch.Tensor:
@@ -51,16 +51,20 @@ def _cpu_views(transform: SimCLRTransform, images: torch.Tensor, seed: int) -> t
     return torch.stack([transform.view(img) for img in images])
 
 
-@pytest.mark.parametrize("channels", [3, 1])
-def test_every_pixel_operation_matches_the_per_image_transform(channels: int) -> None:
+@pytest.mark.parametrize(("channels", "per_channel"), [(3, False), (1, False), (4, True), (3, True), (1, True)])
+def test_every_pixel_operation_matches_the_per_image_transform(channels: int, per_channel: bool) -> None:
     """Crop geometry fixed to the whole image (scale and ratio 1), so the only resampling is the identity: flip,
-    jitter in per-sample random order, grayscale, per-sample blur, solarisation and normalisation give the
-    per-image transform's pixels (up to float rounding) for the same uniforms."""
+    jitter in per-sample random order (brightness and contrast per channel with ``jitter_per_channel``),
+    grayscale, per-sample blur, solarisation and normalisation give the per-image transform's pixels (up to float
+    rounding) for the same uniforms."""
     images = torch.randint(0, 256, (96, channels, 16, 16), generator=torch.Generator().manual_seed(2),
                            dtype=torch.uint8)
-    kwargs = {"image_size": 16, "crop_scale": (1.0, 1.0), "crop_ratio": (1.0, 1.0), **ALL_ON}
-    cpu = _cpu_views(SimCLRTransform(**kwargs), images, seed=3)
-    device = DeviceSimCLRAugment(**kwargs).views(images, _same_uniforms(len(images), seed=3))
+    kwargs = {"image_size": 16, "crop_scale": (1.0, 1.0), "crop_ratio": (1.0, 1.0), **ALL_ON,
+              "jitter_per_channel": per_channel}
+    transform = SimCLRTransform(**kwargs)
+    assert transform.uniforms(channels) == UNIFORMS_PER_VIEW + (2 * channels if per_channel else 0)
+    cpu = _cpu_views(transform, images, seed=3)
+    device = DeviceSimCLRAugment(**kwargs).views(images, _same_uniforms(len(images), 3, transform.uniforms(channels)))
     assert device.shape == cpu.shape and device.dtype == torch.float32
     assert (device - cpu).abs().max().item() < 1e-4
 
@@ -162,21 +166,23 @@ def test_device_augmentation_resumes_bit_identically(tmp_path, recipe: str) -> N
     reliability_helpers.assert_identical(got, expected)
 
 
-def test_device_pipeline_gives_each_sample_the_workers_augmentation() -> None:
+@pytest.mark.parametrize(("channels", "per_channel"), [(3, False), (4, True)])
+def test_device_pipeline_gives_each_sample_the_workers_augmentation(channels: int, per_channel: bool) -> None:
     """Each sample's uniforms are drawn in the worker from (seed, epoch, index) as the per-image transform draws
     them: with the crop geometry fixed to the whole image (no resampling), the device views of a batch are the
-    workers pipeline's views of the same samples, whatever batch they land in."""
+    workers pipeline's views of the same samples, whatever batch they land in (a factor per channel too)."""
     from sslkit.data import SSLDataset
     from sslkit.data.device_augment import ReadForDevice
     from sslkit.data.device_decode import collate_raw
     from sslkit.data.loader import collate_views
     from sslkit.data.sources import build_synthetic
 
-    source = build_synthetic("train", num_samples=16, image_size=24)
-    transform = SimCLRTransform(24, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), **ALL_ON)
+    source = build_synthetic("train", num_samples=16, image_size=24, channels=channels)
+    transform = SimCLRTransform(24, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), **ALL_ON,
+                                jitter_per_channel=per_channel)
     augment = device_augment_for(transform)
     workers = SSLDataset(source, transform, seed=7)
-    device = SSLDataset(source, ReadForDevice(augment.num_views), seed=7)
+    device = SSLDataset(source, ReadForDevice(augment.num_views, augment.per_channel), seed=7)
     for indices in ([3, 0, 9, 12], [12, 5]):  # sample 12 in two different batches
         batch = collate_views([device[(2, i)] for i in indices], stack=collate_raw)
         views = augment.apply(batch["input"][0], batch["input"][1])

@@ -130,14 +130,16 @@ def test_data_stats_are_each_channels_mean_and_std_and_normalise_the_run(tmp_pat
         compose_config([*base, f"data.stats={tmp_path / 'none.json'}"])
 
 
-@pytest.mark.parametrize("augment_on", ["workers", "device"])
-def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path: Path, augment_on: str) -> None:
+@pytest.mark.parametrize(("augment_on", "per_channel"), [("workers", False), ("device", True)])
+def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path: Path, augment_on: str,
+                                                                       per_channel: bool) -> None:
+    """On the device, with brightness and contrast factors per channel (``data.transform.jitter_per_channel``)."""
     data = tmp_path / "data"
     four_channel_folder(data)
     out = tmp_path / "run"
     run_main("config=simclr", *FOLDER, *QUIET, f"data.train.path={data}", f"data.test.path={data}",
              "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.batch_size=8", "optim.max_steps=3",
-             f"data.augment_on={augment_on}", f"output_dir={out}")
+             f"data.augment_on={augment_on}", f"data.transform.jitter_per_channel={per_channel}", f"output_dir={out}")
     state = torch.load(out / "checkpoints" / "checkpoint_000000003.pt", weights_only=True)
     first = next(v for k, v in state["model"].items() if k.endswith("weight") and v.dim() == 4)
     assert first.shape[1] == 4  # the trunk reads the four channels
@@ -165,3 +167,33 @@ def test_bench_on_16_bit_four_channel_images_leaves_the_8_bit_corruptions_out(tm
     found = json.loads((tmp_path / "default" / "results.json").read_text())
     assert "robustness" not in found["protocols"] and "knn" in found["protocols"]
     assert 0.5 < found["results"]["pixels"]["metrics"]["knn_k5"]["value"] <= 1.0  # the classes differ in channel 4
+
+
+def test_per_channel_jitter_gives_each_channel_its_own_brightness_and_contrast() -> None:
+    """``jitter_per_channel``: after the view's 54 uniforms, C brightness then C contrast uniforms; each factor
+    ``lo + u * (hi - lo)`` over [1 - 0.8 s, 1 + 0.8 s]; brightness ``f_c x_c``, contrast ``f_c x_c + (1 - f_c)
+    mean(x_c)``, each clamped to [0, 1], in the order the view's uniforms 44-47 sort; saturation and hue skipped (4
+    channels). The crop is the whole image, no flip, the jitter always on: the view is this, normalised."""
+    channels, s = 4, 0.5
+    image = torch.randint(0, 65536, (channels, 12, 12), generator=torch.Generator().manual_seed(5)).to(torch.uint16)
+    transform = SimCLRTransform(12, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip_p=0.0, jitter_strength=s,
+                                jitter_p=1.0, grayscale_p=0.0, jitter_per_channel=True)
+    torch.manual_seed(11)
+    u = torch.rand(54 + 2 * channels, dtype=torch.float64).tolist()
+    torch.manual_seed(11)
+    view = transform.view(image)
+    x = image.double() / 65535
+    lo, hi = 1 - 0.8 * s, 1 + 0.8 * s
+    bright = [lo + u[54 + c] * (hi - lo) for c in range(channels)]
+    contrast = [lo + u[54 + channels + c] * (hi - lo) for c in range(channels)]
+    for op in sorted(range(4), key=lambda i: u[44 + i]):
+        for c in range(channels):
+            if op == 0:
+                x[c] = (x[c] * bright[c]).clamp(0, 1)
+            elif op == 1:
+                x[c] = (x[c] * contrast[c] + (1 - contrast[c]) * x[c].mean()).clamp(0, 1)
+    torch.testing.assert_close(view.double(), (x - 0.5) / 0.5, rtol=0, atol=1e-5)
+    assert len({round(f, 6) for f in bright}) == channels  # four factors, not one
+    one = SimCLRTransform(12, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip_p=0.0, jitter_strength=s,
+                          jitter_p=1.0, grayscale_p=0.0)
+    assert one.uniforms(channels) == 54  # off: the draws of every existing recipe, unchanged

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import SMALL, four_channel_folder, pixels, run_main
 
-from sslkit.data.device_augment import UNIFORMS_PER_VIEW, DeviceSimCLRAugment
+from sslkit.data.device_augment import DeviceSimCLRAugment
 from sslkit.data.transforms import SimCLRTransform, unit_float
 
 pytestmark = [pytest.mark.gpu]
@@ -27,13 +27,15 @@ def _needs_cuda() -> None:
         pytest.skip("needs a CUDA device")
 
 
-def test_16_bit_views_on_cuda_equal_the_cpus() -> None:
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_16_bit_views_on_cuda_equal_the_cpus(per_channel: bool) -> None:
     """The device augmentation of a 16-bit 4-channel batch (the workers hand it over as float in 0..1) on CUDA and on
-    the CPU from the same uniforms: the same views to float rounding."""
+    the CPU from the same uniforms: the same views to float rounding (brightness and contrast per channel too)."""
     _needs_cuda()
     images = unit_float(torch.from_numpy(pixels((6, 4, 32, 32), np.uint16, 0)))
-    aug = DeviceSimCLRAugment.from_transform(SimCLRTransform(24, mean=[0.5] * 4, std=[0.25] * 4))
-    u = torch.rand(6, UNIFORMS_PER_VIEW, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    spec = SimCLRTransform(24, mean=[0.5] * 4, std=[0.25] * 4, jitter_per_channel=per_channel)
+    aug = DeviceSimCLRAugment.from_transform(spec)
+    u = torch.rand(6, spec.uniforms(4), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(aug.views(images.cuda(), u.cuda()).cpu(), aug.views(images, u), rtol=0, atol=1e-4)
 
 
