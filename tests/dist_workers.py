@@ -68,6 +68,17 @@ def elastic_steps(args: list[str], tmp: Path) -> tuple[dict[int, list[int]], dic
     return recorded_steps(ref), resumed
 
 
+def assert_resumed_as_uninterrupted(expected: dict[int, list[int]], resumed: dict[int, dict[int, list[int]]],
+                                    samples: int = 128) -> None:
+    """:func:`elastic_steps`'s outcome as it must be: the uninterrupted run's first epoch (steps 0-3) reads each of
+    ``samples`` once, and every resumed run (on 1 and on 4 processes) runs steps 3-7 (from the checkpoint at 3)
+    on exactly the uninterrupted run's samples, step for step."""
+    assert sorted(i for step in range(4) for i in expected[step]) == list(range(samples))
+    for world, got in resumed.items():
+        assert sorted(got) == [3, 4, 5, 6, 7], world
+        assert all(got[s] == expected[s] for s in got), world
+
+
 def run_ranks(fn: Callable[..., Any], world: int, out: str, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
     forkrun.ensure_server()  # (sslkit's own fork server, started as a run's: with its malloc thresholds)

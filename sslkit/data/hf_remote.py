@@ -14,7 +14,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.data.remote import Remote, RemoteReadError, Retries, cache_key, cache_root, url_protocol
+from sslkit.data.remote import (
+    Remote,
+    RemoteReadError,
+    Retries,
+    cache_key,
+    cache_root,
+    expand_braces,
+    refuse_http_listing,
+    url_protocol,
+)
 from sslkit.data.shard_cache import ShardCache
 from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image
 
@@ -30,14 +39,10 @@ def parquet_files(spec: str, remote: Remote) -> list[str]:
     """The Parquet files ``spec`` names: a brace pattern, one ``.parquet`` URL, or a prefix / glob the store lists
     (its ``*.parquet``, sorted; a saved dataset's ``data/`` folder too)."""
     if "{" in spec:
-        from braceexpand import braceexpand
-
-        return list(braceexpand(spec))
+        return expand_braces(spec)
     if spec.endswith(".parquet"):
         return [spec]
-    if url_protocol(spec) in ("http", "https"):
-        raise DataSourceError(f"{spec}: an HTTP server cannot list a folder; give a brace pattern "
-                              "(https://host/train-{00000..00009}.parquet) or one file")
+    refuse_http_listing(spec, "https://host/train-{00000..00009}.parquet")
     if any(c in spec for c in "*?["):
         return remote.glob(spec)
     found = remote.glob(spec.rstrip("/") + "/*.parquet")

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from sslkit.data.sources import DataSourceError
 
-__all__ = ["Remote", "RemoteReadError", "Retries", "cache_root", "is_url", "url_protocol"]
+__all__ = ["Remote", "RemoteReadError", "Retries", "cache_root", "expand_braces", "is_url", "refuse_http_listing",
+           "url_protocol"]
 
 logger = logging.getLogger("sslkit")
 
@@ -35,6 +36,26 @@ def is_url(spec: Any) -> bool:
 def url_protocol(url: str) -> str:
     """The scheme of ``url`` (``s3``, ``gs``, ``https``, ...)."""
     return url.split("://", 1)[0].lower()
+
+
+def expand_braces(spec: str) -> list[str]:
+    """The names a brace pattern (``train-{000000..000099}.tar``) stands for, in order, through webdataset's
+    ``braceexpand`` (a message naming the extra when it is not installed)."""
+    try:
+        from braceexpand import braceexpand
+    except ImportError:
+        raise DataSourceError(f"{spec} is a brace pattern, expanded by webdataset's braceexpand, which is not "
+                              "installed: pip install 'sslkit[webdataset]' (or give a folder of files or a "
+                              "list file)") from None
+    return list(braceexpand(spec))
+
+
+def refuse_http_listing(spec: str, example: str) -> None:
+    """Stop on an ``http(s)://`` folder or glob, which a web server cannot list, naming what to give instead (a
+    brace pattern such as ``example``)."""
+    if url_protocol(spec) in ("http", "https"):
+        raise DataSourceError(f"{spec}: an HTTP server cannot list a folder; give a brace pattern ({example}) or "
+                              "one file (or a list file of URLs)")
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

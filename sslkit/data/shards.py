@@ -17,7 +17,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sslkit.data.remote import Remote, RemoteReadError, Retries, cache_key, cache_root, is_url, url_protocol
+from sslkit.data.remote import (
+    Remote,
+    RemoteReadError,
+    Retries,
+    cache_key,
+    cache_root,
+    expand_braces,
+    is_url,
+    refuse_http_listing,
+    url_protocol,
+)
 from sslkit.data.sampler import shard_windows
 from sslkit.data.shard_cache import ShardCache
 from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
@@ -41,16 +51,6 @@ LABEL_EXT = "cls"
 Shard = Path | str
 
 
-def _braces(spec: str) -> list[str]:
-    try:
-        from braceexpand import braceexpand
-    except ImportError:
-        raise DataSourceError(f"{spec} is a brace pattern, expanded by webdataset's braceexpand, which is not "
-                              "installed: pip install 'sslkit[webdataset]' (or give a folder of shards or a "
-                              "list file)") from None
-    return list(braceexpand(spec))
-
-
 def expand_shards(spec: str, remote: Remote | None = None) -> list[Shard]:
     """The shard files ``spec`` names: a brace pattern (``/data/train-{000000..000099}.tar``,
     ``s3://bucket/train-{000000..000099}.tar``), a folder or a remote prefix (its ``*.tar``, sorted; a store that
@@ -58,18 +58,16 @@ def expand_shards(spec: str, remote: Remote | None = None) -> list[Shard]:
     folder, or URLs), or one ``.tar``. URLs stay strings (read through ``remote``)."""
     if is_url(spec):
         if "{" in spec:
-            return list(_braces(spec))
+            return list(expand_braces(spec))
         if spec.endswith(".tar"):
             return [spec]
         if remote is None:
             raise DataSourceError(f"{spec}: a remote folder or glob is listed through its filesystem")
-        if url_protocol(spec) in ("http", "https"):
-            raise DataSourceError(f"{spec}: an HTTP server cannot list a folder; give a brace pattern "
-                                  "(https://host/train-{000000..000099}.tar) or a list file of URLs")
+        refuse_http_listing(spec, "https://host/train-{000000..000099}.tar")
         return remote.glob(spec if any(c in spec for c in "*?[") else spec.rstrip("/") + "/*.tar")
     path = Path(spec).expanduser()
     if "{" in spec:
-        return [Path(p).expanduser() for p in _braces(spec)]
+        return [Path(p).expanduser() for p in expand_braces(spec)]
     if path.is_dir():
         return sorted(path.glob("*.tar"))
     if path.is_file() and path.suffix != ".tar":
