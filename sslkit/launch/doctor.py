@@ -18,6 +18,9 @@ is 0 only when none failed:
   ``machine.deterministic=true``: the weights after ``--steps`` updates compared tensor by tensor;
 * **data vs step**: the simclr recipe on its own data (Fashion-MNIST when installed) for 20 updates: the share of
   the step's time spent waiting for data (``read_sample``), and img/s.
+
+Ctrl-C or SIGTERM stops the doctor (its checks' runs are not pre-empted and resumed as training runs are): the table
+of the checks done so far, exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import importlib
 import math
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from sslkit.errors import EXIT_INTERRUPTED
 
 __all__ = ["PAPER", "PAPER_RECIPES", "SMALL", "SMALL_RECIPES", "SMALL_TEACHER", "Check", "main", "small_teacher"]
 
@@ -302,8 +308,10 @@ def _device_args(device: str) -> list[str]:
 
 
 def _quiet_args(out: str, steps: int) -> list[str]:
+    # no pre-emption handling: a check's run is not resumed, so Ctrl-C or SIGTERM stops the doctor, not the check
     return [f"optim.max_steps={steps}", "eval.knn.enabled=false", "log.tensorboard=false", "log.report=false",
-            "checkpoint.every_n_epochs=0", "checkpoint.auto_resume=false", f"output_dir={out}"]
+            "checkpoint.every_n_epochs=0", "checkpoint.auto_resume=false", "reliability.preemption_signals=[]",
+            f"output_dir={out}"]
 
 
 def recipe_check(recipe: str, device: str, steps: int, root: str) -> Check:
@@ -426,6 +434,14 @@ def table(rows: list[Check]) -> str:
     return "\n".join(lines)
 
 
+class Stopped(BaseException):
+    """SIGTERM during the checks (a BaseException, as KeyboardInterrupt: no check's ``except Exception`` takes it)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``sslkit doctor``; returns 0 when no check failed, 1 otherwise."""
     parser = argparse.ArgumentParser(prog="sslkit doctor", description=__doc__.split("\n\n")[0])
@@ -467,11 +483,22 @@ def main(argv: list[str] | None = None) -> int:
     steps.append(lambda root: determinism_check(a.device, a.steps, root))
     if not a.no_data:
         steps.append(lambda root: data_check(a.device, root))
-    print(f"sslkit doctor: {len(rows) + len(steps)} checks; the table follows when they are done", flush=True)
-    with tempfile.TemporaryDirectory(prefix="sslkit-doctor-") as root:
-        for i, step in enumerate(steps):
-            rows.append(step(root))
-            _progress(i + 1, len(steps), rows[-1])
+    total = len(rows) + len(steps)
+    print(f"sslkit doctor: {total} checks; the table follows when they are done", flush=True)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sslkit-doctor-") as root:
+            for i, step in enumerate(steps):
+                rows.append(step(root))
+                _progress(i + 1, len(steps), rows[-1])
+    except (KeyboardInterrupt, Stopped) as stop:
+        _progress(0, 0, None)
+        by = "SIGTERM" if isinstance(stop, Stopped) else "Ctrl-C"
+        print(f"\n{table(rows)}\n\nsslkit doctor: stopped by {by} with {len(rows)} of {total} checks done",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM if isinstance(stop, Stopped) else EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _progress(0, 0, None)
     failed = [r.name for r in rows if r.status == "FAILED"]
     print(f"\n{table(rows)}\n\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")

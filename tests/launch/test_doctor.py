@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from helpers import HANG_S, REPO, wait_for
 
 from sslkit.launch import doctor
 from sslkit.launch.cli import console
@@ -73,3 +79,20 @@ def test_the_collective_check_runs_two_processes_and_checks_the_values() -> None
     assert row.status == "ok", row
     assert re.match(r"2 processes over (gloo|nccl): all-reduce and broadcast right; 64 MiB all-reduce [\d.]+ ms",
                     row.detail), row.detail
+
+
+@pytest.mark.parametrize(("sig", "code", "by"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_or_sigterm_stops_the_doctor_not_only_its_check(tmp_path: Path, sig: int, code: int, by: str) -> None:
+    """A signal in the middle of a recipe's run (its metrics file written: training) ends the doctor with the table
+    so far and a one-line reason, no traceback; a training run's pre-emption handling would have checkpointed that
+    run and gone on to the next check (here: a determinism check of 10^6 updates, which would not end)."""
+    proc = subprocess.Popen([sys.executable, "-m", "sslkit", "doctor", "--device", "cpu", "--recipes", "simclr",
+                             "--steps", "1000000", "--no-collective", "--no-data"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    wait_for(lambda: any(tmp_path.glob("sslkit-doctor-*/simclr/metrics.jsonl")), "the recipe's run to train", proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == code, (out, err)
+    assert f"sslkit doctor: stopped by {by} with" in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob("sslkit-doctor-*")), "the checks' folder is left behind"
