@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,25 +335,45 @@ def fixed_subset(ds: Dataset, n: int, seed: int) -> Dataset:
     return _subset(ds, torch.randperm(size, generator=g)[:n].sort().values.tolist())
 
 
+def _same_channels(ds: Dataset, want: Callable[[], int], where: str) -> None:
+    """Stop on a reference set whose images have another channel count than ``want()``, the training images' (the
+    trunk's input), naming the set and the key that sets it."""
+    have = getattr(ds, "channels", None)
+    if have is None:
+        return
+    trunk = want()
+    if int(have) != trunk:
+        raise DataSourceError(f"{where}: its images have {have} channel(s) and the trunk reads {trunk} (the training "
+                              f"images'): give the set kwargs: {{channels: {trunk}}} (the sources convert grey to RGB "
+                              "and RGB to grey), or images of that many channels")
+
+
 def reference_sets(cfg: DictConfig) -> list[tuple[str, Dataset, Dataset, int]]:
     """``eval.reference.sets``: per set ``(name, memory, queries, num_classes)``, the set's samples (``samples``
-    drawn by ``eval.reference.seed``; 0: all) of its source's ``split`` (``test`` by default; source, path and
-    kwargs by default ``data.train``'s) of its ``classes`` (all by default; ``data.classes`` does not apply), halved
-    by class into the kNN's memory and queries. Raises :class:`DataSourceError` naming the set when its data has no
-    labels or too few samples."""
+    drawn by ``eval.reference.seed``; 0: all) of its source's ``split`` (``test`` by default; the source, path and
+    kwargs by default the run's own for that split) of its ``classes`` (all by default; ``data.classes`` does not
+    apply), halved by class into the kNN's memory and queries. Raises :class:`DataSourceError` naming the set when
+    its data has no labels, too few samples or another channel count than the training images'."""
     r = cfg.eval.reference
     found = []
+    trunk_channels = functools.cache(lambda: source_channels(cfg))  # the training source opened once, if asked
     for i, entry in enumerate(OmegaConf.to_container(r.sets, resolve=True) or []):  # type: ignore[union-attr]
         name = str(entry["name"])
         where = f"eval.reference.sets[{i}] ({name})"
-        source = entry.get("source") or cfg.data.train.source
-        path = entry.get("path", cfg.data.train.path if source == cfg.data.train.source else None)
-        kwargs = dict(entry.get("kwargs") or {})
-        ds = build_source(source, str(entry.get("split", "test")), path, **kwargs)
+        split = str(entry.get("split", "test"))
+        run = cfg.data[split] if split in ("train", "test") else cfg.data.train  # how the run reads that split
+        run_source = run.source or cfg.data.train.source
+        source = entry.get("source") or run_source
+        same = source == run_source
+        path = entry.get("path", (run.path if run.path is not None else cfg.data.train.path) if same else None)
+        given = entry.get("kwargs")
+        kwargs = dict(given if given is not None else section_kwargs(run.kwargs, ()) if same else {})
+        ds = build_source(source, split, path, **kwargs)
         if int(getattr(ds, "num_classes", 0)) <= 0:
             raise DataSourceError(f"{where}: {source}{', ' + str(path) if path else ''} has no labels, and a "
                                   "reference set is classified by kNN: give labelled images (a folder of class "
                                   "folders, a file list with labels, a preset)")
+        _same_channels(ds, trunk_channels, where)
         ds = fixed_subset(select_classes(ds, entry.get("classes"), f"{where}.classes"),
                           int(entry.get("samples", 2000)), int(r.seed) + i)
         labels = dataset_labels(ds)

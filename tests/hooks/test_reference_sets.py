@@ -42,6 +42,7 @@ def test_reference_sets_are_stratified_halves_of_their_own_classes() -> None:
     """Each set: ``samples`` of its classes (``data.classes`` does not apply), halved by class into the kNN's
     neighbours and queries, disjoint; the draw is the seed's."""
     cfg = compose_config(["config=simclr", *SMALL, "data.classes=[0]", "data.test.kwargs={num_samples: 400}",
+                          "data.train.kwargs.num_samples=400",
                           "eval.reference.sets=[{name: old, classes: [0, 1, 2]}, {name: new, classes: [7, 8], "
                           "samples: 60, split: train}]"])
     found = reference_sets(cfg)
@@ -148,4 +149,33 @@ def test_a_reference_set_without_labels_stops_the_command_before_the_run_folder(
                     f"eval.reference.sets=[{{name: old, source: folder, path: {flat}, split: train}}]", check=False)
     assert proc.returncode == 2
     assert "eval.reference.sets[0] (old)" in proc.stderr + proc.stdout and "has no labels" in proc.stderr + proc.stdout
+    assert not out.exists()
+
+
+def test_a_set_of_the_training_source_reads_it_as_the_training_does() -> None:
+    """A set naming no source reads its split as the run does, kwargs included (channels, size, count: the test
+    split's ``data.test.kwargs``, the train split's ``data.train.kwargs``); a set that names kwargs keeps its own."""
+    grey = "{channels: 1, image_size: 20, num_samples: 30}"
+    cfg = compose_config(["config=simclr", *SMALL, "data.train.kwargs.channels=1", "data.train.kwargs.image_size=20",
+                          f"data.test.kwargs={grey}", "data.image_size=16",
+                          "eval.reference.sets=[{name: same, samples: 0}, {name: train, samples: 0, split: train}, "
+                          "{name: own, samples: 0, kwargs: {channels: 1, image_size: 12, num_samples: 40}}]"])
+    same, train, own = reference_sets(cfg)
+    assert len(same[1]) + len(same[2]) == 30 and tuple(same[1][0][0].shape) == (1, 20, 20)
+    assert len(train[1]) + len(train[2]) == 64 and tuple(train[1][0][0].shape) == (1, 20, 20)
+    own_memory, own_queries = own[1], own[2]
+    assert len(own_memory) + len(own_queries) == 40 and tuple(own_memory[0][0].shape) == (1, 12, 12)
+
+
+def test_a_set_of_another_channel_count_stops_the_command_before_the_run_folder(tmp_path: Path) -> None:
+    """RGB reference images for a trunk that reads grey ones would stop the run at its first evaluation with
+    torch's shape error: the command stops first, naming the set and the kwargs that fix it."""
+    out = tmp_path / "run"
+    proc = run_main("config=simclr", *SMALL, *QUIET, "data.train.kwargs.channels=1", "data.test.kwargs.channels=1",
+                    f"output_dir={out}",
+                    "eval.reference.sets=[{name: rgb, source: synthetic, kwargs: {channels: 3}}]", check=False)
+    said = proc.stderr + proc.stdout
+    assert proc.returncode == 2, said
+    assert "eval.reference.sets[0] (rgb)" in said and "3 channel(s) and the trunk reads 1" in said, said
+    assert "kwargs: {channels: 1}" in said and "Traceback" not in said
     assert not out.exists()
