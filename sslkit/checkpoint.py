@@ -32,8 +32,15 @@ from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
 
-__all__ = ["CheckpointError", "Checkpointer", "atomic_write", "checkpoint_dir", "commit",
-           "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "atomic_write",
+    "checkpoint_dir",
+    "commit",
+    "save_checkpoint",
+    "upgrade_position",
+]
 
 logger = logging.getLogger("sslkit")
 
@@ -186,6 +193,16 @@ def _read_file(path: str, map_location: str | torch.device = "cpu") -> dict[str,
             ) from None
 
 
+def upgrade_position(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its position under today's names: ``position.update`` (before every counter took "step",
+    docs/configs.md, Renamed keys) as ``position.step``. What the tools read of an older run (its model, config and
+    step); in place, and returned."""
+    position = state.get("position") if isinstance(state, dict) else None
+    if isinstance(position, dict) and "step" not in position and "update" in position:
+        position["step"] = position.pop("update")
+    return state
+
+
 class Checkpointer:
     """A run's checkpoints, both ways.
 
@@ -217,8 +234,9 @@ class Checkpointer:
 
     @staticmethod
     def read(path: str) -> dict[str, Any]:
-        """One checkpoint file or sharded folder, whole on the CPU, without running code (:func:`_read_file`)."""
-        return _read_file(path, map_location="cpu")
+        """One checkpoint file or sharded folder, whole on the CPU, without running code (:func:`_read_file`), as
+        today's format names it (:func:`upgrade_position`: a run from before the counters' rename is read too)."""
+        return upgrade_position(_read_file(path, map_location="cpu"))
 
     def read_latest(self) -> tuple[dict[str, Any], str] | None:
         """The latest readable checkpoint of the run: ``(state, path)``, or None if there is none. A latest one that

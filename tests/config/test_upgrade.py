@@ -68,3 +68,28 @@ def test_an_old_name_beside_its_new_one_is_left_for_validation_to_name() -> None
     assert moved == [] and upgraded.gram.start_update == 7
     with pytest.raises(ConfigError, match=r"gram\.start_update.*renamed 'gram\.start_step'"):
         eval_config(saved, [])
+
+
+def test_a_checkpoint_written_before_the_rename_is_evaluated_and_exported(tmp_path) -> None:
+    """A run's checkpoint as sslkit wrote it before the counters' rename (``position.update``, the config's
+    ``optim.accumulate_steps``): the tools read its model, config and step; the export writes its trunk."""
+    import torch
+    import yaml
+    from helpers import SMALL, run_main
+
+    from sslkit.tools.export import export_main
+    from sslkit.tools.pretrained import load_pretrained
+
+    out = tmp_path / "run"
+    run_main("config=simclr", *SMALL, "optim.max_steps=2", "eval.knn.enabled=false", "log.tensorboard=false",
+             f"output_dir={out}")
+    path = out / "checkpoints" / "checkpoint_000000002.pt"
+    state = torch.load(path, weights_only=True)
+    state["position"]["update"] = state["position"].pop("step")
+    config = yaml.safe_load(state["config"])
+    config["optim"]["accumulate_steps"] = config["optim"].pop("micro_batches")
+    state["config"] = yaml.safe_dump(config)
+    torch.save(state, path)
+    loaded = load_pretrained(str(out), ["machine.device=cpu"])
+    assert loaded.step == 2 and loaded.config.optim.micro_batches == 1
+    assert export_main([f"checkpoint={out}", "twin=none", f"output={tmp_path / 'trunk.safetensors'}"]) == 0
