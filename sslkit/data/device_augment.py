@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_taps, unit_float
+from sslkit.data.transforms import MultiCropTransform, SimCLRTransform, blur_taps, unit_float, view_uniforms
 
 __all__ = [
     "UNIFORMS_PER_VIEW", "DeviceAugment", "DeviceSimCLRAugment", "Images", "PackedImages", "ReadForDevice",
@@ -455,7 +455,7 @@ class ReadForDevice:
         """``[image, uniforms]`` (a 16-bit image as float32 in 0..1: the device's uint16 support is thin)."""
         if image.dtype == torch.uint16:
             image = unit_float(image)
-        width = UNIFORMS_PER_VIEW + (2 * image.shape[0] if self.per_channel else 0)
+        width = view_uniforms(image.shape[0], self.per_channel)
         return [image, torch.rand(self.num_views, width, dtype=torch.float64)]
 
 

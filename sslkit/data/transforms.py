@@ -27,6 +27,7 @@ __all__ = [
     "eval_resize",
     "random_resized_crop_box",
     "unit_float",
+    "view_uniforms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,12 @@ def _resized(crop: torch.Tensor, s: int) -> torch.Tensor:
     return F.interpolate(crop[None], size=(s, s), mode="bilinear", align_corners=False, antialias=antialias)[0]
 
 
+def view_uniforms(channels: int, per_channel: bool) -> int:
+    """Uniforms one SimCLR-style view of a ``channels``-channel image draws: 54 (40 for the crop, 14 after it), and
+    with the per-channel jitter two per channel after them (the one rule of the workers' and the device's draws)."""
+    return SimCLRTransform.N_UNIFORMS + (2 * channels if per_channel else 0)
+
+
 class SimCLRTransform:
     """SimCLR-style views: random resized crop, flip, colour jitter, grayscale, blur, solarize.
 
@@ -287,7 +294,7 @@ class SimCLRTransform:
     def uniforms(self, channels: int) -> int:
         """The uniforms one view of a ``channels``-channel image draws: 54 (40 for the crop, 14 after it), and with
         ``jitter_per_channel`` two per channel after them (its brightness and contrast factors)."""
-        return self.N_UNIFORMS + (2 * channels if self.jitter_per_channel else 0)
+        return view_uniforms(channels, self.jitter_per_channel)
 
     def _jitter(self, x: torch.Tensor, u: Sequence[float], per_channel: Sequence[float]) -> torch.Tensor:
         """Brightness, contrast, saturation, hue in the order ``u[4:8]`` draws; with ``per_channel`` (2 uniforms a
