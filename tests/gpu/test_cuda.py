@@ -283,15 +283,19 @@ def test_the_dino_family_centre_moves_on_the_device_without_a_sync() -> None:
     centres = {}
     for device in ("cpu", "cuda"):
         cls, patches = Center(8, 0.9).to(device), Center(8, 0.9).to(device)
+        # on the device before the watch: a copy from pageable host memory is itself a sync
+        here, weighed = [r.to(device) for r in rows], [w.to(device) for w in weights]
+        none = torch.zeros(6, device=device)
         if device == "cuda":
+            torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(2):  # two micro-batches, then the update
-                cls.accumulate([r.to(device) for r in rows])
-                patches.accumulate([r.to(device) for r in rows], [w.to(device) for w in weights])
+                cls.accumulate(here)
+                patches.accumulate(here, weighed)
             cls.update()
             patches.update()
-            patches.accumulate([rows[0].to(device)], [torch.zeros(6, device=device)])
+            patches.accumulate(here[:1], [none])
             patches.update()  # no weight: stays
         finally:
             torch.cuda.set_sync_debug_mode(0)

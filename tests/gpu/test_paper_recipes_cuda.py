@@ -3,7 +3,9 @@
 Marked ``gpu``: skipped where no CUDA device is visible (CI). Each recipe trains a few bf16 updates at its own
 per-process batch (sslkit doctor's settings: synthetic 224 px images, nothing else changed), with CUDA's sync debug
 mode raising on any host-device sync in updates 3-5, and its peak memory is printed (``-rP``) and written as a JSON
-line to ``$SSLKIT_GPU_REPORT`` when set. The CPU checks of the same recipes: tests/methods/test_paper_recipes.py.
+line to ``$SSLKIT_GPU_REPORT`` when set. One such run at a time, also under ``pytest -n 8``
+(one xdist group): two ViT-B or ViT-L steps beside each other outgrow one GPU's memory. The CPU checks of the same
+recipes: tests/methods/test_paper_recipes.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 
 from sslkit.launch.doctor import PAPER, PAPER_RECIPES
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# one xdist group (the suite runs --dist loadgroup): the paper runs take turns on one worker
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group(name="gpu-paper-recipes")]
 
 GPU = ["machine.device=cuda", "amp.enabled=true", "amp.dtype=bfloat16"]
 #: The recipes whose step is too large for the CPU suite's 4 GB a process (tests/methods/test_paper_recipes.py), with
