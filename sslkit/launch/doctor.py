@@ -438,8 +438,15 @@ class Stopped(BaseException):
     """SIGTERM during the checks (a BaseException, as KeyboardInterrupt: no check's ``except Exception`` takes it)."""
 
 
+#: The signals that came during the checks. A signal sent to the whole process group (a terminal's Ctrl-C,
+#: ``timeout``, a scheduler) also ends a check's data workers, and the loader's error raised while the run closes
+#: replaces the Stopped raised here: the check then returns as failed, and this list still says why.
+_SIGNALLED: list[int] = []
+
+
 def _stop(signum: int, frame: Any) -> None:
-    raise Stopped()
+    _SIGNALLED.append(signum)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Stopped()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -485,20 +492,25 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(lambda root: data_check(a.device, root))
     total = len(rows) + len(steps)
     print(f"sslkit doctor: {total} checks; the table follows when they are done", flush=True)
-    previous = signal.signal(signal.SIGTERM, _stop)
+    _SIGNALLED.clear()
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with tempfile.TemporaryDirectory(prefix="sslkit-doctor-") as root:
             for i, step in enumerate(steps):
-                rows.append(step(root))
+                row = step(root)
+                if _SIGNALLED:  # the check ended by the signal (its row, if any, says only how)
+                    raise Stopped()
+                rows.append(row)
                 _progress(i + 1, len(steps), rows[-1])
-    except (KeyboardInterrupt, Stopped) as stop:
+    except (KeyboardInterrupt, Stopped):
         _progress(0, 0, None)
-        by = "SIGTERM" if isinstance(stop, Stopped) else "Ctrl-C"
-        print(f"\n{table(rows)}\n\nsslkit doctor: stopped by {by} with {len(rows)} of {total} checks done",
-              file=sys.stderr)
-        return 128 + signal.SIGTERM if isinstance(stop, Stopped) else EXIT_INTERRUPTED
+        term = _SIGNALLED[:1] == [signal.SIGTERM]
+        print(f"\n{table(rows)}\n\nsslkit doctor: stopped by {'SIGTERM' if term else 'Ctrl-C'} with {len(rows)} "
+              f"of {total} checks done", file=sys.stderr)
+        return 128 + signal.SIGTERM if term else EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     _progress(0, 0, None)
     failed = [r.name for r in rows if r.status == "FAILED"]
     print(f"\n{table(rows)}\n\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
