@@ -268,12 +268,13 @@ class DeviceSimCLRAugment:
         ``images`` is a batch ``[N, C, H, W]`` or a list of ``[C, H_i, W_i]`` images of many sizes (a folder
         of photos): each is cropped within its own size."""
         spec = self.spec
+        c = channels_of(images) if isinstance(images, torch.Tensor | PackedImages) else images[0].shape[0]
+        if u.shape[1] != spec.uniforms(c):  # (before the crop, which reads the first of them)
+            raise ValueError(f"{u.shape[1]} uniforms per view for {c}-channel images: this augmentation draws "
+                             f"{spec.uniforms(c)}")
         x = crop_and_resize(images, u, spec.image_size, spec.crop_scale, spec.crop_ratio)
         mean, inv_std = self._normalisation(x.shape[1], x.device)
         taps = blur_taps(spec.image_size, spec.blur_kernel // 2, str(x.device))
-        if u.shape[1] != spec.uniforms(x.shape[1]):
-            raise ValueError(f"{u.shape[1]} uniforms per view for {x.shape[1]}-channel images: this augmentation "
-                             f"draws {spec.uniforms(x.shape[1])}")
         pixels = self._pixels if self.compiled is None else self.compiled
         return pixels(x, u[:, 40:].to(x.dtype), mean, inv_std, taps)
 

@@ -69,6 +69,19 @@ def test_every_pixel_operation_matches_the_per_image_transform(channels: int, pe
     assert (device - cpu).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["batch", "list of sizes"])
+def test_uniforms_of_another_width_are_refused_before_the_crop(listed: bool) -> None:
+    """Uniforms drawn for another channel count or setting (the per-channel jitter's 2 a channel missing) are
+    refused by name and count, for a batch and for a list of images of many sizes, before the crop reads them."""
+    augment = DeviceSimCLRAugment(image_size=8, **ALL_ON, jitter_per_channel=True)
+    images = torch.randint(0, 256, (4, 4, 12, 12), dtype=torch.uint8)
+    given = list(images[:, :, : 10 + listed]) if listed else images  # (each a [4, H, 12] image in the list)
+    with pytest.raises(ValueError, match=rf"^{UNIFORMS_PER_VIEW} uniforms per view for 4-channel images: this "
+                                         rf"augmentation draws {UNIFORMS_PER_VIEW + 8}$"):
+        augment.views(given, _same_uniforms(4, 0))
+    assert augment.views(given, _same_uniforms(4, 0, UNIFORMS_PER_VIEW + 8)).shape == (4, 4, 8, 8)
+
+
 def test_resized_crops_are_close_to_the_per_image_resize() -> None:
     """With real crops the batched roi_align resize differs from the per-image interpolation only at crop borders
     and by its box filter where a crop shrinks: on a smooth image the difference is small (in [0, 1] units before
