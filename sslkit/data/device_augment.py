@@ -171,9 +171,11 @@ def _resize_boxes(x: torch.Tensor, boxes: torch.Tensor, s: int) -> torch.Tensor:
     return roi_align(x, rois, output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
 
 
-def channels_of(images: torch.Tensor | PackedImages) -> int:
-    """The channel count of a packed batch (:func:`pack`'s)."""
-    return images.shape[1] if isinstance(images, torch.Tensor) else images.channels
+def channels_of(images: Images) -> int:
+    """The channel count of a batch: one tensor, a packed batch (:func:`pack`'s) or a list of ``[C, H, W]`` images."""
+    if isinstance(images, torch.Tensor):
+        return images.shape[1]
+    return images.channels if isinstance(images, PackedImages) else images[0].shape[0]
 
 
 def pack(images: Images) -> torch.Tensor | PackedImages:
@@ -268,7 +270,7 @@ class DeviceSimCLRAugment:
         ``images`` is a batch ``[N, C, H, W]`` or a list of ``[C, H_i, W_i]`` images of many sizes (a folder
         of photos): each is cropped within its own size."""
         spec = self.spec
-        c = channels_of(images) if isinstance(images, torch.Tensor | PackedImages) else images[0].shape[0]
+        c = channels_of(images)
         if u.shape[1] != spec.uniforms(c):  # (before the crop, which reads the first of them)
             raise ValueError(f"{u.shape[1]} uniforms per view for {c}-channel images: this augmentation draws "
                              f"{spec.uniforms(c)}")
