@@ -1,7 +1,7 @@
 """Sharded sources at scale: start-up and images/s per loader worker against the per-core JPEG decode limit.
 
     python benchmarks/data_sources.py [--samples 1000000] [--size 64] [--workers 1,2] [--batches 40]
-                                      [--scratch DIR] [--quick] [--remote] [--latency-ms 50]
+                                      [--batch-size 256] [--scratch DIR] [--quick] [--remote] [--latency-ms 50]
 
 Writes a synthetic set of ``--samples`` small JPEGs (``--size`` px; 1000 distinct smooth images, encoded once at
 quality 90 and cycled, so the set costs the time of writing it, not of encoding it) as tar shards of 256 MB
@@ -14,9 +14,9 @@ time in this process:
 * the shards' index: built from the tar headers (the first start) and read back from its cache (every later
   one), seconds; the HF dataset's opening (memory-mapped), seconds;
 * time to the first batch: ``build_train_data`` for ``config=simclr`` on the source (the index cached) until the
-  first batch of 256 is out of the loader (its workers started, decoding and augmenting);
+  first batch (``--batch-size``, 256) is out of the loader (its workers started, decoding and augmenting);
 * images/s per loader worker: decode + SimCLR augmentation of two views in the workers (``data.augment_on=workers``),
-  ``--batches`` batches of 256 after 3 of warm-up, for each number of ``--workers``, divided by the workers.
+  ``--batches`` batches after 3 of warm-up, for each number of ``--workers``, divided by the workers.
 
 With ``--remote``, the shards served over HTTP from this process (tests/remote_servers.py: Python's HTTP server with
 byte ranges, in a thread) are measured too: the time to index them remotely with and without the index files
@@ -24,8 +24,8 @@ beside them, and images/s per loader worker by ranged reads and with the whole s
 on localhost and with ``--latency-ms`` added to every request (a distant store); the whole shards read in
 ``data.order=shards`` (two at a time, the next two fetched ahead), the ranged reads in the random order.
 
-Prints a table for docs/data.md with the machine. ``--quick`` (2000 samples, 10 batches, half a second a decoder)
-checks it runs.
+Prints a table for docs/data.md with the machine. ``--quick`` (2000 samples, 4 batches of 64, half a second a decoder)
+checks it runs: its figures are not for the docs.
 """
 
 from __future__ import annotations
@@ -128,13 +128,13 @@ def open_times(root: Path) -> dict[str, float]:
     return times
 
 
-def _config(source: str, path: Path | str, size: int, workers: int, batches: int, out: Path):
+def _config(source: str, path: Path | str, size: int, workers: int, batches: int, batch: int, out: Path):
     from sslkit.config.compose import compose_config
 
     extra = ["data.train.kwargs.label_column=label"] if source == "hf" else []
     return compose_config(["config=simclr", f"data={source}", f"data.train.path={path}", *extra,
                            "machine.device=cpu", "data.augment_on=workers", f"data.num_workers={workers}",
-                           "data.batch_size=256", f"data.image_size={size}", f"data.small_image_size={size // 2}",
+                           f"data.batch_size={batch}", f"data.image_size={size}", f"data.small_image_size={size // 2}",
                            "model.trunk=small_cnn", f"optim.max_steps={batches + 3}", "eval.knn.enabled=false",
                            "log.tensorboard=false", f"output_dir={out}"])
 
@@ -145,14 +145,15 @@ def _cycle(loader):
         yield from loader
 
 
-def loader_rates(root: Path, size: int, workers: list[int], batches: int) -> list[tuple[str, int, float, float]]:
+def loader_rates(root: Path, size: int, workers: list[int], batches: int, batch: int
+                 ) -> list[tuple[str, int, float, float]]:
     """(source, workers, seconds to the first batch, images/s) through sslkit's training loader."""
     from sslkit.builder.data import build_train_data
 
     rows = []
     for source, path in (("webdataset", root / "shards"), ("hf", root / "hf")):
         for w in workers:
-            cfg = _config(source, path, size, w, batches, root / "run")
+            cfg = _config(source, path, size, w, batches, batch, root / "run")
             start = time.perf_counter()
             data = build_train_data(cfg, torch.device("cpu"), 1)
             it = _cycle(data.loader)
@@ -170,7 +171,7 @@ def loader_rates(root: Path, size: int, workers: list[int], batches: int) -> lis
     return rows
 
 
-def remote_rates(root: Path, size: int, workers: list[int], batches: int,
+def remote_rates(root: Path, size: int, workers: list[int], batches: int, batch: int,
                  latency_ms: float) -> list[tuple[str, float, str]]:
     """The shards over HTTP: (measure, value, unit) rows, one thing at a time."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -200,7 +201,7 @@ def remote_rates(root: Path, size: int, workers: list[int], batches: int,
             faults.latency_s = latency
             for cache_gb in (0.0, 64.0):
                 for w in workers:
-                    cfg = _config("webdataset", f"'{base}/{pattern}'", size, w, batches, root / "run")
+                    cfg = _config("webdataset", f"'{base}/{pattern}'", size, w, batches, batch, root / "run")
                     cfg.data.cache_gb, cfg.data.cache_dir = cache_gb, str(root / f"cache-run-{latency}-{cache_gb}")
                     if cache_gb:  # whole shards are for reading shard by shard (two at a time, the next two ahead)
                         cfg.data.order, cfg.data.shard_span = "shards", 2
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--remote", action="store_true", help="also the shards served over HTTP (see above)")
@@ -234,12 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                         "their shards' indexes are deleted, so the first open builds them")
     a = parser.parse_args(argv)
     if a.quick:
-        a.samples, a.batches = 2000, 10
+        a.samples, a.batches, a.batch_size = 2000, 4, 64
     root = Path(a.scratch or tempfile.mkdtemp(prefix="sslkit-data-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     cpu = platform.processor() or platform.machine()
     print(f"machine: {cpu}, {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}; "
-          f"{a.samples:,} JPEGs of {a.size} px in {root}", flush=True)
+          f"{a.samples:,} JPEGs of {a.size} px in {root}, batches of {a.batch_size}", flush=True)
     jpegs = _jpegs(a.size)
     print(f"JPEG size: median {statistics.median(len(j) for j in jpegs):,.0f} bytes", flush=True)
     seconds = 0.5 if a.quick else 5.0
@@ -256,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"written: {writes}", flush=True)
     opens = open_times(root)
     print(f"opened: {opens}", flush=True)
-    rows = loader_rates(root, a.size, [int(w) for w in a.workers.split(",")], a.batches)
-    remote = remote_rates(root, a.size, [int(w) for w in a.workers.split(",")], a.batches, a.latency_ms) \
-        if a.remote else []
+    workers = [int(w) for w in a.workers.split(",")]
+    rows = loader_rates(root, a.size, workers, a.batches, a.batch_size)
+    remote = remote_rates(root, a.size, workers, a.batches, a.batch_size, a.latency_ms) if a.remote else []
     print()
     print("| measure | value |")
     print("| --- | ---: |")
