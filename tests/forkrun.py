@@ -171,6 +171,9 @@ def _child(spec: bytes, stdin: int, stdout: int, stderr: int) -> None:
     _fresh_signals()
     os.environ.clear()
     os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() caches the server's answer: read TMPDIR of this environment again
     os.chdir(cwd)
     sys.path[:] = path
     sys.argv = argv

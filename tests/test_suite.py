@@ -93,7 +93,7 @@ def test_a_small_cnn_run_imports_only_what_it_uses(tmp_path: Path) -> None:
 
 #: A script that prints what a new interpreter gives it and exits with code 3 (tests/forkrun.py's promise).
 PROBE = """
-import json, multiprocessing.forkserver as fs, os, signal, sys
+import json, multiprocessing.forkserver as fs, os, signal, sys, tempfile
 disposition = lambda s: {signal.SIG_DFL: "default", signal.SIG_IGN: "ignored"}.get(signal.getsignal(s), "handler")
 print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path, "own_group": os.getpgid(0) == os.getpid(),
@@ -104,6 +104,7 @@ print(json.dumps({
     "stdin": sys.stdin.read(), "fork_server": fs._forkserver._forkserver_address,
     "start_method": __import__("multiprocessing").get_start_method(),
     "main": __name__, "file": __file__, "malloc": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+    "tempdir": tempfile.gettempdir(),
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(3)
@@ -123,16 +124,20 @@ def _from_a_terminal(argv: list[str], **kwargs: object) -> subprocess.Popen[str]
 
 def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> None:
     """tests/forkrun.py forks the suite's ``python SCRIPT.py`` commands from a server with torch imported: the
-    script sees the argv, working folder, environment, sys.path, signal dispositions, stdin, streams, session,
-    start method and exit code of a new interpreter started from a terminal, and no fork server of the parent's;
-    only the malloc thresholds of tools/run.py's re-execution are added."""
+    script sees the argv, working folder, environment (its TMPDIR for tempfile too), sys.path, signal dispositions,
+    stdin, streams, session, start method and exit code of a new interpreter started from a terminal, and no fork
+    server of the parent's; only the malloc thresholds of tools/run.py's re-execution are added."""
     import forkrun
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "probe.py").write_text(PROBE)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "extra"), "PROBE_VALUE": "1"}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "extra"), "PROBE_VALUE": "1", "TMPDIR": str(tmp_path / "tmp")}
     argv = [sys.executable, "sub/probe.py", "a b", "--flag"]
     forkrun.ensure_server()
+    import tempfile
+
+    tempfile.gettempdir()  # (the server's answer, cached in the parent too: the fork must not keep it)
     seen = []
     for start in (_from_a_terminal, forkrun.popen):
         proc = start(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -145,6 +150,7 @@ def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> N
     assert new.pop("malloc") is None and forked.pop("malloc") == "4294967296"
     assert forked == new and forked["own_group"] and forked["fork_server"] is None
     assert forked["path"][:2] == [str(tmp_path / "sub"), str(tmp_path / "extra")]
+    assert forked["tempdir"] == str(tmp_path / "tmp")  # its own TMPDIR, not the server's cached temporary folder
 
 
 def test_a_forked_command_ends_as_an_interpreter_does_on_a_signal_or_an_uncaught_ctrl_c(tmp_path: Path) -> None:
