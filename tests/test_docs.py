@@ -582,6 +582,8 @@ def _expected_seconds(command: str) -> float:
     """A rough run time, to start the longest commands first (they would otherwise end the module alone)."""
     if "eval.knn.baselines=true" in command:
         return 20.0
+    if _tool(shlex.split(command)) == "bench":  # every protocol on several backbones: 13-50 s alone here
+        return 30.0
     return 5.0 + 3.0 * _processes(command)
 
 
@@ -702,7 +704,7 @@ def _check(command: str, shown: list[str], p: Plan, got: Outcome) -> None:
         assert got.checkpoint, f"no checkpoints/latest.txt in {got.run_dir}: {context}"
 
 
-#: Run in a new interpreter by :func:`test_the_docs_commands_in_printed_order_each_find_their_folder`: each train
+#: Run in a new process by :func:`test_the_docs_commands_in_printed_order_each_find_their_folder`: each train
 #: command's config composed in one shared working folder, its folder prepared as tools/run.py prepares it, then
 #: left as a trained run leaves it (config.yaml and a checkpoint); each tool's checkpoint= must name a folder an
 #: earlier command made. Prints one JSON object: the problems found, and the folder each train command used.
@@ -712,7 +714,9 @@ from sslkit.checkpoint import checkpoint_dir
 from sslkit.config.compose import compose_config
 from sslkit.launch.runfolder import RunFolderError, prepare_output_dir, write_config
 problems, folders = [], {}
-for where, kind, args in json.load(sys.stdin):
+with open(sys.argv[1]) as f:
+    steps = json.load(f)
+for where, kind, args in steps:
     if kind == "tool":
         target = next((a.split("=", 1)[1] for a in args if a.startswith("checkpoint=")), None)
         if target and not os.path.isabs(target) and not os.path.isdir(target):
@@ -767,8 +771,10 @@ def test_the_docs_commands_in_printed_order_each_find_their_folder(tmp_path: Pat
             seen.add(p.kind)
     assert seen == {"train", "tool"} and len(steps) > 20
     _workdir(tmp_path, " ".join(f"imports=[{m}]" for m in MY_SSL))
-    proc = subprocess.run([sys.executable, "-c", _PRINTED_ORDER], input=json.dumps(steps), capture_output=True,
-                          text=True, cwd=tmp_path, env=_run_env(tmp_path), timeout=HANG_S)
+    (tmp_path / "printed_order.py").write_text(_PRINTED_ORDER)  # forked from the tests' server, torch imported
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    proc = forkrun.run([sys.executable, "printed_order.py", "steps.json"], capture_output=True, text=True,
+                       cwd=tmp_path, env=_run_env(tmp_path), timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found["problems"] == [], "\n".join(found["problems"])

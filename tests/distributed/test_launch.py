@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import forkrun
 import pytest
 import torch
 from helpers import HANG_S, REPO, SMALL, metrics, run_cli, wait_for
@@ -37,8 +37,9 @@ def test_run_spawns_two_workers(tmp_path: Path) -> None:
 def test_run_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "torchrun"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    # torchrun's agent forked from the tests' server (torch imported); it starts its ranks as new interpreters
+    proc = forkrun.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2",
          str(REPO / "tools" / "run.py"), "config=simclr", *DIST, f"output_dir={out}"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=HANG_S,
     )

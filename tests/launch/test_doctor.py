@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkrun
 import pytest
 from helpers import HANG_S, REPO, wait_for
 
@@ -83,9 +84,9 @@ def test_the_collective_check_runs_two_processes_and_checks_the_values() -> None
 
 #: ``sslkit doctor`` with the simclr check's run reading through two data workers (the small recipes read in the
 #: main process), as the data and paper-scale checks do.
-_WITH_WORKERS = ("import sys; from sslkit.launch import doctor; "
-                 "doctor.SMALL_RECIPES['simclr'] = [*doctor.SMALL_RECIPES['simclr'], 'data.num_workers=2']; "
-                 "sys.exit(doctor.main(sys.argv[1:]))")
+_WITH_WORKERS = ("import sys\nfrom sslkit.launch import doctor\n"
+                 "doctor.SMALL_RECIPES['simclr'] = [*doctor.SMALL_RECIPES['simclr'], 'data.num_workers=2']\n"
+                 "sys.exit(doctor.main(sys.argv[1:]))\n")
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["to the doctor", "to its process group, workers too"])
@@ -97,11 +98,17 @@ def test_ctrl_c_or_sigterm_stops_the_doctor_not_only_its_check(tmp_path: Path, s
     run and gone on to the next check (here: a determinism check of 10^6 updates, which would not end). Sent to the
     process group (a terminal's Ctrl-C, ``timeout``) it also ends the run's data workers, whose loader error the
     check used to report as its failure before going on (seen on a GPU under ``timeout 70 sslkit doctor``)."""
-    start = [sys.executable, "-c", _WITH_WORKERS] if group else [sys.executable, "-m", "sslkit", "doctor"]
-    proc = subprocess.Popen([*start, "--device", "cpu", "--recipes", "simclr", "--steps", "1000000",
-                             "--no-collective", "--no-data"], cwd=REPO, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    # forked from the tests' server (torch imported): a new interpreter's imports cost about 5 s of a core here
+    if group:
+        script = tmp_path / "doctor_with_workers.py"
+        script.write_text(_WITH_WORKERS)
+        start = [sys.executable, str(script)]
+    else:
+        start = [str(Path(sys.executable).parent / "sslkit"), "doctor"]
+    proc = forkrun.popen([*start, "--device", "cpu", "--recipes", "simclr", "--steps", "1000000",
+                          "--no-collective", "--no-data"], cwd=REPO, text=True, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
     try:
         wait_for(lambda: any(tmp_path.glob("sslkit-doctor-*/simclr/metrics.jsonl")), "the recipe's run to train",
                  proc)
