@@ -135,9 +135,6 @@ def test_a_forked_command_sees_what_a_new_interpreter_would(tmp_path: Path) -> N
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "extra"), "PROBE_VALUE": "1", "TMPDIR": str(tmp_path / "tmp")}
     argv = [sys.executable, "sub/probe.py", "a b", "--flag"]
     forkrun.ensure_server()
-    import tempfile
-
-    tempfile.gettempdir()  # (the server's answer, cached in the parent too: the fork must not keep it)
     seen = []
     for start in (_from_a_terminal, forkrun.popen):
         proc = start(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
