@@ -1,6 +1,7 @@
 """Data: sources, augmentations, the seeded dataset wrapper, the resumable sampler and the loader."""
 
-from sslkit.data import health, hf, shards, sources, transforms  # noqa: F401  (hf, shards: register sources)
+# (hf, shards and wild_files register their sources)
+from sslkit.data import health, hf, shards, sources, transforms, wild_files  # noqa: F401
 from sslkit.data.dataset import SSLDataset
 from sslkit.data.health import SkippedSamples, SkipTotals
 from sslkit.data.loader import build_loader, collate_views

@@ -14,7 +14,7 @@ from sslkit.data.transforms import Normalize
 
 __all__ = ["FASHION_CLASSES", "IGNORE_INDEX", "IMAGE_SUFFIXES", "FashionMNISTScenes", "FashionMNISTSegmentation",
            "SegmentationFolder", "SegmentationTransform", "TransformedSegmentation", "folder_classes",
-           "split_scenes", "write_segmentation_folder"]
+           "split_scenes", "stored_class_map", "write_segmentation_folder"]
 
 #: The label of pixels no class is scored on (ADE20K's "other" after ``reduce_zero_label``, mmseg's convention).
 IGNORE_INDEX = 255
@@ -80,6 +80,18 @@ class SegmentationFolder(Dataset):
             raise FileNotFoundError(f"{images}: no images ({', '.join(IMAGE_SUFFIXES)})")
         self.reduce_zero_label = bool(reduce_zero_label)
         self.channels = 3
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[Path, Path]], reduce_zero_label: bool = True) -> SegmentationFolder:
+        """The (image, class map) files ``pairs`` read as a folder in ADE20K's layout reads them (the wild set's
+        images lie in an ImageFolder tree, its class maps in ``annotations/``)."""
+        missing = [str(p) for pair in pairs for p in pair if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} image or class map file(s) missing: "
+                                    f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
+        out = cls.__new__(cls)
+        out.pairs, out.reduce_zero_label, out.channels = list(pairs), bool(reduce_zero_label), 3
+        return out
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -232,6 +244,18 @@ def split_scenes(images: torch.Tensor, labels: torch.Tensor, split: str, count: 
                               int(seed) * 2 + (split == "test"))
 
 
+def stored_class_map(mask: Any) -> Any:
+    """A class map (classes from 0, :data:`IGNORE_INDEX` unscored) as ADE20K's 8-bit PNGs store it: class + 1, and 0
+    for the ignored pixels (ADE20K's "other"), which :class:`SegmentationFolder`'s ``reduce_zero_label`` reads back
+    as they were. uint8 numpy array."""
+    import numpy as np
+
+    mask = np.asarray(mask)
+    if bool(((mask != IGNORE_INDEX) & (mask >= IGNORE_INDEX - 1)).any()):
+        raise ValueError("a class above 253 does not fit an 8-bit class map beside the ignore label")
+    return np.where(mask == IGNORE_INDEX, 0, mask.astype(np.int64) + 1).astype(np.uint8)
+
+
 def write_segmentation_folder(dataset: Dataset, root: str | Path, split: str, meta: dict[str, Any] | None = None,
                               progress: Any = None) -> int:
     """Write ``dataset``'s (uint8 image, class map) pairs in ADE20K's layout under ``root``: lossless PNG images in
@@ -249,12 +273,9 @@ def write_segmentation_folder(dataset: Dataset, root: str | Path, split: str, me
     n = len(dataset)  # type: ignore[arg-type]
     for i in range(n):
         image, mask = dataset[i]
-        if bool((mask != IGNORE_INDEX).logical_and(mask >= IGNORE_INDEX - 1).any()):
-            raise ValueError("a class above 253 does not fit an 8-bit class map beside the ignore label")
         pixels = image.numpy()
         Image.fromarray(pixels[0] if pixels.shape[0] == 1 else pixels.transpose(1, 2, 0)).save(images / f"{i:06d}.png")
-        stored = torch.where(mask == IGNORE_INDEX, 0, mask + 1).to(torch.uint8).numpy()
-        Image.fromarray(stored).save(annotations / f"{i:06d}.png")
+        Image.fromarray(stored_class_map(mask.numpy())).save(annotations / f"{i:06d}.png")
         if progress is not None:
             progress(1)
     if meta is not None:

@@ -1,7 +1,8 @@
 """``sslkit data pack`` (a folder or file list into tar shards with their index, on disk or uploaded to object
 storage), ``sslkit data index`` (the index written beside shards that have none), ``sslkit data info`` (what a
 source holds: samples, classes, image sizes of a sample of it, unreadable ones), ``sslkit data scenes`` (the
-offline dense task, written as a segmentation folder) and ``sslkit data stats`` (each channel's mean and std)."""
+offline dense task, written as a segmentation folder), ``sslkit data wild`` (the proving ground:
+:mod:`sslkit.tools.wild`) and ``sslkit data stats`` (each channel's mean and std)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sslkit.data.remote import is_url
 from sslkit.data.sources import UnreadableSampleError, build_source
 from sslkit.tools.common import parse_tool_args, run_tool
 from sslkit.tools.pretrained import ToolError
+from sslkit.tools.wild import WILD_KEYS, WILD_USAGE, wild_main
 
 __all__ = ["channel_stats", "data_main", "guess_source", "source_info"]
 
@@ -52,6 +54,7 @@ USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER_OR_
        sslkit data info path=SOURCE [source=...] [sample=64]
        sslkit data scenes output=FOLDER [train=4000] [test=1000] [canvas=56] [garments=[2,4]] [seed=0]
        sslkit data stats path=SOURCE [source=...] [channels=3] [sample=10000] [output=data_stats.json]
+       {WILD_USAGE}
 
 pack: {'; '.join(f'{k}= {v}' for k, v in PACK_KEYS.items())}
 index: each shard's index of members (its tar headers read once) written beside it, so that every later reader
@@ -60,6 +63,8 @@ info: {'; '.join(f'{k}= {v}' for k, v in INFO_KEYS.items())}
 scenes: Fashion-MNIST garments of several classes on a larger canvas, each pixel labelled with its garment's class
   or background (the dense probe's offline task, eval.dense.dataset=scenes); {'; '.join(f'{k}= {v}' for k, v in
                                                                                     SCENES_KEYS.items())}
+wild: Fashion-MNIST in the wild, the proving ground (garments blended into photographs, MNIST-M's way, with
+  distractors; boxes and class maps beside them; docs/data.md); {'; '.join(f'{k}= {v}' for k, v in WILD_KEYS.items())}
 stats: each channel's mean and standard deviation of the pixels in 0..1 (16-bit images divided by 65535), for the
   transforms' normalisation (data.stats=FILE); {'; '.join(f'{k}= {v}' for k, v in STATS_KEYS.items())}
 Train on the shards with: python tools/run.py config=simclr data=webdataset data.train.path=SHARD_FOLDER"""
@@ -67,11 +72,15 @@ Train on the shards with: python tools/run.py config=simclr data=webdataset data
 
 def guess_source(path: str) -> str:
     """The source that reads ``path``: ``webdataset`` (a brace pattern, a ``.tar``, a folder of them, a list of
-    them), ``hf`` (a ``save_to_disk`` folder, ``.parquet`` / ``.arrow`` files), ``filelist`` (another file),
-    ``folder`` (another folder)."""
+    them), ``wild`` (a folder ``sslkit data wild`` wrote), ``hf`` (a ``save_to_disk`` folder, ``.parquet`` /
+    ``.arrow`` files), ``filelist`` (another file), ``folder`` (another folder)."""
+    from sslkit.data.wild_files import is_wild
+
     p = Path(path).expanduser()
     if "{" in path or p.suffix == ".tar" or is_url(path):
         return "webdataset"
+    if is_wild(p):
+        return "wild"
     if p.is_dir():
         if any(p.glob("*.tar")):
             return "webdataset"
@@ -314,11 +323,12 @@ def _stats(args: list[str]) -> int:
 
 
 def data_main(argv: list[str] | None = None) -> int:
-    """``sslkit data pack|index|info|scenes|stats ...``."""
+    """``sslkit data pack|index|info|scenes|stats|wild ...``."""
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
-    bodies = {"pack": _pack, "index": _index, "info": _info, "scenes": _scenes, "stats": _stats}
+    bodies = {"pack": _pack, "index": _index, "info": _info, "scenes": _scenes, "stats": _stats,
+              "wild": wild_main}
     if not args or args[0] not in bodies:
         print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2

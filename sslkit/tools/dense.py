@@ -92,12 +92,39 @@ def segmentation_sets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, dict[str,
                      "classes": "0 background, 1 + the image's label where the pixel is above the threshold"}
     elif dense.dataset == "folder":
         sets, classes, described = _folder_sets(dense)
+    elif dense.dataset == "wild":
+        sets, classes, described = _wild_sets(cfg)
     else:
-        raise ToolError(f"eval.dense.dataset={dense.dataset}: use scenes, fashion_mnist or folder")
+        raise ToolError(f"eval.dense.dataset={dense.dataset}: use scenes, fashion_mnist, wild or folder")
     train, test = sets
     limit = int(cfg.data.limit)  # as every tool reads data.limit: the first N images of each split
     train = limited(limited(train, int(dense.train_samples)), limit)
     return train, limited(test, limit), classes, described
+
+
+def _wild_sets(cfg: DictConfig) -> tuple[list[Dataset], int, dict[str, Any]]:
+    """The class maps of the run's wild set (data=wild: its data.train.path, or the set its knobs built into the
+    cache), or of the wild folder eval.dense.path names."""
+    from sslkit.builder.common import section_kwargs
+    from sslkit.data.sources import DataSourceError
+    from sslkit.data.wild_files import wild_folder, wild_pairs
+
+    path, kwargs = cfg.eval.dense.path, {}
+    if not path:
+        if cfg.data.train.source != "wild":
+            raise ToolError("eval.dense.dataset=wild reads the class maps of the run's wild set (data=wild), or of "
+                            f"eval.dense.path=DIR (a folder `sslkit data wild` wrote); this run's data is "
+                            f"{cfg.data.train.source}")
+        path, kwargs = cfg.data.train.path, section_kwargs(cfg.data.train.kwargs, ())
+    kwargs.pop("channels", None)
+    try:
+        root = wild_folder(str(path) if path else None, **kwargs)
+        sets = [SegmentationFolder.from_pairs(wild_pairs(root, split)) for split in ("train", "test")]
+    except (DataSourceError, FileNotFoundError) as exc:
+        raise ToolError(f"eval.dense.dataset=wild: {exc}") from None
+    return sets, 11, {"dataset": "wild", "path": str(root),  # type: ignore[return-value]
+                      "classes": "0 background, 1 + the class of the garment a pixel belongs to (the labelled one "
+                                 "or a distractor), faint pixels ignored"}
 
 
 def _folder_sets(dense: DictConfig) -> tuple[list[Dataset], int, dict[str, Any]]:
