@@ -53,6 +53,8 @@ def knn_class_scores(
     Discrimination", Sec. 3.4), as used by DINO's ``eval_knn``, solo-learn and lightly: features
     are L2-normalised, each query's ``k`` most cosine-similar training samples vote for their label
     with weight ``exp(sim / temperature)``, and a class's score is the sum of its voters' weights.
+    The default temperature 0.1 is lightly's ``knn_predict``'s (the MoCo CIFAR-10 demo's); DINO's
+    ``eval_knn.py`` and solo-learn default to 0.07 (docs/evaluation.md says why sslkit keeps 0.1).
 
     For numerical safety each row is computed as ``exp((sim - sim_max) / temperature)`` where
     ``sim_max`` is the query's best similarity, so the returned scores equal the protocol's scores

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from sslkit.evaluation.linear import cosine_lr
 
-__all__ = ["DINOV2_LRS", "GridSettings", "LinearProbeGrid", "fit_logistic", "logistic_predict", "shots_subset",
-           "stratified_split", "train_probe_grid"]
+__all__ = ["DINOV2_LRS", "GridSettings", "LinearProbeGrid", "fit_logistic", "logistic_predict", "row_space",
+           "shots_subset", "stratified_split", "train_probe_grid"]
 
 #: DINOv2's learning rates (``dinov2/eval/linear.py``: ``--learning-rates``), before the ``batch / 256`` scaling.
 DINOV2_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
@@ -113,35 +113,82 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[Te
         yield order[start : start + batch_size]
 
 
+def row_space(x: Tensor, rtol: float = 1e-7) -> Tensor | None:
+    """An orthonormal basis ``V`` ``[D, r]`` (float64) of the row space of ``x`` ``[N, D]`` when it has fewer rows
+    than dimensions (None otherwise: nothing to gain). A linear classifier's gradients on these rows all lie in that
+    space, so training on ``x @ V`` (``r <= N`` dimensions) and mapping back is the same training in fewer
+    dimensions: 2,000 images of a 4,096-wide backbone train in under half the arithmetic. Directions whose
+    singular value is below ``rtol`` of the largest (numerically empty) are left out."""
+    n, d = x.shape
+    if n >= d:
+        return None
+    xd = x.double()
+    eigenvalues, u = torch.linalg.eigh(xd @ xd.T)
+    keep = eigenvalues > (rtol**2) * eigenvalues.max().clamp_min(torch.finfo(torch.float64).tiny)
+    u, root = u[:, keep], eigenvalues[keep].sqrt()
+    return (xd.T @ u) / root
+
+
+def _orthogonal_decay(grid: LinearProbeGrid, scalars: dict[str, Tensor], scale: float) -> None:
+    """The part of each classifier's start outside the features' row space gets no gradient, only weight decay
+    through SGD's momentum: it stays ``a x`` that start, with ``a`` (and its momentum ``b``) updated here as
+    :func:`_sgd_step` updates the weights."""
+    m, d = grid.settings.momentum, grid.decay.double() * scalars["a"]
+    scalars["b"] = d if "b" not in scalars or not m else scalars["b"] * m + d
+    scalars["a"] = scalars["a"] - scalars["b"] * (grid.base_lr.double() * scale)
+
+
 def train_probe_grid(features: Mapping[str, Tensor], labels: Tensor, num_classes: int, settings: GridSettings,
-                     progress: Callable[[int], None] | None = None) -> LinearProbeGrid:
+                     progress: Callable[[int], None] | None = None, reduce: bool = True) -> LinearProbeGrid:
     """Train every classifier of the grid together on the cached ``features`` (``{choice: [N, D]}``, one row per
     image, on the device they will train on) and ``labels`` ``[N]``: ``epochs`` passes, each over one shuffled
     order (drawn on the CPU from ``seed`` and the epoch) in batches of ``batch_size``, the last one kept; the loss
     of each classifier is its own mean cross-entropy, so the summed loss gives each its own gradient. The lr
     follows a cosine from the peak to 0 over all steps (DINOv2: ``CosineAnnealingLR(max_iter, eta_min=0)``).
-    ``progress(steps)`` is told after every batch."""
+    A choice with fewer images than dimensions trains in its images' row space (:func:`row_space`) and is mapped
+    back (``reduce``): the same classifiers, to float rounding. ``progress(steps)`` is told after every batch."""
     device = labels.device
-    grid = LinearProbeGrid({k: v.shape[1] for k, v in features.items()}, num_classes, settings, device)
+    full = LinearProbeGrid({k: v.shape[1] for k, v in features.items()}, num_classes, settings, device)
+    bases = {k: row_space(v) if reduce else None for k, v in features.items()}
+    inputs = {k: v if bases[k] is None else (v.double() @ bases[k]).float() for k, v in features.items()}
+    grid = LinearProbeGrid({k: v.shape[1] for k, v in inputs.items()}, num_classes, settings, device)
+    with torch.no_grad():
+        for k, basis in bases.items():
+            start = full.weight[_key(k)]
+            grid.weight[_key(k)].copy_(start if basis is None else (basis.T @ start[0].double()).float()[None]
+                                       .expand_as(grid.weight[_key(k)]))
     n = labels.shape[0]
     steps_per_epoch = -(-n // settings.batch_size)
     total = steps_per_epoch * settings.epochs
     buffers: dict[str, Tensor] = {}
+    scalars = {"a": torch.ones(len(grid.cells), dtype=torch.float64, device=device)}
     step = 0
     for epoch in range(settings.epochs):
         g = torch.Generator().manual_seed(int(settings.seed) * 100_003 + epoch)
         for idx in _batches(n, settings.batch_size, g):
             idx = idx.to(device)
             y = labels[idx]
-            logits = grid({k: v[idx] for k, v in features.items()})
+            logits = grid({k: v[idx] for k, v in inputs.items()})
             loss = sum(F.cross_entropy(z.reshape(-1, num_classes), y.repeat(z.shape[0]), reduction="sum")
                        / y.shape[0] for z in logits.values())
             loss.backward()  # type: ignore[union-attr]
-            _sgd_step(grid, buffers, cosine_lr(1.0, step, total))
+            scale = cosine_lr(1.0, step, total)
+            _sgd_step(grid, buffers, scale)
+            _orthogonal_decay(grid, scalars, scale)
             step += 1
             if progress is not None:
                 progress(1)
-    return grid
+    with torch.no_grad():
+        for k, basis in bases.items():
+            full.bias[_key(k)].copy_(grid.bias[_key(k)])
+            if basis is None:
+                full.weight[_key(k)].copy_(grid.weight[_key(k)])
+                continue
+            start = full.weight[_key(k)][0].double()
+            outside = start - basis @ (basis.T @ start)
+            inside = torch.einsum("dr,grc->gdc", basis, grid.weight[_key(k)].double())
+            full.weight[_key(k)].copy_((inside + scalars["a"].view(-1, 1, 1) * outside).float())
+    return full
 
 
 def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
@@ -179,12 +226,13 @@ def shots_subset(labels: Tensor, shots: int, seed: int) -> Tensor:
 
 
 def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 1.0, max_iter: int = 1000,
-                 tol: float = 1e-6) -> tuple[Tensor, Tensor]:
+                 tol: float = 1e-6, reduce: bool = True) -> tuple[Tensor, Tensor]:
     """Multinomial logistic regression with an L2 penalty, scikit-learn's ``LogisticRegression(C=c)`` objective
     (``0.5 ||W||^2 + C sum_i CE_i``, the intercept not penalised), minimised in float64 by L-BFGS with a strong
     Wolfe line search from zero weights until the gradient's largest entry is below ``tol`` (scaled by the sample
     count). Returns ``(weight [C, D], bias [C])`` in float64 on the features' device."""
-    x = features.double()
+    basis = row_space(features) if reduce else None
+    x = features.double() if basis is None else features.double() @ basis
     y = labels.to(x.device).long()
     n, d = x.shape
     w = torch.zeros(num_classes, d, dtype=torch.float64, device=x.device, requires_grad=True)
@@ -204,7 +252,7 @@ def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 
         return loss
 
     opt.step(closure)
-    return w.detach(), b.detach()
+    return (w.detach() if basis is None else w.detach() @ basis.T), b.detach()
 
 
 def logistic_predict(weight: Tensor, bias: Tensor, features: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ from sslkit.tools.bench.cache import (
     token_maps,
 )
 from sslkit.tools.bench.protocols import PROTOCOLS as RUNNERS
-from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_hits
+from sslkit.tools.bench.protocols import Features, LinearChoice, fit_linear, linear_epochs, linear_hits
 from sslkit.tools.bench.report import compare_folders, comparisons, write_results
 from sslkit.tools.common import parse_tool_args, run_tool
 from sslkit.tools.dense import dense_image_size, dense_window
@@ -216,8 +216,9 @@ def _source(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]
     return images, summary(b.module, int(bench.settings["vit_last_n"])), "labels", ()
 
 
-def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Features:
-    """An entry from the cache, or extracted (with a progress bar) and stored first. Over several processes each
+def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> tuple[Features, bool]:
+    """An entry from the cache (True), or extracted (with a progress bar) and stored first (False). Over several
+    processes each
     extracts every world-th image, rank 0 puts the shares together in dataset order and stores them; a failure on
     any rank fails the entry on all of them (no rank is left waiting)."""
     from sslkit.distributed import all_gather_object, barrier
@@ -229,7 +230,7 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
     if world > 1 and bool(all_gather_object(arrays is not None)[0]):  # rank 0's view of the cache decides for all
         arrays = arrays or cache.load(key)
     if arrays is not None:
-        return Features(arrays)
+        return Features(arrays), True
     images, summarize, target, half = _source(bench, b, name, parts)
     total = len(images)
     if world > 1:
@@ -256,7 +257,14 @@ def _features(bench: Bench, b: Backbone, name: str, parts: dict[str, Any]) -> Fe
                                 **{k: v for k, v in parts.items() if k != "data"}, "data": parts["data"][:16]})
     if world > 1:
         barrier()
-    return Features(cache.load(key) or mine)
+    return Features(cache.load(key) or mine), False
+
+
+def _names(entries: list[str]) -> str:
+    """Cache entries in few words: train, test and the corrupted test sets counted (``test/noise/3``)."""
+    plain = [n for n in entries if "/" not in n or n.startswith(("dense/", "tokens/"))]
+    corrupted = len(entries) - len(plain)
+    return ", ".join(plain + ([f"{corrupted} corrupted test set(s)"] if corrupted else []))
 
 
 def _interleave(shares: list[np.ndarray], total: int) -> np.ndarray:
@@ -273,9 +281,14 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
     CNN) is recorded as not measured."""
     start = time.perf_counter()
     entries = _entries(bench, b)
-    feats = {n: _features(bench, b, n, parts) for n, parts in entries.items()}
+    found = {n: _features(bench, b, n, parts) for n, parts in entries.items()}
+    feats = {n: f for n, (f, _) in found.items()}
     if bench.rank != 0:
         return None
+    cached = [n for n, (_, hit) in found.items() if hit]
+    logger.info("bench: %s: features of %s from the cache%s (%.1f s)", b.name, _names(cached) or "none",
+                f", of {_names([n for n in found if n not in cached])} extracted" if len(cached) < len(found) else "",
+                time.perf_counter() - start)
     record: dict[str, Any] = {"metrics": {}, "details": {}, "time_s": {"features": round(time.perf_counter() - start,
                                                                                             2)},
                               "cache": {n: bench.cache.key(p) for n, p in entries.items()}}
@@ -342,7 +355,7 @@ def _clean(found: dict[str, torch.Tensor], train: Features, test: Features, clas
 
 def _grid_bar(b: Backbone, settings: dict[str, Any], train: Features) -> Callable[[int], None]:
     n = int(len(train.labels) * (1 - float(settings["linear"]["val_fraction"])))
-    steps = -(-n // int(settings["linear"]["batch_size"])) * int(settings["linear"]["epochs"])
+    steps = -(-n // int(settings["linear"]["batch_size"])) * linear_epochs(n, settings)
     return _steps_bar(f"{b.name}: linear grid", steps)
 
 
@@ -504,7 +517,7 @@ def _dense_data(cfg: DictConfig, data_name: str, protocols: list[str], named: bo
     multiple of a ViT's patch: a :class:`BenchError` naming the dataset and the protocol."""
     from sslkit.tools.dense import segmentation_sets
 
-    if "dense" not in protocols or (not named and cfg.eval.dense.dataset != "folder" and
+    if "dense" not in protocols or (not named and cfg.eval.dense.dataset not in ("folder", "wild") and
                                     data_name != "fashion_mnist"):
         return None
     try:
@@ -521,7 +534,7 @@ def _dense_data(cfg: DictConfig, data_name: str, protocols: list[str], named: bo
             if side and side % patch:
                 raise BenchError(f"protocols=dense: {what} {side} px (eval.dense.image_size, eval.dense.window), not "
                                  f"a multiple of {b.name}'s {patch} px patches")
-    path = str(cfg.eval.dense.path) if described["dataset"] == "folder" else None
+    path = str(described["path"]) if described["dataset"] in ("folder", "wild") else None
     sets = {"train": train, "test": test}
     return {"sets": sets, "classes": classes, "size": size, "described": described,
             "fingerprint": {split: data_fingerprint(ds, path, {**described, "split": split, "size": len(ds)})

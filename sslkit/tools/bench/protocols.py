@@ -131,7 +131,8 @@ def _accuracy_metric(hits: Tensor, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def knn(train: Features, test: Features, num_classes: int, s: dict[str, Any], device: torch.device) -> Outcome:
-    """Weighted kNN (Wu et al. 2018; DINO's ``eval_knn``: cosine similarity, votes ``exp(s / T)``) at every ``k`` of
+    """Weighted kNN (Wu et al. 2018; lightly's ``knn_predict``, T = 0.1 by default; DINO's ``eval_knn`` computes the
+    same at T = 0.07: cosine similarity, votes ``exp(s / T)``) at every ``k`` of
     ``knn.ks`` from one similarity pass: top-1 per k, with its bootstrap interval over the test images."""
     ks = [int(k) for k in s["knn"]["ks"]]
     preds = knn_predictions(primary_features(train, device), train.labels.to(device), primary_features(test, device),
@@ -146,18 +147,64 @@ def knn(train: Features, test: Features, num_classes: int, s: dict[str, Any], de
 
 @dataclass
 class LinearChoice:
-    """The grid's classifier chosen on validation, with what it needs to score other test features."""
+    """The grid's classifier chosen on validation, with what it needs to score other test features: the feature
+    choice, the standardisation the grid was trained on (the fit part's per-dimension mean and std; None: raw
+    features), the weight ``[C, D]`` and bias ``[C]``."""
 
     choice: str
     weight: Tensor
     bias: Tensor
+    mean: Tensor | None = None
+    std: Tensor | None = None
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Logits ``[N, C]`` of features ``x`` ``[N, D]`` (standardised as the grid's were)."""
+        if self.mean is not None and self.std is not None:
+            x = (x - self.mean.to(x.device)) / self.std.to(x.device)
+        return x @ self.weight.T.to(x.device) + self.bias.to(x.device)
 
 
-def _grid_settings(s: dict[str, Any]) -> GridSettings:
+def linear_epochs(n_fit: int, s: dict[str, Any]) -> int:
+    """The grid's passes over its ``n_fit`` images: ``linear.epochs``, raised until it takes ``linear.min_steps``
+    SGD steps (2,000 images in batches of 256 make 8 steps a pass: 10 passes are 80 steps, far from converged)."""
     lin = s["linear"]
-    return GridSettings(lrs=tuple(float(x) for x in lin["lrs"]), weight_decays=tuple(float(x) for x in
-                        lin["weight_decays"]), epochs=int(lin["epochs"]), batch_size=int(lin["batch_size"]),
-                        seed=int(s["seed"]))
+    per_epoch = -(-int(n_fit) // int(lin["batch_size"]))
+    return max(int(lin["epochs"]), -(-int(lin.get("min_steps", 0)) // max(per_epoch, 1)))
+
+
+def _grid_settings(s: dict[str, Any], lrs: list[float], n_fit: int) -> GridSettings:
+    lin = s["linear"]
+    return GridSettings(lrs=tuple(lrs), weight_decays=tuple(float(x) for x in lin["weight_decays"]),
+                        epochs=linear_epochs(n_fit, s), batch_size=int(lin["batch_size"]), seed=int(s["seed"]))
+
+
+def _standardised(x: Tensor, fit_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``x`` with each dimension centred and scaled by the fit rows' mean and std (a constant dimension: by 1)."""
+    rows = x[fit_idx]
+    mean, std = rows.mean(0), rows.std(0)
+    std = torch.where(std > 1e-12 * std.abs().max().clamp_min(1e-30), std, torch.ones_like(std))
+    return (x - mean) / std, mean, std
+
+
+def _score_grid(feats: dict[str, Tensor], labels: Tensor, fit_idx: Tensor, val_idx: Tensor, classes: int,
+                settings: GridSettings, progress: Callable[[int], None] | None) -> list[tuple[float, str, float,
+                                                                                        float, Tensor, Tensor]]:
+    """Train one grid on the fit rows and score each classifier on the validation rows by mean per-class accuracy
+    (DINOv2's metric): ``(score, choice, lr, weight decay, weight, bias)`` in grid order."""
+    grid = train_probe_grid({c: v[fit_idx] for c, v in feats.items()}, labels[fit_idx], classes, settings, progress)
+    rows = []
+    with torch.no_grad():
+        logits = grid({c: v[val_idx] for c, v in feats.items()})
+        for c in feats:
+            for cell, (lr, wd) in enumerate(grid.cells):
+                pred = torch.sort(logits[c][cell], dim=1, descending=True, stable=True).indices[:, 0]
+                score = per_class_mean((pred == labels[val_idx]).cpu(), labels[val_idx].cpu(), classes)
+                rows.append((score, c, lr, wd, *grid.classifier(c, cell)))
+    return rows
+
+
+def _edge(lr: float, tried: list[float]) -> str | None:
+    return "high" if lr >= max(tried) else "low" if lr <= min(tried) else None
 
 
 def fit_linear(train: Features, num_classes: int, s: dict[str, Any], device: torch.device,
@@ -165,42 +212,50 @@ def fit_linear(train: Features, num_classes: int, s: dict[str, Any], device: tor
     """Train the grid (feature choices x lrs x weight decays, :func:`~sslkit.evaluation.probes.train_probe_grid`)
     on the train split less a stratified validation part (``linear.val_fraction``), score every classifier on the
     validation part by mean per-class accuracy (DINOv2's metric) and keep the best (the first of equals, in grid
-    order). The test split is not seen."""
-    settings = _grid_settings(s)
+    order). The test split is not seen. Two departures from DINOv2's ``eval/linear.py``, both named settings:
+    ``linear.standardize`` (each feature dimension scaled by the fit part's mean and std, so that a backbone whose
+    features are 25 times smaller meets the same lrs; DINOv2 trains on the raw features: false) and
+    ``linear.min_steps`` (passes added until the grid takes that many steps; DINOv2 runs 12,500 on ImageNet). A
+    choice at the grid's largest or smallest lr extends the grid past that edge (``linear.extend`` times, three
+    lrs each: x2, x5, x10 or their inverses); still at an edge after that, it is flagged (``at_edge``)."""
+    lin = s["linear"]
     labels = train.labels.to(device)
-    fit_idx, val_idx = stratified_split(train.labels, float(s["linear"]["val_fraction"]), int(s["seed"]))
+    fit_idx, val_idx = stratified_split(train.labels, float(lin["val_fraction"]), int(s["seed"]))
     fit_idx, val_idx = fit_idx.to(device), val_idx.to(device)
-    choices = linear_choices(train)
-    feats = {c: choice_features(train, c, device) for c in choices}
-    grid = train_probe_grid({c: v[fit_idx] for c, v in feats.items()}, labels[fit_idx], num_classes, settings,
+    feats = {c: choice_features(train, c, device) for c in linear_choices(train)}
+    stats: dict[str, tuple[Tensor, Tensor]] = {}
+    if bool(lin.get("standardize", False)):
+        for c, x in list(feats.items()):
+            feats[c], *pair = _standardised(x, fit_idx)
+            stats[c] = (pair[0], pair[1])
+    tried = [float(x) for x in lin["lrs"]]
+    settings = _grid_settings(s, tried, int(fit_idx.numel()))
+    rows = _score_grid(feats, labels, fit_idx, val_idx, num_classes, settings, progress)
+    extended: list[float] = []
+    for _ in range(int(lin.get("extend", 0))):
+        edge = _edge(max(rows, key=lambda r: r[0])[2], tried)
+        if edge is None:
+            break
+        new = [max(tried) * f for f in (2, 5, 10)] if edge == "high" else [min(tried) / f for f in (2, 5, 10)]
+        rows += _score_grid(feats, labels, fit_idx, val_idx, num_classes, _grid_settings(s, new, len(fit_idx)),
                             progress)
-    table = []
-    best: tuple[float, str, int] | None = None
-    with torch.no_grad():
-        logits = grid({c: v[val_idx] for c, v in feats.items()})
-        for c in choices:
-            for cell, (lr, wd) in enumerate(grid.cells):
-                pred = torch.sort(logits[c][cell], dim=1, descending=True, stable=True).indices[:, 0]
-                score = per_class_mean((pred == labels[val_idx]).cpu(), labels[val_idx].cpu(), num_classes)
-                table.append({"features": c, "lr": lr, "weight_decay": wd, "val_mean_accuracy": round(score, 6)})
-                if best is None or score > best[0]:
-                    best = (score, c, cell)
-    assert best is not None
-    weight, bias = grid.classifier(best[1], best[2])
-    lr, wd = grid.cells[best[2]]
-    chosen = LinearChoice(best[1], weight, bias)
-    details = {"chosen": {"features": best[1], "lr": lr, "scaled_lr": settings.scaled(lr), "weight_decay": wd,
-                          "val_mean_accuracy": round(best[0], 6)},
-               "grid": table, "num_fit": int(fit_idx.numel()), "num_val": int(val_idx.numel()),
-               "epochs": settings.epochs, "batch_size": settings.batch_size, "momentum": settings.momentum,
-               "classifiers": len(table)}
-    return chosen, details
+        tried, extended = tried + new, extended + new
+    score, choice, lr, wd, weight, bias = max(rows, key=lambda r: r[0])  # the first of equals
+    mean, std = stats.get(choice, (None, None))
+    details = {"chosen": {"features": choice, "lr": lr, "scaled_lr": settings.scaled(lr), "weight_decay": wd,
+                          "val_mean_accuracy": round(score, 6)},
+               "grid": [{"features": c, "lr": a, "weight_decay": d, "val_mean_accuracy": round(v, 6)}
+                        for v, c, a, d, _, _ in rows],
+               "num_fit": int(fit_idx.numel()), "num_val": int(val_idx.numel()), "epochs": settings.epochs,
+               "steps": settings.epochs * -(-int(fit_idx.numel()) // settings.batch_size),
+               "batch_size": settings.batch_size, "momentum": settings.momentum, "classifiers": len(rows),
+               "standardize": bool(stats), "extended_lrs": extended, "at_edge": _edge(lr, tried)}
+    return LinearChoice(choice, weight, bias, mean, std), details
 
 
 def linear_hits(chosen: LinearChoice, test: Features, device: torch.device) -> Tensor:
     """0/1 per test image: the chosen classifier's top-1 (ties to the lower class) against the label."""
-    x = choice_features(test, chosen.choice, device)
-    logits = x @ chosen.weight.T.to(device) + chosen.bias.to(device)
+    logits = chosen.logits(choice_features(test, chosen.choice, device))
     pred = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, 0]
     return (pred.cpu() == test.labels).double()
 
