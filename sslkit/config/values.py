@@ -256,7 +256,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.bench.attentive.epochs": (lambda v: v >= 1, ">= 1"),
     "eval.dense.window": (lambda v: v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
                                                                   and v >= 1), "auto, null or a number of pixels"),
-    "eval.dense.dataset": (lambda v: v in ("scenes", "fashion_mnist", "folder"), "scenes, fashion_mnist or folder"),
+    "eval.dense.dataset": (lambda v: v in ("scenes", "fashion_mnist", "folder", "wild"),
+                           "scenes, fashion_mnist, wild or folder"),
     "eval.dense.scenes.canvas": (lambda v: v >= 28 and v % 28 == 0, "a multiple of 28 (Fashion-MNIST's side)"),
     "eval.dense.scenes.garments": (lambda v: len(v) == 2 and 1 <= v[0] <= v[1] <= 10,
                                    "[fewest, most] with 1 <= fewest <= most <= 10"),

@@ -315,3 +315,31 @@ def test_data_wild_without_a_folder_builds_the_cache_once_for_every_process(tmp_
     assert sorted(p.name.split("-")[1] for p in (tmp_path / "wild" / "arrays").iterdir()) == ["test.npz", "train.npz"]
     (built[0] / "test" / "0-t-shirt-top").rename(built[0] / "moved")  # the files are not read again
     assert torch.equal(build_wild("test", None, train=40, test=10, photos=DEAD_LEAVES).images, again.images)
+
+
+@needs_fashion
+def test_data_wild_trains_a_recipe_and_its_class_maps_feed_the_dense_probe(tmp_path: Path) -> None:
+    """The preset composes (its test split takes the training split's knobs), a run trains on a folder the command
+    wrote and measures its kNN there, and eval.dense.dataset=wild (the preset's) reads the same set's class maps."""
+    from helpers import run_main
+
+    from sslkit.builder.data import eval_specs
+    from sslkit.config.compose import compose_config
+    from sslkit.tools.dense import segmentation_sets
+
+    code, out = _small_set(tmp_path)
+    assert code == 0
+    cfg = compose_config(["data=wild", f"data.train.path={out}", "+data.train.kwargs.seed=4"])
+    assert eval_specs(cfg)["test"][2] == {"seed": 4} and cfg.data.image_size == 32
+    cfg.data.train.kwargs = {}
+    train, test, classes, described = segmentation_sets(cfg)
+    assert classes == 11 and described["dataset"] == "wild" and (len(train), len(test)) == (70, 30)
+    image, mask = test[0]
+    assert image.shape == (3, 32, 32) and mask.shape == (32, 32) and int(mask.max()) in (*range(11), 255)
+    run = tmp_path / "run"
+    run_main("config=simclr", "data=wild", f"data.train.path={out}", "machine.device=cpu", "data.batch_size=16",
+                    "data.num_workers=0", "model.head.hidden_dim=32", "model.head.out_dim=16",
+                    "model.trunk_kwargs={width: 8}", "optim.epochs=1", "eval.knn.k=5", "log.report=false",
+                    f"output_dir={run}")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("knn_top1" in line for line in lines)
