@@ -93,7 +93,8 @@ def _coco(split: str, count: int, fmt: str, spec: WildSpec, rows: list[tuple[int
         for j, objects in enumerate(out.objects):
             i = start + j
             name = f"{_name(i, count)}.png"
-            where = f"{split}/{CLASS_FOLDERS[int(out.labels[j])]}/{name}" if fmt == "folder" else name
+            # in shards, the member write_shards names by its position: <9 digits>.png
+            where = f"{split}/{CLASS_FOLDERS[int(out.labels[j])]}/{name}" if fmt == "folder" else f"{i:09d}.png"
             images.append({"id": i, "file_name": where, "width": spec.canvas, "height": spec.canvas,
                            "label": int(out.labels[j])})
             for o in objects:

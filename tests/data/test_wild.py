@@ -232,6 +232,12 @@ def test_one_and_two_workers_and_shards_give_the_same_images(tmp_path: Path) -> 
     a, b = (json.loads((p / "dataset.json").read_text())["pixels_sha256"] for p in (one, two))
     assert a == b
     assert sorted(p.name for p in (two / "train").iterdir())[0] == "shard-000000.tar"
+    import tarfile
+
+    with tarfile.open(two / "train" / "shard-000000.tar") as tar:
+        members = set(tar.getnames())
+    coco = json.loads((two / "annotations" / "instances_train.json").read_text())
+    assert all(im["file_name"] in members for im in coco["images"])  # each image entry names its member
     got, want = build_wild("test", str(two)), build_wild("test", str(one))
     assert torch.equal(got.images, want.images) and torch.equal(got.labels, want.labels)
 
