@@ -195,8 +195,8 @@ def test_fewer_images_than_dimensions_train_in_their_row_space_to_the_same_class
     x = torch.randn(n, 12, generator=g) @ torch.randn(12, d, generator=g)  # rank 12: most directions empty
     labels = torch.randint(0, classes, (n,), generator=g)
     basis = row_space(x)
-    assert basis is not None and basis.shape == (d, 12)
-    assert torch.allclose(basis.T @ basis, torch.eye(12, dtype=torch.float64), atol=1e-9)
+    assert basis is not None and basis.shape == (d, n)
+    assert torch.allclose(basis.T @ basis, torch.eye(n, dtype=torch.float64), atol=1e-9)
     assert torch.allclose(x.double() @ basis @ basis.T, x.double(), atol=1e-6)  # the rows lie in it
     assert row_space(torch.randn(10, 4)) is None  # more images than dimensions: nothing to gain
     s = GridSettings(lrs=(0.05, 0.5), weight_decays=(0.0, 0.05), epochs=6, batch_size=16, seed=3)
