@@ -283,7 +283,8 @@ def wild_cache(spec: WildSpec, seed: int, counts: dict[str, int], photos: str | 
 
 
 @register_dataset("wild")
-def build_wild(split: str, path: str | None = None, seed: int = 0, train: int = 60000, test: int = 10000,
+def build_wild(split: str, path: str | None = None, seed: int = 0, train: int = DEFAULT_COUNTS["train"],
+               test: int = DEFAULT_COUNTS["test"],
                photos: str | None = None, channels: int = 3, **knobs: Any) -> TensorImageDataset:
     """Fashion-MNIST in the wild (``data=wild``; 10 classes, RGB): the folder ``path`` that ``sslkit data wild``
     wrote, or, without a path, the set of these knobs (``seed``, ``train`` / ``test`` images, ``photos``, and
@@ -294,8 +295,8 @@ def build_wild(split: str, path: str | None = None, seed: int = 0, train: int = 
     return read_wild_split(wild_folder(path, seed=seed, train=train, test=test, photos=photos, **knobs), split)
 
 
-def wild_folder(path: str | None, seed: int = 0, train: int = 60000, test: int = 10000, photos: str | None = None,
-                **knobs: Any) -> Path:
+def wild_folder(path: str | None, seed: int = 0, train: int = DEFAULT_COUNTS["train"],
+                test: int = DEFAULT_COUNTS["test"], photos: str | None = None, **knobs: Any) -> Path:
     """The folder of a wild set: ``path`` (checked to be one ``sslkit data wild`` wrote), or, without it, the set of
     these knobs in the cache, built there the first time (:func:`wild_cache`)."""
     if path:

@@ -12,28 +12,41 @@ from sslkit.tools.pretrained import ToolError
 
 __all__ = ["WILD_KEYS", "WILD_USAGE", "wild_main"]
 
-WILD_KEYS = {
-    "output": "the folder written (new or empty): images, annotations/ and dataset.json",
-    "train": "training images (default 60000: each Fashion-MNIST training garment once)",
-    "test": "test images (default 10000)",
-    "canvas": "the images' side in pixels (default 32; 64-128 with a larger scale=)",
-    "seed": "the images' seed (default 0)",
-    "photos": "a folder of photographs (default: Debian's mate-backgrounds nature set; dead_leaves: drawn ones, also "
-              "used when the default is not installed)",
-    "licence": "the photographs' licence, recorded in dataset.json (default: the mate set's GPL-2+)",
-    "format": "folder (an ImageFolder tree per split, the default) or shards (tar shards per split)",
-    "workers": "processes rendering and writing (default 1)",
-    "scale": "the garments' 28 px frame times [low,high] (default [0.6,1.0])",
-    "rotation": "most degrees a garment turns either way (default 30)",
-    "saturation": "the tint's HSV saturation range (default [0.0,1.0])",
-    "value": "the tint's HSV value range (default [0.5,1.0])",
-    "distractors": "fewest and most distractor garments (default [1,2])",
-    "reach": "how far a distractor's centre lies from an edge, in its side (default 0.25)",
-    "zooms": "the photographs' shorter side in canvases (default [2,4,8])",
-    "blend": "difference (MNIST-M's |photo - garment|, the default) or over",
-}
-WILD_USAGE = ("sslkit data wild output=DIR [train=60000] [test=10000] [canvas=32] [seed=0] [photos=DIR] "
-              "[format=folder|shards] [workers=1] [scale=[0.6,1.0]] [rotation=30] [distractors=[1,2]] [blend=...]")
+def _shown(value: Any) -> str:
+    return f"[{','.join(str(v) for v in value)}]" if isinstance(value, tuple) else str(value)
+
+
+def _keys() -> dict[str, str]:
+    """The command's options, each knob's default read from :class:`~sslkit.data.wild.WildSpec` (its one home)."""
+    from sslkit.data.wild import WildSpec
+    from sslkit.data.wild_files import DEFAULT_COUNTS
+
+    d = {k: _shown(tuple(v)) if isinstance(v, list) else v for k, v in WildSpec().describe().items()}
+    return {
+        "output": "the folder written (new or empty): images, annotations/ and dataset.json",
+        "train": f"training images (default {DEFAULT_COUNTS['train']}: each Fashion-MNIST training garment once)",
+        "test": f"test images (default {DEFAULT_COUNTS['test']})",
+        "canvas": f"the images' side in pixels (default {d['canvas']}; 64-128 with a larger scale=)",
+        "seed": "the images' seed (default 0)",
+        "photos": "a folder of photographs (default: Debian's mate-backgrounds nature set; dead_leaves: drawn ones, "
+                  "also used when the default is not installed)",
+        "licence": "the photographs' licence, recorded in dataset.json (default: the mate set's GPL-2+)",
+        "format": "folder (an ImageFolder tree per split, the default) or shards (tar shards per split)",
+        "workers": "processes rendering and writing (default 1)",
+        "scale": f"the garments' 28 px frame times [low,high] (default {d['scale']})",
+        "rotation": f"most degrees a garment turns either way (default {d['rotation']})",
+        "saturation": f"the tint's HSV saturation range (default {d['saturation']})",
+        "value": f"the tint's HSV value range (default {d['value']})",
+        "distractors": f"fewest and most distractor garments (default {d['distractors']})",
+        "reach": f"how far a distractor's centre lies from an edge, in its side (default {d['reach']})",
+        "zooms": f"the photographs' shorter side in canvases (default {d['zooms']})",
+        "blend": f"difference (MNIST-M's |photo - garment|) or over (default {d['blend']})",
+    }
+
+
+WILD_KEYS = _keys()
+WILD_USAGE = ("sslkit data wild output=DIR [train=N] [test=N] [canvas=32] [seed=0] [photos=DIR] "
+              "[format=folder|shards] [workers=1] [scale=[low,high]] [rotation=...] [distractors=[a,b]] [blend=...]")
 
 _INTS = ("train", "test", "canvas", "seed", "workers")
 _FLOATS = ("rotation", "reach")
