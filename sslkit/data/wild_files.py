@@ -232,8 +232,6 @@ def read_wild_split(root: str | Path, split: str) -> TensorImageDataset:
     """A wild folder's ``split`` in memory: every image, in index order, with its label. Decoded from the files the
     first time, then kept as one array in the cache (``<cache>/wild/arrays/``, named by the split's pixel digest in
     ``dataset.json``: a set written again with other pixels is decoded again), read back in a fraction of a second."""
-    from sslkit.checkpoint import atomic_write
-
     root = Path(root).expanduser()
     meta = _meta(root)
     digest = str(meta.get("pixels_sha256", {}).get(split, ""))
@@ -248,10 +246,13 @@ def read_wild_split(root: str | Path, split: str) -> TensorImageDataset:
     if arrays is None:
         arrays = _decode_split(root, meta, split)
         if digest:
-            try:
+            partial = stored.with_name(f"{stored.stem}.{os.getpid()}.part.npz")
+            try:  # written beside it, then renamed: a reader finds the whole array or none
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(str(stored), lambda f: np.savez(f, images=arrays[0], labels=arrays[1]))
+                np.savez(partial, images=arrays[0], labels=arrays[1])
+                os.replace(partial, stored)
             except OSError as exc:  # a read-only cache: decoded each time
+                partial.unlink(missing_ok=True)
                 logger.debug("wild: the decoded %s split is not kept (%s)", split, exc)
     images, labels = arrays
     return TensorImageDataset(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels),
