@@ -269,7 +269,7 @@ def plan(command: str) -> Plan:
             # torchrun starts its processes (8 on 2 cores) before any of them can refuse
             return Plan("refusal", names=m.expand(names))
     if argv[:2] in (["sslkit", "list"], ["sslkit", "doctor"]) or "--help" in argv or \
-            argv[:2] == ["python", "tools/audit.py"]:
+            argv[:2] == ["python", "tools/audit.py"] or argv[:3] == ["sslkit", "data", "wild"]:
         return Plan("quick")
     if _tool(argv) is not None:
         if _tool(argv) == "export" and not {"twin=none", "format=onnx", "student=vit_tiny"} & set(argv) and \
