@@ -396,8 +396,9 @@ def _ci_steps() -> set[str]:
 
 def _normalise(command: str) -> str:
     """A command without what only changes how much it prints: quiet flags, ``python -m`` before pip, and
-    output redirections; whitespace collapsed."""
-    words = [w for w in shlex.split(command) if w not in ("-q", "-qq", "--quiet") and not re.match(r"\d?>", w)]
+    output redirections and trailing comments; whitespace collapsed."""
+    quiet = ("-q", "-qq", "--quiet")
+    words = [w for w in shlex.split(command, comments=True) if w not in quiet and not re.match(r"\d?>", w)]
     if words[:3] == ["python", "-m", "pip"]:
         words = words[2:]
     return " ".join(words)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import HANG_S
 
 from sslkit.data.photos import (
     DEAD_LEAVES,
@@ -306,9 +307,9 @@ def test_data_wild_without_a_folder_builds_the_cache_once_for_every_process(tmp_
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=600)
+        p.join(timeout=HANG_S)
     assert [p.exitcode for p in procs] == [0, 0]
-    assert queue.get(timeout=5) == queue.get(timeout=5)
+    assert queue.get(timeout=HANG_S) == queue.get(timeout=HANG_S)
     built = [p for p in (tmp_path / "wild").iterdir() if p.is_dir() and p.name != "arrays"]
     assert len(built) == 1 and not [p for p in (tmp_path / "wild").iterdir() if "partial" in p.name]
     stamp = (built[0] / "dataset.json").stat().st_mtime_ns
