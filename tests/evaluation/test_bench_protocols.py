@@ -277,7 +277,7 @@ def test_a_choice_at_the_grids_edge_extends_the_grid_and_is_flagged_when_still_t
 
     s = _bench_settings()
     train, _ = _fashion_features(600, 10, 1.0)
-    s["linear"].update(lrs=[1e-4, 2e-4], min_steps=50, extend=1)  # far too small: the best is the largest
+    s["linear"].update(lrs=[1e-4, 2e-4], weight_decays=[0.0, 1e-4], min_steps=50, extend=1)  # all too small
     _, details = fit_linear(train, 10, s, torch.device("cpu"))
     assert details["extended_lrs"] == pytest.approx([4e-4, 1e-3, 2e-3])
     scores = [row["val_mean_accuracy"] for row in details["grid"]]
