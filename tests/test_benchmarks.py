@@ -4,6 +4,7 @@ weights of both loops come out bit-identical, and a plain loop that ignored eith
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -16,6 +17,8 @@ import torch
 from helpers import HANG_S, REPO, SMALL
 from helpers import RECIPES as HELPER_RECIPES
 from omegaconf import OmegaConf
+
+from sslkit.data.sources import DEBIAN_FASHION_MNIST
 
 TINY = [*SMALL, "machine.device=cpu"]
 BF16 = ["amp.enabled=true", "amp.dtype=bfloat16"]
@@ -262,3 +265,39 @@ def test_bench_speed_prints_both_ratios(tmp_path: Path) -> None:
     assert re.search(r"^machine: .+ torch \S+", proc.stdout, re.M), proc.stdout
     assert re.search(r"^extraction \(small_cnn, 64 images .*ratio \d+\.\d\d$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^linear probes \(26 of them, .*speed-up \d+\.\dx$", proc.stdout, re.M), proc.stdout
+
+
+def _run_benchmark(name: str, args: list[str], cwd: Path) -> str:
+    """benchmarks/NAME run as a user would (a process of its own: it sets torch's threads); its stdout."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = forkrun.run([sys.executable, str(REPO / "benchmarks" / name), *args], capture_output=True, text=True,
+                       cwd=cwd, env=env, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(not Path(DEBIAN_FASHION_MNIST).is_dir(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_wild_generator_benchmark_prints_its_three_rates(tmp_path: Path) -> None:
+    """benchmarks/wild_generator.py --quick: the renderer, sslkit data wild and PIL's floor, each a positive rate,
+    the ratios against the floor (no time asserted: the figures go to docs/results.md); its scratch sets removed."""
+    out = _run_benchmark("wild_generator.py", ["--quick", "--photos", "dead_leaves", "--scratch", str(tmp_path)],
+                         tmp_path)
+    assert re.search(r"^1000 images of 32 px from dead_leaves", out, re.M), out
+    rows = {name: (rate, ratio) for name, rate, ratio in
+            re.findall(r"^\| (.+?) \| ([\d,]+) \| [\d,]+ \| (\d+\.\d\d) \|$", out, re.M)}
+    assert set(rows) == {"render (no files)", "sslkit data wild, 1 worker(s)", "plain (PIL writes the rendered images)"}
+    assert all(float(rate.replace(",", "")) > 0 for rate, _ in rows.values())
+    assert rows["plain (PIL writes the rendered images)"][1] == "1.00"
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_linear_probe_check_compares_the_grid_with_scikit_learn(tmp_path: Path) -> None:
+    """benchmarks/linear_probe_check.py --quick: both classifiers' test top-1 on the same (random, separable)
+    features, far above chance, their difference the two figures' (the closeness itself is
+    tests/evaluation/test_bench_protocols.py's)."""
+    out = _run_benchmark("linear_probe_check.py", ["--quick", "--cs", "0.1", "1"], tmp_path)
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert [r["C"] for r in figures["by_c"]] == [0.1, 1.0]
+    assert figures["grid"] > 0.5 and figures["sklearn"] > 0.5, figures
+    diff = float(re.search(r"^difference \(grid - scikit-learn\): ([+-]\d\.\d{4})$", out, re.M).group(1))
+    assert diff == pytest.approx(figures["grid"] - figures["sklearn"], abs=1e-4)
