@@ -106,6 +106,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     sized = _sized_for_error(cfg, rest, choices["data"] or "fashion_mnist")
     if sized:
         raise ConfigError(f"invalid config:\n  {sized}")
+    scale_patches(cfg, rest)
     import_modules(cfg)
     resolve_method(cfg)
     apply_stats(cfg)
@@ -144,6 +145,35 @@ def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | 
             f"(config={paper.split(', ')[0]} data={data} ...; all: {paper}), or set the sizes for these images: "
             f"{' '.join(to_set)} (the data={data} preset's), or sized_for=null to train this recipe's sizes as "
             f"they are.")
+
+
+def scale_patches(cfg: DictConfig, overrides: list[str]) -> dict[str, tuple[int, int]]:
+    """A recipe sized for ``sized_for`` px images (the Fashion-MNIST ViT recipes: 28) on images of another size
+    below twice it (CIFAR's and the wild set's 32 px) that its patches do not divide: its patch size, and its local
+    crop size (``data.small_image_size``) where the new patches do not divide it, multiplied by ``data.image_size
+    / sized_for`` where that comes out whole and the patches divide the crops (28 -> 32 px: patches 7 -> 8, local
+    crops 14 -> 16, the same token grids). Not when the command sets ``model.trunk_kwargs``,
+    ``data.small_image_size`` or ``sized_for`` (then the patch check names what to set). Returns ``{key: (before,
+    after)}`` of what it changed (the run's log lists it among what changed from the recipe)."""
+    sized_for, size = cfg.get("sized_for"), int(cfg.data.image_size)
+    patch = cfg.model.get("trunk_kwargs", {}).get("patch_size")
+    keys = {ov.split("=", 1)[0].lstrip("+~") for ov in overrides}
+    if not sized_for or not patch or size == int(sized_for) or size >= 2 * int(sized_for) or size % int(patch) == 0 \
+            or keys & {"sized_for", "data.small_image_size", "model.trunk_kwargs.patch_size", "model.trunk_kwargs"}:
+        return {}
+    new_patch = int(patch) * size / int(sized_for)
+    if new_patch != int(new_patch) or size % int(new_patch):
+        return {}
+    changed = {"model.trunk_kwargs.patch_size": (int(patch), int(new_patch))}
+    small = cfg.data.get("small_image_size")
+    if small and int(small) % int(new_patch):  # local crops the new patches do not divide: scaled alike
+        new_small = int(small) * size / int(sized_for)
+        if new_small != int(new_small) or int(new_small) % int(new_patch):
+            return {}
+        changed["data.small_image_size"] = (int(small), int(new_small))
+        cfg.data.small_image_size = int(new_small)
+    cfg.model.trunk_kwargs.patch_size = int(new_patch)
+    return changed
 
 
 def apply_stats(cfg: DictConfig) -> None:

@@ -73,6 +73,30 @@ def test_a_fashion_mnist_vit_recipe_on_large_images_stops_and_names_what_to_run(
     assert compose_config([f"config={recipe}"]).sized_for == 28
 
 
+@pytest.mark.parametrize("recipe", ["dino_vit", "ibot", "dinov2", "dinov3", "ijepa", "mae", "lejepa", "mocov3_vit",
+                                    "simclr_vit"])
+@pytest.mark.parametrize("data", ["wild"])
+def test_a_fashion_mnist_vit_recipe_on_32_px_images_keeps_its_token_grids(recipe: str, data: str) -> None:
+    """At 32 px (the wild set's and CIFAR's), a recipe sized for 28 px scales the patches that do not divide 32 and
+    its local crops by 32 / 28 (7 -> 8, 14 -> 16: the same 4 x 4 and 2 x 2 grids); patches that divide 32 (MAE's
+    and I-JEPA's 4) stay; a patch size the command gives is kept, and checked, as given."""
+    own = compose_config([f"config={recipe}"])
+    cfg = compose_config([f"config={recipe}", f"data={data}"])
+    patch, small = own.model.trunk_kwargs.patch_size, own.data.get("small_image_size")
+    if patch == 7:
+        assert cfg.model.trunk_kwargs.patch_size == 8
+        assert cfg.data.image_size // 8 == own.data.image_size // 7
+        if own.data.transform.get("num_small"):
+            assert (cfg.data.small_image_size, small) == (16, 14)
+            assert cfg.data.transform.small_size == 16 and cfg.data.small_image_size // 8 == small // 7
+        with pytest.raises(ConfigError, match="not a multiple of the ViT's patch size 7"):
+            compose_config([f"config={recipe}", f"data={data}", "model.trunk_kwargs.patch_size=7"])
+    else:
+        assert cfg.model.trunk_kwargs.patch_size == patch and 32 % patch == 0
+    assert compose_config([f"config={recipe}", f"data={data}", "model.trunk_kwargs.patch_size=2"]
+                          ).model.trunk_kwargs.patch_size == 2
+
+
 def test_required_keys_exist() -> None:
     keys = [
         "output_dir", "seed", "machine.device", "train_step", "hooks", "imports", "data.train.source",
