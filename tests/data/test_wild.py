@@ -350,3 +350,23 @@ def test_data_wild_trains_a_recipe_and_its_class_maps_feed_the_dense_probe(tmp_p
                     f"output_dir={run}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("knn_top1" in line for line in lines)
+
+
+@needs_fashion
+def test_a_fashion_mnist_vit_recipe_trains_on_data_wild_with_its_patches_scaled(tmp_path: Path) -> None:
+    """config=dino_vit data=wild: 8 px patches and 16 px local crops (the recipe's 7 and 14 scaled to 32 px, the same
+    token grids), recorded in the run's config, and the run takes its steps."""
+    from helpers import run_main
+    from omegaconf import OmegaConf
+
+    code, out = _small_set(tmp_path)
+    assert code == 0
+    run = tmp_path / "run"
+    run_main("config=dino_vit", "data=wild", f"data.train.path={out}", "machine.device=cpu", "data.batch_size=8",
+             "data.num_workers=0", "model.trunk_kwargs.depth=1", "model.head.hidden_dim=16",
+             "model.head.bottleneck_dim=8", "model.head.out_dim=32", "data.transform.num_small=2", "optim.max_steps=2",
+             "eval.knn.enabled=false", "log.report=false", f"output_dir={run}")
+    cfg = OmegaConf.load(run / "config.yaml")
+    assert (cfg.model.trunk_kwargs.patch_size, cfg.data.small_image_size, cfg.data.transform.small_size) == (8, 16, 16)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert steps and all(np.isfinite(s["loss"]) for s in steps)
