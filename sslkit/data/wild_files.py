@@ -54,6 +54,8 @@ def _png(pixels: np.ndarray) -> bytes:
     and this 35 (benchmarks/wild_generator.py); any PNG reader gives back the same pixels (tested with PIL)."""
     h, w = pixels.shape[:2]
     channels = 1 if pixels.ndim == 2 else pixels.shape[2]
+    if pixels.dtype != np.uint8 or channels not in (1, 3):
+        raise ValueError(f"_png writes 8-bit greyscale or RGB arrays, not {pixels.dtype} [{h}, {w}, {channels}]")
     rows = np.zeros((h, w * channels + 1), dtype=np.uint8)
     rows[:, 1:] = pixels.reshape(h, w * channels)
     header = struct.pack(">IIBBBBB", w, h, 8, 0 if channels == 1 else 2, 0, 0, 0)
