@@ -30,7 +30,13 @@ from sslkit.data.remote import (
 )
 from sslkit.data.sampler import shard_windows
 from sslkit.data.shard_cache import ShardCache
-from sslkit.data.sources import IMAGE_EXTENSIONS, DataSourceError, UnreadableSampleError, decode_image
+from sslkit.data.sources import (
+    IMAGE_EXTENSIONS,
+    DataSourceError,
+    UnreadableSampleError,
+    decode_image,
+    save_arrays,
+)
 from sslkit.registry import register_dataset
 
 __all__ = ["INDEX_SUFFIX", "Shard", "ShardDataset", "build_webdataset", "expand_shards", "pack_images",
@@ -140,10 +146,8 @@ def shard_index(shard: Path) -> dict[str, np.ndarray]:
         except (OSError, ValueError, KeyError):
             logger.info("data: the index of %s cannot be read: rebuilt", shard)
     index = _scan(shard)
-    partial = Path(f"{cached}.{os.getpid()}.part.npz")
     try:
-        np.savez(partial, **index)
-        os.replace(partial, cached)
+        save_arrays(cached, index)
     except OSError as e:
         logger.info("data: the index of %s is not cached (%s): built again by the next run", shard, e)
     return index
@@ -162,11 +166,8 @@ def _read_index(data: bytes | Path) -> dict[str, np.ndarray] | None:
 
 def _save_index(index: dict[str, np.ndarray], path: Path) -> None:
     """Write ``index`` to ``path`` atomically (a folder that cannot be written only loses the cache)."""
-    partial = Path(f"{path}.{os.getpid()}.part.npz")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(partial, **index)
-        os.replace(partial, path)
+        save_arrays(path, index)
     except OSError as e:
         logger.info("data: the index %s is not cached (%s): built again by the next run", path, e)
 

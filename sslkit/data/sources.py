@@ -107,6 +107,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SSLKIT_CACHE_DIR") or Path("~/.cache/sslkit").expanduser())
 
 
+def save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` to the ``.npz`` file ``path`` whole or not at all: into a file beside it named by this
+    process, then renamed over it (a reader, or a process writing the same file, finds all of one or none); the
+    folder is made when missing. Raises :class:`OSError` (a read-only folder, a full disk), the partial file
+    removed."""
+    partial = Path(f"{path}.{os.getpid()}.part.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(partial, **arrays)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

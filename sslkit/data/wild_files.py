@@ -20,7 +20,7 @@ import torch
 
 from sslkit.data.photos import PhotoSet, load_photos
 from sslkit.data.segmentation import ADE_SPLITS, FASHION_CLASSES, FOLDER_META, stored_class_map
-from sslkit.data.sources import DataSourceError, TensorImageDataset, build_source, cache_dir
+from sslkit.data.sources import DataSourceError, TensorImageDataset, build_source, cache_dir, save_arrays
 from sslkit.data.wild import WILD_VERSION, Rendered, WildScenes, WildSpec
 from sslkit.registry import register_dataset
 
@@ -264,13 +264,9 @@ def read_wild_split(root: str | Path, split: str) -> TensorImageDataset:
     if arrays is None:
         arrays = _decode_split(root, meta, split)
         if digest:
-            partial = stored.with_name(f"{stored.stem}.{os.getpid()}.part.npz")
-            try:  # written beside it, then renamed: a reader finds the whole array or none
-                stored.parent.mkdir(parents=True, exist_ok=True)
-                np.savez(partial, images=arrays[0], labels=arrays[1])
-                os.replace(partial, stored)
+            try:
+                save_arrays(stored, {"images": arrays[0], "labels": arrays[1]})
             except OSError as exc:  # a read-only cache: decoded each time
-                partial.unlink(missing_ok=True)
                 logger.debug("wild: the decoded %s split is not kept (%s)", split, exc)
     images, labels = arrays
     return TensorImageDataset(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels),
