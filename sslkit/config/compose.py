@@ -103,10 +103,11 @@ def compose_config(overrides: list[str]) -> DictConfig:
     if not cfg.output_dir:  # a name given is the folder's; the default name carries what else the command changes
         suffix = "" if named else folder_suffix(rest)
         cfg.output_dir = os.path.join("runs", f"{cfg.name}{suffix}")
-    sized = _sized_for_error(cfg, rest, choices["data"] or "fashion_mnist")
+    keys = {ov.split("=", 1)[0].lstrip("+~") for ov in rest}  # the keys the command sets
+    sized = _sized_for_error(cfg, keys, choices["data"] or "fashion_mnist")
     if sized:
         raise ConfigError(f"invalid config:\n  {sized}")
-    scale_patches(cfg, rest)
+    _scale_patches(cfg, keys)
     import_modules(cfg)
     resolve_method(cfg)
     apply_stats(cfg)
@@ -120,12 +121,11 @@ PAPER_SCALE = {"dinov2": "dinov2_vits16, dinov2_vitb16", "ibot": "ibot_vits16, i
                "ijepa": "ijepa_vits16, ijepa_vitb16", "dinov3": "dinov3_vits16, dinov3_vitb16, dinov3_vitl16"}
 
 
-def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | None:
+def _sized_for_error(cfg: DictConfig, keys: set[str], data: str) -> str | None:
     """A recipe whose patches and crops were chosen for ``sized_for`` px images, on images at least twice as large
     (four times the tokens) without the command setting its patches (``model.trunk_kwargs...``) or ``sized_for``:
     what it would train, and what to run instead."""
     sized_for = cfg.get("sized_for")
-    keys = {ov.split("=", 1)[0].lstrip("+~") for ov in overrides}
     if not sized_for or int(cfg.data.image_size) < 2 * int(sized_for) or "sized_for" in keys or \
             any(k == "model.trunk_kwargs" or k.startswith("model.trunk_kwargs.") for k in keys):
         return None
@@ -147,33 +147,29 @@ def _sized_for_error(cfg: DictConfig, overrides: list[str], data: str) -> str | 
             f"they are.")
 
 
-def scale_patches(cfg: DictConfig, overrides: list[str]) -> dict[str, tuple[int, int]]:
+def _scale_patches(cfg: DictConfig, keys: set[str]) -> None:
     """A recipe sized for ``sized_for`` px images (the Fashion-MNIST ViT recipes: 28) on images of another size
     below twice it (CIFAR's and the wild set's 32 px) that its patches do not divide: its patch size, and its local
     crop size (``data.small_image_size``) where the new patches do not divide it, multiplied by ``data.image_size
     / sized_for`` where that comes out whole and the patches divide the crops (28 -> 32 px: patches 7 -> 8, local
     crops 14 -> 16, the same token grids). Not when the command sets ``model.trunk_kwargs``,
-    ``data.small_image_size`` or ``sized_for`` (then the patch check names what to set). Returns ``{key: (before,
-    after)}`` of what it changed (the run's log lists it among what changed from the recipe)."""
+    ``data.small_image_size`` or ``sized_for`` (then the patch check names what to set). The run's log lists what
+    changed among what changed from the recipe."""
     sized_for, size = cfg.get("sized_for"), int(cfg.data.image_size)
     patch = cfg.model.get("trunk_kwargs", {}).get("patch_size")
-    keys = {ov.split("=", 1)[0].lstrip("+~") for ov in overrides}
     if not sized_for or not patch or size == int(sized_for) or size >= 2 * int(sized_for) or size % int(patch) == 0 \
             or keys & {"sized_for", "data.small_image_size", "model.trunk_kwargs.patch_size", "model.trunk_kwargs"}:
-        return {}
+        return
     new_patch = int(patch) * size / int(sized_for)
     if new_patch != int(new_patch) or size % int(new_patch):
-        return {}
-    changed = {"model.trunk_kwargs.patch_size": (int(patch), int(new_patch))}
+        return
     small = cfg.data.get("small_image_size")
     if small and int(small) % int(new_patch):  # local crops the new patches do not divide: scaled alike
         new_small = int(small) * size / int(sized_for)
         if new_small != int(new_small) or int(new_small) % int(new_patch):
-            return {}
-        changed["data.small_image_size"] = (int(small), int(new_small))
+            return
         cfg.data.small_image_size = int(new_small)
     cfg.model.trunk_kwargs.patch_size = int(new_patch)
-    return changed
 
 
 def apply_stats(cfg: DictConfig) -> None:

@@ -89,8 +89,22 @@ def _key(name: str) -> str:
     return name.replace(".", "_").replace("+", "_plus_")
 
 
-#: Probabilities taken as 0 in the grid's gradients (:func:`_gradients`).
-_NEGLIGIBLE = 1e-30
+#: Probabilities taken as 0 in the written-out gradients (:func:`_softmax_residual`), by dtype: above the range
+#: where they or their quotient by a batch size become subnormal.
+_NEGLIGIBLE = {torch.float32: 1e-30, torch.float64: 1e-300}
+
+
+def _softmax_residual(logits: Tensor, one_hot: Tensor, count: int) -> Tensor:
+    """``(softmax(logits) - one_hot) / count`` over the last dimension, written over ``logits``: the gradient of a
+    mean cross-entropy with respect to its logits. The softmax is written out (torch's over a last dimension of
+    C = 10 took five times as long), and probabilities below :data:`_NEGLIGIBLE` are taken as 0: a confident
+    classifier's smallest ones fall below the dtype's normal range, and a matrix product over subnormal numbers
+    runs a hundred times slower on a CPU (the grid took 34 s instead of 9 on real pixels' features). The one-hot
+    is subtracted, not scattered: the same sums on every device, deterministic mode or not."""
+    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    probs.div_(probs.sum(dim=-1, keepdim=True))
+    probs.masked_fill_(probs < _NEGLIGIBLE.get(probs.dtype, 1e-30), 0.0)
+    return probs.sub_(one_hot).div_(count)
 
 
 def _gradients(grid: LinearProbeGrid, x: Tensor, y: Tensor, name: str) -> tuple[Tensor, Tensor]:
@@ -99,16 +113,7 @@ def _gradients(grid: LinearProbeGrid, x: Tensor, y: Tensor, name: str) -> tuple[
     b, g, c = x.shape[0], len(grid.cells), grid.num_classes
     with torch.no_grad():
         logits = torch.addmm(grid.bias[_key(name)], x, grid.weight[_key(name)]).view(b, g, c)
-        # softmax written out: torch's over a last dimension of C = 10 took five times as long
-        probs = logits.sub_(logits.amax(dim=2, keepdim=True)).exp_()
-        probs.div_(probs.sum(dim=2, keepdim=True))
-        # A confident classifier's smallest probabilities fall below float32's normal range (1.2e-38), and a matrix
-        # product over subnormal numbers runs a hundred times slower on a CPU (the grid took 34 s instead of 9 on
-        # real pixels' features): probabilities below 1e-30 are taken as 0 (beside weights of order 0.01, and
-        # above the range where dividing by B makes them subnormal). Then minus the one-hot (no scatter: the same
-        # sums on every device, deterministic mode or not), over B.
-        probs.masked_fill_(probs < _NEGLIGIBLE, 0.0)
-        delta = probs.sub_(F.one_hot(y, c).to(probs.dtype)[:, None, :]).view(b, g * c).div_(b)
+        delta = _softmax_residual(logits, F.one_hot(y, c).to(logits.dtype)[:, None, :], b).view(b, g * c)
         return x.T @ delta, delta.sum(0)
 
 
@@ -159,9 +164,11 @@ def _orthogonal_decay(grid: LinearProbeGrid, scalars: dict[str, Tensor], scale: 
 
 
 def _train(grid: LinearProbeGrid, inputs: Mapping[str, Tensor], labels: Tensor, settings: GridSettings,
-           buffers: dict[str, Tensor], scalars: dict[str, Tensor], progress: Callable[[int], None] | None) -> None:
+           scalars: dict[str, Tensor], progress: Callable[[int], None] | None) -> None:
     """The grid's passes: each over one shuffled order (drawn on the CPU from ``seed`` and the epoch) in batches,
-    the last one kept, with the lr's cosine from the peak to 0 over all steps."""
+    the last one kept, with the lr's cosine from the peak to 0 over all steps; ``scalars`` carries
+    :func:`_orthogonal_decay`'s factor out."""
+    buffers: dict[str, Tensor] = {}  # SGD's momentum per choice and part
     n = labels.shape[0]
     total = -(-n // settings.batch_size) * settings.epochs
     step = 0
@@ -197,9 +204,8 @@ def train_probe_grid(features: Mapping[str, Tensor], labels: Tensor, num_classes
         for k, basis in bases.items():
             start = full.weight[_key(k)]
             grid.weight[_key(k)].copy_(start if basis is None else (basis.T @ start.double()).float())
-    buffers: dict[str, Tensor] = {}
     scalars = {"a": torch.ones(len(grid.cells), dtype=torch.float64, device=device)}
-    _train(grid, inputs, labels, settings, buffers, scalars, progress)
+    _train(grid, inputs, labels, settings, scalars, progress)
     with torch.no_grad():
         for k, basis in bases.items():
             full.bias[_key(k)].copy_(grid.bias[_key(k)])
@@ -269,7 +275,9 @@ def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 
 
     def closure() -> Tensor:
         """The mean cross-entropy plus the penalty, its gradients written out (``(softmax - one-hot) / N`` times
-        ``x``, plus ``scale w``): autograd's bookkeeping was half of each evaluation at these sizes."""
+        ``x``, plus ``scale w``): autograd's bookkeeping was half of each evaluation at these sizes. The softmax is
+        ``exp(shifted - lse)``, not :func:`_softmax_residual`'s quotient: L-BFGS's stopping point moves with its
+        rounding, and the row-space test holds the reduced fit to the direct one within 1e-9."""
         with torch.no_grad():
             logits = torch.addmm(b, x, w.T)
             shifted = logits - logits.amax(dim=1, keepdim=True)
@@ -277,7 +285,7 @@ def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 
             loss = (lse - (shifted * one_hot).sum(dim=1, keepdim=True)).mean() + 0.5 * scale * (w * w).sum()
             delta = (shifted - lse).exp_()
             # as in the grid's gradients: probabilities too small to matter are 0, not subnormal (slow on a CPU)
-            delta.masked_fill_(delta < 1e-300, 0.0).sub_(one_hot).div_(n)
+            delta.masked_fill_(delta < _NEGLIGIBLE[torch.float64], 0.0).sub_(one_hot).div_(n)
             w.grad = torch.addmm(w, delta.T, x, beta=scale)
             b.grad = delta.sum(0)
         return loss
