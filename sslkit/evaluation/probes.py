@@ -253,14 +253,18 @@ def shots_subset(labels: Tensor, shots: int, seed: int) -> Tensor:
     return torch.sort(torch.cat(picked)).values
 
 
+_FTOL = 64 * torch.finfo(torch.float64).eps  # scikit-learn's L-BFGS ftol in _logistic_regression_path
+
+
 def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 1.0, max_iter: int = 1000,
                  tol: float = 1e-6, reduce: bool = True) -> tuple[Tensor, Tensor]:
     """Multinomial logistic regression with an L2 penalty, scikit-learn's ``LogisticRegression(C=c)`` objective
     (``0.5 ||W||^2 + C sum_i CE_i``, the intercept not penalised), minimised in float64 by L-BFGS with a strong
     Wolfe line search from zero weights until the gradient's largest entry is below ``tol`` (scaled by the sample
-    count). With fewer images than dimensions it is fitted in their row space (:func:`row_space`: the solution and
-    L-BFGS's path from zero lie there) and mapped back (``reduce``). Returns ``(weight [C, D], bias [C])`` in
-    float64 on the features' device."""
+    count) or a step changes the objective by less than scikit-learn's ``ftol`` (64 float64 epsilons: with 1e-12,
+    ill-conditioned fits stopped with gradients 200x the tolerance; measured). With fewer images than dimensions it
+    is fitted in their row space (:func:`row_space`: the solution and L-BFGS's path from zero lie there) and mapped
+    back (``reduce``). Returns ``(weight [C, D], bias [C])`` in float64 on the features' device."""
     basis = row_space(features) if reduce else None
     x = features.double() if basis is None else features.double() @ basis
     y = labels.to(x.device).long()
@@ -270,7 +274,7 @@ def fit_logistic(features: Tensor, labels: Tensor, num_classes: int, c: float = 
     scale = 1.0 / (c * n)  # the objective divided by C n: the same minimum, gradients of order 1
 
     one_hot = F.one_hot(y, num_classes).to(x.dtype)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=tol * scale, tolerance_change=1e-12,
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=tol * scale, tolerance_change=_FTOL,
                             history_size=20, line_search_fn="strong_wolfe")
 
     def closure() -> Tensor:
