@@ -273,9 +273,14 @@ def _check_reference(cfg: DictConfig, errors: list[str]) -> None:
             if key not in REFERENCE_KEYS:
                 errors.append(f"'{where}.{key}' is not a reference set's key.{_nearest(str(key), REFERENCE_KEYS)} "
                               f"The keys: {', '.join(REFERENCE_KEYS)}")
-        if entry.get("source") is not None:
-            registered(errors, R.DATASETS, entry["source"], f"eval.reference.sets[{i}].source")
-        if entry.get("split", "test") not in ("train", "test"):
+        split = entry.get("split", "test")
+        run_source = cfg.data[split].source if split in ("train", "test") else None
+        source = entry.get("source") or run_source or cfg.data.train.source
+        # the run's own source is checked as data.<split>.source: said once
+        builder = registered(errors if entry.get("source") else [], R.DATASETS, source, f"{where}.source")
+        if builder is not None and isinstance(entry.get("kwargs"), dict):
+            check_kwargs(f"{where}.kwargs", builder, entry["kwargs"], errors)
+        if split not in ("train", "test"):
             errors.append(f"'{where}.split' = {entry['split']}: use train or test")
         if not isinstance(entry.get("samples", 0), int) or entry.get("samples", 0) < 0:
             errors.append(f"'{where}.samples' = {entry['samples']}: a whole number >= 0 (0: all)")

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
 from sslkit.data.seeding import mix_seed
@@ -65,6 +66,7 @@ TIFF_MAGICS = (b"II*\x00", b"MM\x00*")
 
 #: ITU-R 601-2 luma, as PIL's ``convert("L")``: what a 3-channel array becomes for one-channel data.
 _LUMA = np.array([0.299, 0.587, 0.114])
+_LUMA_FIXED = np.array([19595, 38470, 7471], dtype=np.int64)  # the same weights in 16-bit fixed point, PIL's
 
 SPLITS = ("train", "test")
 
@@ -150,6 +152,16 @@ class TensorImageDataset(Dataset):
         return self.images[i].clone(), int(self.labels[i])
 
 
+def tensor_dataset(images: torch.Tensor, labels: torch.Tensor, num_classes: int, channels: int,
+                   key: str) -> TensorImageDataset:
+    """A :class:`TensorImageDataset` of ``images`` brought to ``channels`` (1 or 3) by :func:`convert_channels`,
+    once, as the sources' data is read; ``key`` is the option that sets ``channels``, named when it is neither."""
+    if channels not in (1, 3) or isinstance(channels, bool):
+        raise DataSourceError(f"{key} = {channels!r}: these images can be read with 1 (grey) or 3 (RGB) channels")
+    converted = convert_channels(images.numpy(), int(channels), key, axis=1)
+    return TensorImageDataset(torch.from_numpy(np.ascontiguousarray(converted)), labels, num_classes)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Fashion-MNIST (idx files)
 # ----------------------------------------------------------------------------------------------------
@@ -203,6 +215,16 @@ def _load_idx_pair(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
 
 
+def _on_canvas(images: torch.Tensor, canvas: int, split: str) -> torch.Tensor:
+    """``images`` ``[N, C, h, w]`` centred on black squares of side ``canvas`` (the images when it is theirs)."""
+    h, w = images.shape[-2:]
+    if isinstance(canvas, bool) or not isinstance(canvas, int) or canvas < max(h, w):
+        raise DataSourceError(f"data.{split}.kwargs.canvas = {canvas!r}: the side of the square the {h}x{w} images "
+                              f"are centred on, a whole number >= {max(h, w)}")
+    top, left = (canvas - h) // 2, (canvas - w) // 2
+    return images if (h, w) == (canvas, canvas) else F.pad(images, (left, canvas - w - left, top, canvas - h - top))
+
+
 def _torchvision_fashion_mnist(root: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Load (downloading if needed) Fashion-MNIST with torchvision; images ``[N,1,28,28]``."""
     from torchvision.datasets import FashionMNIST
@@ -212,8 +234,11 @@ def _torchvision_fashion_mnist(root: str, train: bool) -> tuple[torch.Tensor, to
 
 
 @register_dataset("fashion_mnist")
-def build_fashion_mnist(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
-    """Fashion-MNIST (10 classes, 1 channel, 28x28).
+def build_fashion_mnist(split: str, path: str | None = None, download: bool = True, channels: int = 1,
+                        canvas: int = 28) -> TensorImageDataset:
+    """Fashion-MNIST (10 classes, 28x28 grey): ``channels=3`` repeats the grey for an RGB trunk, ``canvas`` > 28
+    centres each garment on a black square of that side (the proving ground's "studio" domain, ``data=studio``:
+    3 channels, 32 px, the wild set's size and its largest garments' scale).
 
     With ``path`` set, only there: the idx files in ``path`` (or ``path/FashionMNIST/raw``), else
     a torchvision download into ``path`` unless ``download`` is False; a ``path`` that does not
@@ -247,13 +272,15 @@ def build_fashion_mnist(split: str, path: str | None = None, download: bool = Tr
             tried.append(f"{what} {folder}: {e}")
             continue
         logger.debug("fashion_mnist %s: %d images from %s", split, len(images), folder)
-        return TensorImageDataset(images, labels, num_classes=10)
+        return tensor_dataset(_on_canvas(images, canvas, split), labels, 10, channels,
+                                  f"data.{split}.kwargs.channels")
 
     root = str(path) if path else str(cache_dir() / "fashion_mnist")
     if download:
         try:
             images, labels = _torchvision_fashion_mnist(root, train=split == "train")
-            return TensorImageDataset(images, labels, num_classes=10)
+            return tensor_dataset(_on_canvas(images, canvas, split), labels, 10, channels,
+                                  f"data.{split}.kwargs.channels")
         except Exception as e:
             tried.append(f"torchvision download into {root}: {type(e).__name__}: {e}")
     else:
@@ -280,7 +307,8 @@ def _torchvision_cifar(name: str, root: str, train: bool, download: bool) -> tup
     return ds.data, list(ds.targets)
 
 
-def _build_cifar(name: str, num_classes: int, split: str, path: str | None, download: bool) -> TensorImageDataset:
+def _build_cifar(name: str, num_classes: int, split: str, path: str | None, download: bool,
+                 channels: int) -> TensorImageDataset:
     _check_split(split)
     root = str(path) if path else str(cache_dir() / name)
     errors: list[str] = []
@@ -291,7 +319,8 @@ def _build_cifar(name: str, num_classes: int, split: str, path: str | None, down
             errors.append(f"{'with' if dl else 'without'} download: {type(e).__name__}: {e}")
             continue
         images = torch.from_numpy(np.ascontiguousarray(data)).permute(0, 3, 1, 2).contiguous()
-        return TensorImageDataset(images, torch.as_tensor(targets, dtype=torch.int64), num_classes)
+        return tensor_dataset(images, torch.as_tensor(targets, dtype=torch.int64), num_classes, channels,
+                              f"data.{split}.kwargs.channels")
     raise DataSourceError(
         f"cannot load {name} ({split} split) from {root}: "
         + "; ".join(errors)
@@ -300,15 +329,19 @@ def _build_cifar(name: str, num_classes: int, split: str, path: str | None, down
 
 
 @register_dataset("cifar10")
-def build_cifar10(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
-    """CIFAR-10 via torchvision from ``path`` (default ``cache_dir()/cifar10``), downloading if allowed."""
-    return _build_cifar("cifar10", 10, split, path, download)
+def build_cifar10(split: str, path: str | None = None, download: bool = True,
+                  channels: int = 3) -> TensorImageDataset:
+    """CIFAR-10 via torchvision from ``path`` (default ``cache_dir()/cifar10``), downloading if allowed; RGB, or
+    ``channels=1`` for their luma."""
+    return _build_cifar("cifar10", 10, split, path, download, channels)
 
 
 @register_dataset("cifar100")
-def build_cifar100(split: str, path: str | None = None, download: bool = True) -> TensorImageDataset:
-    """CIFAR-100 via torchvision from ``path`` (default ``cache_dir()/cifar100``), downloading if allowed."""
-    return _build_cifar("cifar100", 100, split, path, download)
+def build_cifar100(split: str, path: str | None = None, download: bool = True,
+                  channels: int = 3) -> TensorImageDataset:
+    """CIFAR-100 via torchvision from ``path`` (default ``cache_dir()/cifar100``), downloading if allowed; RGB, or
+    ``channels=1`` for their luma."""
+    return _build_cifar("cifar100", 100, split, path, download, channels)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -356,17 +389,28 @@ def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
                                     "[C, H, W]", where)
     elif arr.shape[-1] == channels or (arr.shape[0] != channels and arr.shape[-1] <= 4 < arr.shape[0]):
         arr = np.moveaxis(arr, -1, 0)
-    c = arr.shape[0]
+    return convert_channels(arr, channels, where)
+
+
+def convert_channels(arr: np.ndarray, channels: int, where: str, axis: int = 0) -> np.ndarray:
+    """``arr`` with ``channels`` entries on its channel ``axis``, by PIL's conversions: one channel for 3 is
+    repeated, 3 or 4 (RGBA) for one become their ITU-R 601-2 luma (integers rounded as ``convert("L")``), 4 for 3 lose
+    alpha; the array itself when it has them already. Raises :class:`UnreadableSampleError` naming ``where`` for
+    any other pair."""
+    c = arr.shape[axis]
     if c == channels:
         return arr
     if c == 1 and channels == 3:
-        return np.repeat(arr, 3, axis=0)
+        return np.repeat(arr, 3, axis=axis)
     if c in (3, 4) and channels == 1:
-        luma = np.tensordot(_LUMA, arr[:3].astype(np.float64), axes=1)
-        return np.clip(np.rint(luma), 0, np.iinfo(arr.dtype).max if arr.dtype.kind == "u" else 1)[None].astype(
-            arr.dtype)
+        rgb = np.moveaxis(arr, axis, -1)[..., :3]
+        if arr.dtype.kind == "u":  # PIL's fixed point (Convert.c's L24): the same bytes as convert("L")
+            luma = (rgb.astype(np.int64) @ _LUMA_FIXED + 0x8000) >> 16
+        else:  # float pixels in 0..1 stay unrounded
+            luma = rgb.astype(np.float64) @ _LUMA
+        return np.expand_dims(luma, axis).astype(arr.dtype)
     if c == 4 and channels == 3:
-        return arr[:3]
+        return np.take(arr, [0, 1, 2], axis=axis)
     raise UnreadableSampleError(f"{where}: {c} channels, and the data has {channels} (data.<split>.kwargs.channels)",
                                 where)
 
@@ -797,15 +841,17 @@ _FIXED_SIZES = {"train": {"fashion_mnist": 60000, "cifar10": 50000, "cifar100": 
 
 
 def source_shape(name: str, kwargs: Mapping[str, Any] | None = None, split: str | None = None) -> SourceShape:
-    """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as
-    they are known without reading data (for config checks): Fashion-MNIST is 1x28x28 (60,000 training images),
-    CIFAR 3x32x32 (50,000), ``synthetic`` follows its arguments, ``folder`` and ``filelist`` their ``channels``
-    (sizes vary); other sources: unknown. A fixed dataset's length is given for a named ``split`` only.
+    """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as they are
+    known without reading data (for config checks): Fashion-MNIST is 1x28x28 (60,000 training images; its
+    ``channels`` and ``canvas`` where given), CIFAR 3x32x32 (50,000; its ``channels``), ``synthetic`` follows its
+    arguments, ``folder`` and ``filelist`` their ``channels`` (sizes vary); other sources: unknown. A fixed
+    dataset's length is given for a named ``split`` only.
     """
     kwargs = dict(kwargs or {})
     if name in _FIXED_SHAPES:
         channels, size = _FIXED_SHAPES[name]
-        return SourceShape(channels, size, _FIXED_SIZES.get(split or "", {}).get(name))
+        return SourceShape(int(kwargs.get("channels", channels)), int(kwargs.get("canvas", size)),
+                           _FIXED_SIZES.get(split or "", {}).get(name))
     if name in ("synthetic", "folder", "filelist"):
         params = inspect.signature(build_synthetic if name == "synthetic" else build_folder).parameters
         value = {k: kwargs.get(k, p.default) for k, p in params.items()}

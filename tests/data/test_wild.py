@@ -350,6 +350,44 @@ def test_data_wild_trains_a_recipe_and_its_class_maps_feed_the_dense_probe(tmp_p
                     f"output_dir={run}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("knn_top1" in line for line in lines)
+    # the preset's reference sets: both domains watched from the start to the end
+    for name in ("studio", "wild"):
+        watched = [line[f"ref_{name}_knn_top1"] for line in lines if f"ref_{name}_knn_top1" in line]
+        assert len(watched) >= 2 and all(0.0 <= v <= 1.0 for v in watched), name
+
+
+@needs_fashion
+def test_the_studio_and_the_wild_domains_are_one_trunks_input_and_reference_sets_of_each_other(
+        tmp_path: Path) -> None:
+    """data=studio is Fashion-MNIST's garments as RGB (the grey repeated) centred on the wild set's 32 px canvas; both
+    presets name the same two reference sets, each read with three channels and ten classes, the wild one from the
+    run's own folder when the run is on the wild set."""
+    from omegaconf import open_dict
+
+    from sslkit.builder.data import reference_sets
+    from sslkit.config.compose import compose_config
+    from sslkit.data.sources import build_fashion_mnist
+
+    code, out = _small_set(tmp_path)
+    assert code == 0
+    studio = compose_config(["data=studio"])
+    wild = compose_config(["data=wild", f"data.train.path={out}"])
+    assert (studio.data.image_size, studio.data.small_image_size) == (wild.data.image_size, wild.data.small_image_size)
+    assert studio.eval.reference.sets == wild.eval.reference.sets
+    with open_dict(studio):  # the default wild set is 70,000 images: the small one here
+        studio.eval.reference.sets[1].path = str(out)
+    grey = build_fashion_mnist("test")
+    for cfg in (studio, wild):
+        found = {name: (memory, queries, classes) for name, memory, queries, classes in reference_sets(cfg)}
+        assert sorted(found) == ["studio", "wild"]
+        for name, (memory, queries, classes) in found.items():
+            assert classes == 10 and len(memory) + len(queries) == (2000 if name == "studio" else 30), name
+            image, label = memory[0]
+            assert image.shape == (3, 32, 32), name
+        image, label = found["studio"][0][0]  # a test garment, its grey in each channel, a 2 px black border around
+        same = (grey.images[:, 0] == image[0, 2:30, 2:30]).all(dim=2).all(dim=1)
+        assert int(image.sum()) == int(image[:, 2:30, 2:30].sum())
+        assert torch.equal(image, image[:1].expand(3, -1, -1)) and label in grey.labels[same].tolist()
 
 
 @needs_fashion

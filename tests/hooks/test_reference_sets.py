@@ -179,3 +179,25 @@ def test_a_set_of_another_channel_count_stops_the_command_before_the_run_folder(
     assert "eval.reference.sets[0] (rgb)" in said and "3 channel(s) and the trunk reads 1" in said, said
     assert "kwargs: {channels: 1}" in said and "Traceback" not in said
     assert not out.exists()
+
+
+def test_a_sets_kwargs_are_checked_against_its_sources_builder_before_anything_is_read() -> None:
+    """A key its source's builder does not take is a config error naming the key and the nearest argument (it was a
+    TypeError traceback at the first evaluation); a set without a source is checked against the run's."""
+    from sslkit.config.schema import ConfigError
+    from sslkit.config.validate import validate
+    from sslkit.data.sources import build_fashion_mnist
+
+    for sets, said in (("[{name: studio, source: fashion_mnist, kwargs: {chanels: 3}}]",
+                        "'eval.reference.sets[0].kwargs.chanels' is not an argument of build_fashion_mnist. Did you "
+                        "mean 'channels'?"),
+                       ("[{name: a}, {name: b, kwargs: {image_sise: 8}}]",
+                        "'eval.reference.sets[1].kwargs.image_sise' is not an argument of build_synthetic")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            validate(compose_config(["config=simclr", *SMALL, f"eval.reference.sets={sets}"]))
+    validate(compose_config(["config=simclr", *SMALL, "eval.reference.sets=[{name: studio, source: fashion_mnist, "
+                             "kwargs: {channels: 3, canvas: 32}}]"]))
+    with pytest.raises(DataSourceError, match=re.escape("data.test.kwargs.canvas = 20: the side of the square")):
+        build_fashion_mnist("test", canvas=20)
+    with pytest.raises(DataSourceError, match=re.escape("data.test.kwargs.channels = 2: these images can be read")):
+        build_fashion_mnist("test", channels=2)
