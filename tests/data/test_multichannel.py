@@ -44,6 +44,9 @@ def test_arrays_of_any_channels_and_depth_read_channels_first(tmp_path: Path) ->
     np.save(tmp_path / "rgb.npy", rgb)
     pil_luma = np.asarray(Image.fromarray(rgb).convert("L"))
     assert np.array_equal(read_array_image(str(tmp_path / "rgb.npy"), 1)[0].numpy(), pil_luma)  # its fixed point
+    np.save(tmp_path / "unit.npy", rgb.astype(np.float32) / 255)  # float pixels: the luma itself, not rounded to 0/1
+    want = (rgb.astype(np.float64) / 255) @ np.array([0.299, 0.587, 0.114])
+    assert np.allclose(read_array_image(str(tmp_path / "unit.npy"), 1)[0].numpy(), want, atol=1e-6)
     np.save(tmp_path / "grey.npy", rgb[..., 0])
     assert np.array_equal(read_array_image(str(tmp_path / "grey.npy"), 3).numpy(), np.repeat(rgb[None, ..., 0], 3, 0))
     with pytest.raises(UnreadableSampleError, match=r"13 channels, and the data has 4"):
