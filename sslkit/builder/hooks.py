@@ -174,8 +174,9 @@ def _reference_hook(cfg: DictConfig, sinks: list[Any], workers: int, pin: bool) 
                          loader_for(cfg, queries, cfg.data.eval_transform, train=False, **loading), classes)
             for name, memory, queries, classes in reference_sets(cfg)]
     logger.info("reference sets (eval.reference): %s, kNN top-1 (k=%d) at the start, every %s update(s) and at the "
-                "end; a warning below %g of the start", ", ".join(s.name for s in sets), r.k,
-                r.every_n_steps or "no", 1.0 - float(r.warn_drop))
+                "end; %s", ", ".join(s.name for s in sets), r.k, r.every_n_steps or "no",
+                f"a warning below {1.0 - float(r.warn_drop):g} of the start" if cfg.model.pretrained else
+                "no warning of a fall (the run starts from a random init, model.pretrained unset)")
     return ReferenceSetsHook(sets, every_n_steps=r.every_n_steps, k=r.k, temperature=r.temperature,
                              warn_drop=r.warn_drop, sinks=sinks, features=str(cfg.eval.vit_features),
-                             last_n=int(cfg.eval.vit_last_n))
+                             last_n=int(cfg.eval.vit_last_n), warn=bool(cfg.model.pretrained))

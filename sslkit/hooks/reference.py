@@ -56,12 +56,13 @@ class ReferenceSetsHook(SSLHook):
 
     def __init__(self, sets: list[ReferenceSet], every_n_steps: int = 0, k: int = 20, temperature: float = 0.1,
                  warn_drop: float = 0.1, sinks: list[MetricsSink] | None = None, features: str = "pool",
-                 last_n: int = 4) -> None:
+                 last_n: int = 4, warn: bool = True) -> None:
         names = [s.name for s in sets]
         if len(set(names)) != len(names):
             raise ValueError(f"reference sets need distinct names, got {names}")
         self.sets, self.every_n_steps = list(sets), int(every_n_steps)
         self.k, self.temperature, self.warn_drop = int(k), float(temperature), float(warn_drop)
+        self.warn = bool(warn)  # false from a random init: its start figures are no knowledge to lose
         self.sinks = sinks or []
         self.features, self.last_n = str(features), int(last_n)
         self.start: dict[str, float] = {}
@@ -105,7 +106,7 @@ class ReferenceSetsHook(SSLHook):
             sink.write(record)
 
     def _warn(self, name: str, value: float, drop: float, update: int) -> None:
-        below = drop > self.warn_drop
+        below = self.warn and drop > self.warn_drop
         if below and not self.below.get(name, False):
             logger.warning("reference set %s: kNN top-1 %.4f at step %d, %.0f%% below its %.4f at the start "
                            "(eval.reference.warn_drop=%g): the backbone is forgetting it. Lower the learning rate, "

@@ -137,6 +137,16 @@ def test_a_fall_below_the_line_is_warned_once_per_fall_and_the_state_survives_a_
     task.clock.step = 4
     resumed.on_end(task)  # the last update was evaluated: nothing again
     assert len(resumed.history) == 5
+    # from a random init (model.pretrained unset: the builder's warn=False) a fall is logged, never warned
+    trunk.good, task.clock.step = True, 0
+    fresh = ReferenceSetsHook([ReferenceSet("old", _batches(labels), _batches(labels[::-1]), 2)], every_n_steps=1,
+                              k=3, warn_drop=0.2, warn=False)
+    fresh.on_phase_start(task)
+    trunk.good, task.clock.step = False, 1
+    with caplog.at_level(logging.WARNING, logger="sslkit"):
+        caplog.clear()
+        fresh.on_update(task)
+    assert not caplog.records and fresh.history[-1]["ref_old_drop"] == 0.5
 
 
 def test_a_reference_set_without_labels_stops_the_command_before_the_run_folder(tmp_path: Path) -> None:
