@@ -449,3 +449,27 @@ def test_the_recipe_grows_its_crops_from_the_phases_start_and_the_checkpoint_kno
     stages = [torch.load(out / "checkpoints" / f"checkpoint_{u:09d}.pt", weights_only=False)["position"]["stage"]
               for u in (2, 3)]
     assert stages == ["base", "high_res"]  # written after updates 1 and 2
+
+
+def test_the_standin_recipe_can_be_extended_without_changing_what_it_trained(tmp_path: Path) -> None:
+    """config=dinov3_standin (DINOv3's pretraining schedules: constant after the warm-up, no Gram loss): its first two
+    epochs are the same updates, to the bit, whether the run was set for 2 epochs or for 4, so a run that has not
+    stopped rising can be extended (and each epoch's kNN says where it stopped)."""
+    import json
+
+    cfg = compose_config(["config=dinov3_standin", "data=wild"])
+    assert (cfg.optim.schedule, cfg.optim.final_weight_decay, cfg.gram.weight) == ("constant", None, 0.0)
+    assert cfg.method.hooks.momentum_teacher.base_momentum == cfg.method.hooks.momentum_teacher.final_momentum
+    assert cfg.eval.knn.every_n_epochs == 1 and cfg.model.trunk_kwargs.patch_size == 8  # 32 px: 8 px patches
+    runs = {}
+    for epochs in (2, 4):
+        out = tmp_path / f"e{epochs}"
+        run_main("config=dinov3_standin", *SMALL, *RECIPES["dinov3"], "optim.warmup_epochs=1", f"optim.epochs={epochs}",
+                 "log.every_n_steps=1", "eval.knn.enabled=false", "eval.knn.every_n_epochs=0", f"output_dir={out}")
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[epochs] = {r["step"]: r for r in lines if "loss" in r and r.get("phase") != "eval"}
+    assert sorted(runs[2]) == list(range(1, 9)) and set(runs[2]) < set(runs[4])
+    for step, record in runs[2].items():
+        for key in ("loss", "lr", "weight_decay", "teacher_momentum"):
+            assert record[key] == runs[4][step][key], (step, key)
+    assert runs[4][8]["lr"] == runs[4][16]["lr"] > runs[4][2]["lr"]  # constant after the warm-up's 4 updates
