@@ -108,6 +108,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     if sized:
         raise ConfigError(f"invalid config:\n  {sized}")
     _scale_patches(cfg, keys)
+    _drop_preset_trunk_kwargs(cfg, keys, choices["data"] or "fashion_mnist")
     import_modules(cfg)
     resolve_method(cfg)
     apply_stats(cfg)
@@ -170,6 +171,19 @@ def _scale_patches(cfg: DictConfig, keys: set[str]) -> None:
             return
         cfg.data.small_image_size = int(new_small)
     cfg.model.trunk_kwargs.patch_size = int(new_patch)
+
+
+def _drop_preset_trunk_kwargs(cfg: DictConfig, keys: set[str], data: str) -> None:
+    """A data preset's trunk comes with its arguments (data=cifar10: resnet18 with ``small_image_stem``); a recipe
+    that names another trunk (a ViT) replaces both, so the preset's arguments the command does not set are taken
+    out of ``model.trunk_kwargs`` (they were merged into the recipe's and stopped every ViT recipe on CIFAR)."""
+    found = [d / "data" / f"{data}.yaml" for d in config_dirs() if (d / "data" / f"{data}.yaml").is_file()]
+    preset = OmegaConf.load(found[0]).get("model") if found else None
+    if not preset or not preset.get("trunk") or preset.trunk == cfg.model.trunk or "model.trunk_kwargs" in keys:
+        return
+    for key, value in (preset.get("trunk_kwargs") or {}).items():
+        if f"model.trunk_kwargs.{key}" not in keys and cfg.model.trunk_kwargs.get(key) == value:
+            del cfg.model.trunk_kwargs[key]
 
 
 def apply_stats(cfg: DictConfig) -> None:

@@ -75,7 +75,7 @@ def test_a_fashion_mnist_vit_recipe_on_large_images_stops_and_names_what_to_run(
 
 @pytest.mark.parametrize("recipe", ["dino_vit", "ibot", "dinov2", "dinov3", "ijepa", "mae", "lejepa", "mocov3_vit",
                                     "simclr_vit"])
-@pytest.mark.parametrize("data", ["wild"])
+@pytest.mark.parametrize("data", ["wild", "studio", "cifar10"])
 def test_a_fashion_mnist_vit_recipe_on_32_px_images_keeps_its_token_grids(recipe: str, data: str) -> None:
     """At 32 px (the wild set's and CIFAR's), a recipe sized for 28 px scales the patches that do not divide 32 and
     its local crops by 32 / 28 (7 -> 8, 14 -> 16: the same 4 x 4 and 2 x 2 grids); patches that divide 32 (MAE's
@@ -458,3 +458,16 @@ def test_every_key_that_defaults_to_auto_has_a_value_rule() -> None:
         compose_config(["eval.bench.robustness.table=cifar10"])
     with pytest.raises(ConfigError, match=re.escape("'distill.teacher_shard' must be auto, true or false")):
         compose_config(["config=distill", "distill.teacher=.", "distill.teacher_shard=maybe"])
+
+
+def test_a_data_presets_trunk_arguments_go_with_its_trunk_not_into_a_recipes_own() -> None:
+    """data=cifar10 suits the CNN recipes with resnet18 and its 3x3 stem; a ViT recipe keeps its own trunk and
+    arguments (the stem argument was merged into them: every ViT recipe stopped on CIFAR), and the command's own
+    setting is still the user's to make, and checked."""
+    assert dict(compose_config(["config=simclr", "data=cifar10"]).model.trunk_kwargs) == {"small_image_stem": True}
+    for recipe in ("dino_vit", "mae", "dinov3"):
+        cfg = compose_config([f"config={recipe}", "data=cifar10"])
+        own = compose_config([f"config={recipe}"])
+        assert (cfg.model.trunk, set(cfg.model.trunk_kwargs)) == (own.model.trunk, set(own.model.trunk_kwargs))
+    with pytest.raises(ConfigError, match=re.escape("'model.trunk_kwargs.small_image_stem' is not an argument")):
+        compose_config(["config=dino_vit", "data=cifar10", "model.trunk_kwargs.small_image_stem=true"])
