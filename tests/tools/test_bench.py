@@ -182,25 +182,28 @@ def test_bad_input_is_a_message_and_exit_2_before_any_extraction(args: list[str]
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
-def test_a_patch_token_protocol_on_a_cnn_is_refused_before_any_extraction(cnn_run: Path, tmp_path: Path) -> None:
-    for protocol in ("attentive", "dense"):
-        code, _, stderr = bench(f"backbones=[pixels, {cnn_run}]", f"protocols=[knn, {protocol}]",
-                                f"output={tmp_path / 'out'}", f"bench.cache_dir={tmp_path / 'cache'}")
-        assert code == 2 and f"protocols={protocol}" in stderr and str(cnn_run) in stderr, stderr[-2000:]
-        assert "Traceback" not in stderr and not (tmp_path / "cache").exists()
+def test_the_attentive_probe_on_a_cnn_is_refused_before_any_extraction(cnn_run: Path, tmp_path: Path) -> None:
+    """The attentive probe reads patch tokens, which a CNN has not (the dense probe reads its feature map)."""
+    code, _, stderr = bench(f"backbones=[pixels, {cnn_run}]", "protocols=[knn, attentive]",
+                            f"output={tmp_path / 'out'}", f"bench.cache_dir={tmp_path / 'cache'}")
+    assert code == 2 and "protocols=attentive" in stderr and str(cnn_run) in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr and not (tmp_path / "cache").exists()
 
 
-def test_the_dense_protocol_on_fashion_mnist_scenes(vit_run: Path, tmp_path: Path) -> None:
+def test_the_dense_protocol_on_fashion_mnist_scenes(vit_run: Path, cnn_run: Path, tmp_path: Path) -> None:
+    """A ViT's patch tokens, a CNN's last feature map and the pixels' patches, each under the dense linear probe."""
     from sslkit.data.sources import DEBIAN_FASHION_MNIST
+    from sslkit.models.dense import dense_features
+    from sslkit.tools.pretrained import load_pretrained
 
     if not Path(DEBIAN_FASHION_MNIST).is_dir():
         pytest.skip("no Fashion-MNIST here (apt-get install dataset-fashion-mnist)")
     out, cache = tmp_path / "out", tmp_path / "cache"
-    code, _, stderr = bench(f"backbones=[{vit_run}, pixels, random]", "protocols=[dense]", *SCENES,
+    code, _, stderr = bench(f"backbones=[{vit_run}, {cnn_run}, pixels, random]", "protocols=[dense]", *SCENES,
                             f"output={out}", f"bench.cache_dir={cache}")
     assert code == 0, stderr[-3000:]
     r = _results(out)
-    for name in (str(vit_run), "pixels", "random (vit_tiny)"):
+    for name in (str(vit_run), str(cnn_run), "pixels", "random (vit_tiny)", "random (small_cnn)"):
         m = r["results"][name]["metrics"]["dense_miou"]
         assert 0.0 <= m["low"] <= m["value"] <= m["high"] <= 1.0, name
         d = r["results"][name]["details"]["dense"]
@@ -209,6 +212,11 @@ def test_the_dense_protocol_on_fashion_mnist_scenes(vit_run: Path, tmp_path: Pat
     # the run's 8 px patches on the 56 px scenes: a 7 x 7 map of its width; the pixels cut in the same patches
     assert r["results"][str(vit_run)]["details"]["dense"]["feature_map"] == [192, 7, 7]
     assert r["results"]["pixels"]["details"]["dense"]["feature_map"] == [64, 7, 7]
+    # the small CNN (width 8): its last convolutions' 64 channels at a stride of 8, what dense_features reads
+    pre = load_pretrained(str(cnn_run), ["machine.device=cpu"])
+    with torch.no_grad():
+        fmap = dense_features(pre.trunk.eval(), torch.zeros(1, 3, 56, 56)).map
+    assert r["results"][str(cnn_run)]["details"]["dense"]["feature_map"] == [fmap.shape[3], *fmap.shape[1:3]]
     assert "dense_miou" in r["comparisons"]
     entries = {e["entry"] for e in FeatureCache(str(cache)).entries()}
     assert {"dense/train", "dense/test"} <= entries

@@ -23,10 +23,12 @@ from sslkit.data.sources import UnreadableSampleError
 from sslkit.data.transforms import EvalTransform
 from sslkit.evaluation.corruptions import corrupt
 from sslkit.evaluation.dense import windowed_maps
+from sslkit.models.dense import dense_features, has_feature_map
 from sslkit.models.tokens import TokenTrunk
 
 __all__ = ["BenchImages", "FeatureCache", "batched", "data_fingerprint", "extract_arrays", "extraction_workers",
-           "module_heads", "module_patch", "patch_tokens", "summary", "token_capable", "token_maps", "vit_summary"]
+           "module_heads", "module_patch", "patch_tokens", "protocol_capable", "summary", "token_capable", "token_maps",
+           "vit_summary"]
 
 #: Bumped when what an entry holds or how it is computed changes: older entries are then not read.
 FORMAT = 1
@@ -242,6 +244,14 @@ def token_capable(module: nn.Module | None) -> bool:
         hasattr(module, "patch_embed") and hasattr(module, "num_prefix_tokens"))
 
 
+def protocol_capable(module: nn.Module | None, protocol: str) -> bool:
+    """Can the backbone be measured by a patch-token protocol? The attentive probe reads patch tokens
+    (:func:`token_capable`); the dense probe reads any feature map: a ViT's patch tokens, a CNN's last map
+    (:func:`~sslkit.models.dense.has_feature_map`: a torchvision ResNet, sslkit's small CNN, a trunk's own
+    ``forward_dense``), the pixels."""
+    return token_capable(module) or (protocol == "dense" and has_feature_map(module))  # type: ignore[arg-type]
+
+
 def module_heads(module: nn.Module | None) -> int:
     """The attention heads of a token backbone's blocks (the attentive probe's, as V-JEPA takes the encoder's); 1
     for the pixels."""
@@ -276,7 +286,10 @@ def module_patch(module: nn.Module | None, pixels: int) -> int:
 def token_maps(module: nn.Module | None, x: Tensor, patch: int, window: int | None = None) -> Tensor:
     """:func:`patch_tokens` as a feature map ``[B, D, h, w]`` (the dense probe's input), read through windows of
     ``window`` pixels when the images are larger (:func:`~sslkit.evaluation.dense.windowed_maps`; not for the
-    pixels, whose patches see nothing else)."""
+    pixels, whose patches see nothing else); a CNN's last feature map (:func:`~sslkit.models.dense.dense_features`)
+    of the whole image."""
+    if module is not None and not token_capable(module):  # a CNN: its last feature map, any image size in one pass
+        return dense_features(module, x).map.permute(0, 3, 1, 2).float()
     side = module_patch(module, patch)
 
     def whole(images: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from sslkit.tools.bench.cache import (
     module_heads,
     module_patch,
     patch_tokens,
+    protocol_capable,
     summary,
     token_capable,
     token_maps,
@@ -172,15 +173,14 @@ def _entries(bench: Bench, b: Backbone) -> dict[str, dict[str, Any]]:
             "last_n": int(settings["vit_last_n"]), "torch": torch.__version__, "device": bench.device.type}
     entries = {split: {**base, "split": split, "data": data[split]["fingerprint"], "corruption": None}
                for split in ("train", "test")}
-    tokens = token_capable(b.module)
     patch = bench.patch if b.module is None else None
-    if "attentive" in bench.protocols and tokens:
+    if "attentive" in bench.protocols and protocol_capable(b.module, "attentive"):
         for split in ("train", "test"):
             entries[f"tokens/{split}"] = {**entries[split], "tokens": "patches", "patch": patch}
-    if "dense" in bench.protocols and tokens and bench.seg is not None:
+    if "dense" in bench.protocols and protocol_capable(b.module, "dense") and bench.seg is not None:
         for split in ("train", "test"):
-            window = None if b.module is None else dense_window(settings["dense"]["window"],
-                                                                int(b.transform["image_size"]), bench.seg["size"])
+            window = None if not token_capable(b.module) or b.module is None else dense_window(  # a CNN: no windows
+                settings["dense"]["window"], int(b.transform["image_size"]), bench.seg["size"])
             entries[f"dense/{split}"] = {**base, "split": split, "data": bench.seg["fingerprint"][split],
                                          "corruption": None, "dense_size": bench.seg["size"], "patch": patch,
                                          "window": window}
@@ -296,8 +296,9 @@ def _run_backbone(bench: Bench, b: Backbone) -> tuple[dict[str, Any], dict[str, 
     chosen: list[Any] = []
     for protocol in bench.protocols:
         t0 = time.perf_counter()
-        if protocol in TOKEN_PROTOCOLS and not token_capable(b.module):
-            record["details"][protocol] = {"not_measured": f"{b.arch} gives no patch tokens"}
+        if protocol in TOKEN_PROTOCOLS and not protocol_capable(b.module, protocol):
+            record["details"][protocol] = {"not_measured": f"{b.arch} gives no patch tokens"
+                                           f"{'' if protocol == 'attentive' else ' and no feature map'}"}
             continue
         outcome = _protocol(bench, b, protocol, feats, per_image, chosen)
         record["metrics"].update(outcome.metrics)
@@ -499,10 +500,12 @@ def _token_checks(backbones: list[Backbone], protocols: list[str], named: bool, 
     by default, such a backbone's cell stays empty."""
     wanted = [p for p in protocols if p in TOKEN_PROTOCOLS]
     if named and wanted:
-        cnns = [b.name for b in backbones if not token_capable(b.module)]
-        if cnns:
-            raise BenchError(f"protocols={','.join(wanted)} read a ViT's patch tokens, and {', '.join(cnns)} "
-                             "give(s) none (a CNN): leave the protocol out, or bench the CNN with the other protocols")
+        for protocol in wanted:
+            cannot = [b.name for b in backbones if not protocol_capable(b.module, protocol)]
+            if cannot:
+                what = "a ViT's patch tokens" if protocol == "attentive" else "patch tokens or a CNN's feature map"
+                raise BenchError(f"protocols={protocol} reads {what}, and {', '.join(cannot)} give(s) none: leave "
+                                 "the protocol out, or bench that backbone with the other protocols")
     for b in backbones:
         if token_capable(b.module) and b.module is not None:
             return module_patch(b.module, default_patch)
