@@ -395,8 +395,8 @@ def _crop_sizes(cfg: DictConfig) -> list[tuple[str, int]]:
 
 
 def _check_pretrained(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
-    """``model.pretrained``: a file that exists, of a kind the loader reads, for a ViT trunk (whether its network
-    is the trunk's is checked when it is read, before the first step)."""
+    """``model.pretrained``: a file that exists, of a kind the loader reads, or a transformers folder, for a ViT
+    trunk (whether its network is the trunk's is checked when it is read, before the first step)."""
     path = cfg.model.pretrained
     if path is None:
         return
@@ -404,9 +404,12 @@ def _check_pretrained(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
     if not getattr(trunk, "patch_tokens", False):
         errors.append(f"'model.pretrained' loads ViT backbones (sslkit's ViTs, timm's DINOv3 ViTs), and "
                       f"model.trunk={cfg.model.trunk} is none: use a ViT trunk or drop model.pretrained")
+    elif file.is_dir() and (file / "config.json").is_file():
+        return  # a transformers checkpoint folder: what it holds is checked when it is read
     elif not file.is_file():
-        what = "is a folder, not a file" if file.exists() else "does not exist"
-        errors.append(f"'model.pretrained' = {path}: {what}; give the .pth or .safetensors file of the backbone")
+        what = "is a folder without a config.json" if file.exists() else "does not exist"
+        errors.append(f"'model.pretrained' = {path}: {what}; give the .pth or .safetensors file of the backbone, "
+                      "or a transformers folder (config.json + model.safetensors)")
     elif file.suffix not in (".pth", ".pt", ".safetensors", ".bin"):
         errors.append(f"'model.pretrained' = {path}: not a .pth, .pt, .bin or .safetensors file of weights")
 

@@ -4,6 +4,7 @@ timm's or Meta's layout, convert it with timm's own converter, and say what diff
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from sslkit.errors import UserError
+from sslkit.models.hf_weights import hf_config, hf_to_meta
 from sslkit.models.ssl_model import SSLModel
 from sslkit.models.tokens import TokenTrunk
 
@@ -86,9 +88,13 @@ def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, t
     sslkit model state gives its EMA teacher's trunk (``teacher_trunk.``), or its trunk when it has no teacher.
     ``key`` is the config key the path came from, for the messages."""
     file = Path(path).expanduser()
+    config = hf_config(file)
+    if config is not None:
+        return _read_hf(file, config, key)
     if not file.is_file():
         raise WeightsError(f"{key}={path}: no such file; give the path of a .pth or .safetensors file of "
-                           "backbone weights (timm's or Meta's DINOv2/DINOv3 release)")
+                           "backbone weights (timm's or Meta's DINOv2/DINOv3 release), or a transformers folder "
+                           "(config.json + model.safetensors)")
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -114,6 +120,39 @@ def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, t
                 name = name[len(prefix):]
         out[name] = value
     return _sslkit_trunk(out)
+
+
+def _read_hf(path: Path, config: dict[str, Any], key: str) -> dict[str, torch.Tensor]:
+    """A transformers checkpoint (its folder: ``model.safetensors``, or the shards its index names; or one weights
+    file beside its ``config.json``) in Meta's layout (:func:`~sslkit.models.hf_weights.hf_to_meta`). A tensor of
+    the file that has no place in the backbone (not a known head) stops the load, named."""
+    from safetensors.torch import load_file
+
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+            else [path / "model.safetensors"]
+    else:
+        files = [path]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightsError(f"{key}={path}: a transformers {config['model_type']} checkpoint without its weights "
+                           f"({', '.join(missing)}): download them again (save_pretrained writes model.safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # a truncated download
+            raise WeightsError(f"{key}={path}: {f} cannot be read ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200]}); download it again") from None
+    read = hf_to_meta(state, config)
+    if read.unused:
+        raise WeightsError(f"{key}={path}: {len(read.unused)} of the file's {len(state)} tensors have no place in a "
+                           f"{config['model_type']} backbone ({', '.join(read.unused[:8])}): it is another model, "
+                           "or a layout sslkit does not know")
+    logger.info("%s: a transformers %s checkpoint, %d tensors read%s", key, config["model_type"], len(state),
+                f" ({len(read.heads)} of a head left out: {', '.join(read.heads[:4])})" if read.heads else "")
+    return read.state
 
 
 def _sslkit_trunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -217,6 +256,7 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
                            f"Pick the trunk and {trunk_key}_kwargs of the released model")
     mask = state.get("mask_token")
     own = trunk.state_dict()
+    _check_dropped_biases(state, own, f"{key}={path}", trunk_key)
     # the trunk's own layout (an sslkit checkpoint, timm's class itself) loads as it is; others through timm's filter
     as_is = set(state) <= set(own) and set(own) - set(state) <= {"mask_token"} and all(
         v.shape == own[k].shape for k, v in state.items())
@@ -237,6 +277,18 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
         raise WeightsError(f"{key}={path} lacks {len(fresh)} of the trunk's tensors ({', '.join(sorted(fresh)[:6])}): "
                            "it is not a whole backbone of this architecture")
     return list(missing)
+
+
+def _check_dropped_biases(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], where: str,
+                          trunk_key: str) -> None:
+    """timm's DINOv3 converter skips a file's q / v biases (``attn.qkv.bias``) when the trunk has none, as Meta's
+    distilled releases, whose biases are all zero, need: a bias that is not zero would be lost in silence, so it
+    stops the load, named."""
+    lost = [k for k, v in state.items() if k.endswith("attn.qkv.bias") and k not in own
+            and k.replace("qkv.bias", "q_bias") not in own and bool(v.detach().abs().max() > 0)]
+    if lost:
+        raise WeightsError(f"{where}: {len(lost)} blocks' q / v biases are not zero ({', '.join(lost[:4])}) and the "
+                           f"trunk has none: set {trunk_key}_kwargs.qkv_bias=true")
 
 
 def weights_digest(module: nn.Module) -> str:
