@@ -18,6 +18,7 @@ from sslkit.checkpoint import CheckpointError
 from sslkit.methods.dino import DINOHead
 from sslkit.methods.distill import DistillError, FrozenTeacher, StudentSpec
 from sslkit.models.dense import TimmDense
+from sslkit.models.hf_weights import hf_config, hf_trunk
 from sslkit.models.weights import WeightsError, load_trunk, read_weights
 
 __all__ = ["build_students", "load_teacher"]
@@ -48,7 +49,8 @@ def load_teacher(source: str, trunk_name: str | None, arguments: dict[str, Any],
       (DINO, iBOT, DINOv2, DINOv3, BYOL, MoCo), else its trunk (and a DINO head if it has one);
     * a weights file (``.pth`` / ``.safetensors``) with ``trunk_name``: an sslkit trunk (``vit_large_patch16_dinov3``,
       ...; Meta's and timm's layouts, :func:`~sslkit.models.weights.load_trunk`) or ``timm:<model>`` (any timm
-      architecture, its own layout, loaded strictly), built with ``arguments`` (``distill.teacher_trunk_kwargs``).
+      architecture, its own layout, loaded strictly), built with ``arguments`` (``distill.teacher_trunk_kwargs``);
+    * a transformers DINOv2 / DINOv3 checkpoint folder: the trunk its config.json describes, its weights.
 
     ``rebuild(config, in_channels)`` builds a run's model from its config (the builder's ``build_model``).
     Raises :class:`DistillError` naming ``distill.teacher`` (or ``distill.teacher_trunk``) when it cannot be read."""
@@ -59,6 +61,14 @@ def load_teacher(source: str, trunk_name: str | None, arguments: dict[str, Any],
     if not os.path.exists(path):
         raise DistillError(f"distill.teacher={source}: no such file or folder. Give a run folder (its latest "
                            "checkpoint), a checkpoint file, or a .pth / .safetensors weights file")
+    config = hf_config(path) if trunk_name is None else None
+    if config is not None:  # a transformers checkpoint: its config.json gives the trunk
+        try:
+            trunk_name, given = hf_trunk(config)
+        except ValueError as exc:
+            raise DistillError(f"distill.teacher={source}: a transformers {config['model_type']} of {exc}") from None
+        given.pop("in_channels")  # built for the data's channels: the file's patch embedding is adapted on loading
+        arguments = {**given, **arguments}
     if trunk_name is None:
         teacher = _teacher_from_run(str(source), rebuild)
         convs = [m for m in teacher.trunk.modules() if isinstance(m, nn.Conv2d)]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HF_MODEL_TYPES", "HFWeights", "hf_config", "hf_to_meta"]
+__all__ = ["HF_MODEL_TYPES", "HFWeights", "hf_config", "hf_to_meta", "hf_trunk"]
 
 #: transformers' ``model_type`` of the ViTs read here.
 HF_MODEL_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit")
@@ -136,3 +136,35 @@ def _joined(at: str, key: str, found: dict[str, torch.Tensor], dinov3: bool) -> 
     if set(found) == {"up_proj", "down_proj"}:  # DINOv3's plain MLP
         return {f"{at}mlp.fc1.{kind}": found["up_proj"], f"{at}mlp.fc2.{kind}": found["down_proj"]}
     return {}
+
+
+def hf_trunk(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The sslkit trunk a transformers DINOv2 / DINOv3 ``config.json`` describes: ``(trunk name, its arguments)``,
+    an sslkit ViT of the config's width (DINOv2: LayerScale, registers) or timm's DINOv3 ViT with the config's
+    width, depth, heads, patch, registers, biases, MLP and RoPE period. Raises ``ValueError`` for what sslkit's
+    trunks cannot be (a width without an sslkit ViT, DINOv2's SwiGLU giant, a key bias)."""
+    from sslkit.models.vit import VIT_SIZES
+
+    width, kind = int(config["hidden_size"]), config["model_type"]
+    common = {"patch_size": int(config["patch_size"]), "depth": int(config["num_hidden_layers"]),
+              "num_heads": int(config["num_attention_heads"]), "in_channels": int(config.get("num_channels", 3))}
+    if kind == "dinov3_vit":
+        if config.get("key_bias"):
+            raise ValueError("a key bias in the attention (key_bias: true), which timm's DINOv3 ViT has not")
+        gated = bool(config.get("use_gated_mlp"))
+        return "vit_small_patch16_dinov3", {
+            **common, "embed_dim": width, "num_reg_tokens": int(config.get("num_register_tokens", 0)),
+            "qkv_bias": bool(config.get("query_bias", True) or config.get("value_bias", True)),
+            "mlp_ratio": int(config["intermediate_size"]) / width, "swiglu_mlp": gated,
+            "init_values": float(config.get("layerscale_value", 1.0)),
+            "rope_temperature": float(config.get("rope_theta", 100.0))}
+    if config.get("use_swiglu_ffn"):
+        raise ValueError("DINOv2's SwiGLU MLP (the giant), which sslkit's ViT has not: read it with "
+                         "timm:vit_giant_patch14_dinov2 in timm's own layout")
+    size = next((name for name, (dim, *_) in VIT_SIZES.items() if dim == width), None)
+    if size is None:
+        widths = ", ".join(f"{n} ({d})" for n, (d, *_) in VIT_SIZES.items())
+        raise ValueError(f"width {width}: sslkit's ViTs are {widths}")
+    return size, {**common, "reg_tokens": int(config.get("num_register_tokens", 0)),
+                  "layer_scale_init": float(config.get("layerscale_value", 1.0)),
+                  "mlp_ratio": float(config.get("mlp_ratio", 4.0)), "qkv_bias": bool(config.get("qkv_bias", True))}

@@ -166,3 +166,29 @@ def test_the_command_line_continues_from_a_transformers_folder(tmp_path: Path) -
     proc = run_main("config=dinov2", *SMALL, *RECIPES["dinov2"], f"model.pretrained={tmp_path / 'empty'}",
                     f"output_dir={tmp_path / 'none'}", check=False)
     assert proc.returncode == 2 and "is a folder without a config.json" in proc.stderr + proc.stdout
+
+
+def test_a_transformers_folder_is_a_bench_backbone_and_a_distillation_teacher_by_itself(tmp_path: Path) -> None:
+    """``sslkit bench backbones=[DIR]`` and ``distill.teacher=DIR`` build the trunk its config.json describes (no
+    architecture to name) and read the weights into it; the bench's random twin is that architecture."""
+    import json
+
+    from helpers import run_main, run_sslkit
+
+    _hf_model("dinov2_with_registers").save_pretrained(tmp_path / "hf")
+    out = tmp_path / "bench"
+    code, _, stderr = run_sslkit("bench", "data=synthetic", "data.train.kwargs.num_samples=40",
+                                 "+data.test.kwargs.num_samples=20", "machine.device=cpu", "bench.num_workers=0",
+                                 "bench.knn.ks=[5]", "bench.bootstrap=50", "data.image_size=32",
+                                 f"backbones=[{tmp_path / 'hf'}, random]", "protocols=[knn]", f"output={out}",
+                                 f"bench.cache_dir={tmp_path / 'cache'}")
+    assert code == 0, stderr[-2000:]
+    r = json.loads((out / "results.json").read_text())
+    assert r["backbones"] == [str(tmp_path / "hf"), "random (vit_tiny)"]
+    details = r["results"][str(tmp_path / "hf")]["backbone"]
+    assert details["arch_kwargs"]["reg_tokens"] == 4 and details["arch_kwargs"]["layer_scale_init"] == 0.5
+    run = tmp_path / "student"
+    run_main("config=distill", *SMALL, f"distill.teacher={tmp_path / 'hf'}",
+             "distill.students=[{trunk: small_cnn, trunk_kwargs: {width: 8}}]", "optim.max_steps=1",
+             "eval.knn.enabled=false", f"output_dir={run}")
+    assert (run / "checkpoints").is_dir()

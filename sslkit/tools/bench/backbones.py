@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sslkit.errors import UserError
+from sslkit.models.hf_weights import hf_config
 from sslkit.models.tokens import TokenTrunk
 from sslkit.models.weights import weights_digest
 
@@ -103,15 +104,19 @@ def _channels(module: nn.Module) -> int:
 
 
 def _weights_backbone(spec: str, cfg: DictConfig) -> Backbone:
-    """``ARCH@FILE``: an sslkit ViT trunk (Meta's and timm's layouts) or ``timm:NAME`` (timm's own layout, strict)."""
+    """``ARCH@FILE``: an sslkit ViT trunk (Meta's, timm's and transformers' layouts) or ``timm:NAME`` (timm's own
+    layout, strict); or a transformers checkpoint alone, ``DIR``, whose config.json gives the trunk."""
     from sslkit.builder.common import trunk_kwargs
     from sslkit.models.weights import WeightsError, load_trunk, read_weights
     from sslkit.registry import TRUNKS, get
 
-    arch, path = spec.split("@", 1)
-    if not os.path.isfile(os.path.expanduser(path)):
+    arch, path = spec.split("@", 1) if "@" in spec else ("", spec)
+    given: dict[str, Any] = {}
+    if not arch:  # a transformers checkpoint: its config.json names the architecture
+        arch, given = _hf_architecture(spec)
+    elif not os.path.isfile(os.path.expanduser(path)) and hf_config(path) is None:
         raise BenchError(f"backbone {spec}: {path} is no file. ARCH@FILE names a weights file (.pth, .pt, "
-                         ".safetensors) after the architecture")
+                         ".safetensors) after the architecture, or a transformers folder")
     path = os.path.expanduser(path)
     size = int(cfg.eval.bench.image_size or cfg.data.image_size)
     if arch.startswith(TIMM):
@@ -138,7 +143,8 @@ def _weights_backbone(spec: str, cfg: DictConfig) -> Backbone:
             return timm.create_model(name, pretrained=False, num_classes=0)
     else:
         builder = get(TRUNKS, arch, f"backbone {spec}")
-        arguments = trunk_kwargs(builder, {}, 3, size, int(cfg.data.patch_size))
+        arguments = trunk_kwargs(builder, {k: v for k, v in given.items() if k != "in_channels"},
+                                 int(given.get("in_channels", 3)), size, int(cfg.data.patch_size))
         module = builder(**arguments)
 
         def fresh() -> nn.Module:
@@ -152,6 +158,18 @@ def _weights_backbone(spec: str, cfg: DictConfig) -> Backbone:
                  "resize": None, "crop_pct": None, "channels": _channels(module)}
     return Backbone(spec, kind, arch, module.eval(), weights_digest(module), transform,
                     {"file": path, "arch_kwargs": arguments}, fresh=fresh)
+
+
+def _hf_architecture(spec: str) -> tuple[str, dict[str, Any]]:
+    """The sslkit trunk and arguments of the transformers checkpoint ``spec`` names (its ``config.json``)."""
+    from sslkit.models.hf_weights import hf_trunk
+
+    config = hf_config(spec)
+    assert config is not None
+    try:
+        return hf_trunk(config)
+    except ValueError as exc:
+        raise BenchError(f"backbone {spec}: a transformers {config['model_type']} of {exc}") from None
 
 
 def _pixels(cfg: DictConfig) -> Backbone:
@@ -198,7 +216,8 @@ def load_backbones(specs: list[str], cfg: DictConfig, device: str) -> tuple[list
                 loaded.append(_pixels(cfg))
             continue
         try:
-            loaded.append(_weights_backbone(spec, cfg) if "@" in spec else _run_backbone(spec, cfg, device))
+            weights = "@" in spec or hf_config(spec) is not None  # a transformers folder holds no sslkit run
+            loaded.append(_weights_backbone(spec, cfg) if weights else _run_backbone(spec, cfg, device))
         except UserError as exc:
             failures[spec] = str(exc)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
