@@ -152,12 +152,22 @@ def hf_trunk(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         if config.get("key_bias"):
             raise ValueError("a key bias in the attention (key_bias: true), which timm's DINOv3 ViT has not")
         gated = bool(config.get("use_gated_mlp"))
+        act = config.get("hidden_act", "gelu")
+        if float(config.get("layer_norm_eps", 1e-5)) != 1e-5:
+            raise ValueError(f"norms of eps {config['layer_norm_eps']} (timm's DINOv3 ViT: 1e-5)")
+        if act != ("silu" if gated else "gelu"):  # timm's DINOv3 MLPs: GELU, or SwiGLU's SiLU gate
+            raise ValueError(f"a{' gated' if gated else 'n'} MLP of {act} (timm's DINOv3 ViT has "
+                             f"{'SiLU' if gated else 'GELU'} there)")
         return "vit_small_patch16_dinov3", {
             **common, "embed_dim": width, "num_reg_tokens": int(config.get("num_register_tokens", 0)),
             "qkv_bias": bool(config.get("query_bias", True) or config.get("value_bias", True)),
             "mlp_ratio": int(config["intermediate_size"]) / width, "swiglu_mlp": gated,
+            **({"swiglu_align_to": 1} if gated else {}),  # timm's SwiGLU of separate gate and up weights, unrounded
             "init_values": float(config.get("layerscale_value", 1.0)),
             "rope_temperature": float(config.get("rope_theta", 100.0))}
+    if config.get("hidden_act", "gelu") != "gelu" or float(config.get("layer_norm_eps", 1e-6)) != 1e-6:
+        raise ValueError(f"an MLP of {config.get('hidden_act')} or norms of eps {config.get('layer_norm_eps')} "
+                         "(sslkit's ViT: GELU, 1e-6)")
     if config.get("use_swiglu_ffn"):
         raise ValueError("DINOv2's SwiGLU MLP (the giant), which sslkit's ViT has not: read it with "
                          "timm:vit_giant_patch14_dinov2 in timm's own layout")

@@ -192,3 +192,32 @@ def test_a_transformers_folder_is_a_bench_backbone_and_a_distillation_teacher_by
              "distill.students=[{trunk: small_cnn, trunk_kwargs: {width: 8}}]", "optim.max_steps=1",
              "eval.knn.enabled=false", f"output_dir={run}")
     assert (run / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("kind", list(TRUNKS))
+def test_the_trunk_a_transformers_config_describes_gives_its_features(kind: str, tmp_path: Path) -> None:
+    """hf_trunk: the sslkit trunk built from config.json alone (what bench and distill build) takes the weights
+    and gives transformers' tokens; DINOv3's gated MLP (SwiGLU) too."""
+    from sslkit.builder.common import trunk_kwargs
+    from sslkit.models.hf_weights import hf_config, hf_trunk
+    from sslkit.models.weights import load_trunk
+    from sslkit.registry import TRUNKS as REGISTERED
+    from sslkit.registry import get
+
+    hf = _hf_model(kind)
+    if kind == "dinov3_vit":  # the gated MLP of DINOv3's larger releases
+        config = transformers.DINOv3ViTConfig(hidden_size=192, num_hidden_layers=2, num_attention_heads=2,
+                                              patch_size=8, image_size=32, intermediate_size=512,
+                                              num_register_tokens=4, layerscale_value=0.5, use_gated_mlp=True,
+                                              hidden_act="silu")  # (the released gated configs' activation)
+        torch.manual_seed(5)
+        hf = transformers.DINOv3ViTModel(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    name, given = hf_trunk(hf_config(tmp_path / "hf"))
+    builder = get(REGISTERED, name)
+    trunk = builder(**trunk_kwargs(builder, given, 3, 32, 16))
+    assert load_trunk(trunk, tmp_path / "hf") == []
+    _same_tokens(type("M", (), {"trunk": trunk})(), hf)
+    if kind == "dinov3_vit":  # an activation timm's MLP has not: refused, not approximated
+        with pytest.raises(ValueError, match="a gated MLP of gelu"):
+            hf_trunk({**hf_config(tmp_path / "hf"), "hidden_act": "gelu"})
