@@ -200,7 +200,8 @@ def build_training_model(cfg: DictConfig, data: TrainData, device: torch.device,
     """
     model: torch.nn.Module = build_model(cfg, getattr(data.source, "channels", 3))
     if cfg.model.pretrained:
-        load_backbone(model, str(cfg.model.pretrained), str(cfg.model.pretrained_channels))
+        load_backbone(model, str(cfg.model.pretrained), str(cfg.model.pretrained_channels),
+                      bool(cfg.model.pretrained_partial))
     trunk, head = model.trunk, getattr(model, "head", None)
     frozen_now, frozen_later = freeze_parameters(model, freeze_entries(cfg.model.freeze))
     model = model.to(device)

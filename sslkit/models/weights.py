@@ -81,16 +81,17 @@ def adapt_channels(weight: torch.Tensor, channels: int, rule: str = "fino", wher
     return torch.cat([weight, extra], dim=1) * (c / channels)
 
 
-def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, key: str = "model.pretrained", partial: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, on the CPU: ``.safetensors``, or a ``torch.save``'d dict read with
     ``weights_only=True`` (a state dict, or a training checkpoint holding one under ``teacher``, ``model``,
     ``state_dict`` or ``student``), with the ``module.``, ``backbone.`` and ``_orig_mod.`` prefixes taken off. An
     sslkit model state gives its EMA teacher's trunk (``teacher_trunk.``), or its trunk when it has no teacher.
-    ``key`` is the config key the path came from, for the messages."""
+    ``key`` is the config key the path came from, for the messages; ``partial``: a transformers file's tensors that
+    have no place are listed in a warning, not refused (``model.pretrained_partial``)."""
     file = Path(path).expanduser()
     config = hf_config(file)
     if config is not None:
-        return _read_hf(file, config, key)
+        return _read_hf(file, config, key, partial)
     if not file.is_file():
         raise WeightsError(f"{key}={path}: no such file; give the path of a .pth or .safetensors file of "
                            "backbone weights (timm's or Meta's DINOv2/DINOv3 release), or a transformers folder "
@@ -122,7 +123,7 @@ def read_weights(path: str | Path, key: str = "model.pretrained") -> dict[str, t
     return _sslkit_trunk(out)
 
 
-def _read_hf(path: Path, config: dict[str, Any], key: str) -> dict[str, torch.Tensor]:
+def _read_hf(path: Path, config: dict[str, Any], key: str, partial: bool = False) -> dict[str, torch.Tensor]:
     """A transformers checkpoint (its folder: ``model.safetensors``, or the shards its index names; or one weights
     file beside its ``config.json``) in Meta's layout (:func:`~sslkit.models.hf_weights.hf_to_meta`). A tensor of
     the file that has no place in the backbone (not a known head) stops the load, named."""
@@ -146,10 +147,14 @@ def _read_hf(path: Path, config: dict[str, Any], key: str) -> dict[str, torch.Te
             raise WeightsError(f"{key}={path}: {f} cannot be read ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0][:200]}); download it again") from None
     read = hf_to_meta(state, config)
-    if read.unused:
+    if read.unused and partial:
+        logger.warning("%s: %d of the file's tensors have no place in a %s backbone and are left out "
+                       "(model.pretrained_partial=true): %s", key, len(read.unused), config["model_type"],
+                       ", ".join(read.unused))
+    elif read.unused:
         raise WeightsError(f"{key}={path}: {len(read.unused)} of the file's {len(state)} tensors have no place in a "
                            f"{config['model_type']} backbone ({', '.join(read.unused[:8])}): it is another model, "
-                           "or a layout sslkit does not know")
+                           "or a layout sslkit does not know (model.pretrained_partial=true loads the rest)")
     logger.info("%s: a transformers %s checkpoint, %d tensors read%s", key, config["model_type"], len(state),
                 f" ({len(read.heads)} of a head left out: {', '.join(read.heads[:4])})" if read.heads else "")
     return read.state
@@ -215,13 +220,13 @@ def _convert(state: dict[str, torch.Tensor], trunk: TokenTrunk) -> dict[str, tor
     return checkpoint_filter_fn(dict(state), trunk)
 
 
-def load_backbone(model: nn.Module, path: str | Path, channels_rule: str = "fino") -> list[str]:
+def load_backbone(model: nn.Module, path: str | Path, channels_rule: str = "fino", partial: bool = False) -> list[str]:
     """Load a released backbone into ``model.trunk`` (:func:`load_trunk`) and every frozen copy of it (its
     momentum teachers and DINOv3's Gram teacher, :meth:`~sslkit.models.ssl_model.SSLModel.trunk_copies`: they start
     equal to the trunk); the heads start fresh. Returns the trunk's parameters that kept their fresh values."""
     trunk = getattr(model, "trunk", None)
-    missing = load_trunk(trunk, path, channels_rule=channels_rule)  # (refuses a trunk that is not a ViT, as it
-    # refuses a file of another one)
+    # (refuses a trunk that is not a ViT, as it refuses a file of another one)
+    missing = load_trunk(trunk, path, channels_rule=channels_rule, partial=partial)
     copies = model.trunk_copies() if isinstance(model, SSLModel) else []
     for copy in copies:
         copy.load_state_dict(trunk.state_dict())
@@ -231,7 +236,7 @@ def load_backbone(model: nn.Module, path: str | Path, channels_rule: str = "fino
 
 
 def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained",
-               trunk_key: str = "model.trunk", channels_rule: str = "fino") -> list[str]:
+               trunk_key: str = "model.trunk", channels_rule: str = "fino", partial: bool = False) -> list[str]:
     """Load a backbone file (:func:`read_weights`: timm's layout, Meta's DINOv2/DINOv3 one, an sslkit model state)
     into the ViT ``trunk``. The file's network must be the trunk's (width, depth, patch size, register tokens); the
     mask token is loaded when the file has one (Meta's releases) and the trunk uses one, else it starts fresh.
@@ -242,7 +247,7 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
         raise WeightsError(f"{key} loads ViT backbones (sslkit's ViTs and timm's DINOv3 ViTs), and the trunk is "
                            f"{type(trunk).__name__}")
     arch = trunk.timm_spec()[0]
-    state = read_weights(path, key)
+    state = read_weights(path, key, partial)
     patch = state.get("patch_embed.proj.weight")
     if patch is not None and patch.dim() == 4 and patch.shape[1] != trunk.in_channels:
         state = {**state, "patch_embed.proj.weight": adapt_channels(patch, trunk.in_channels, channels_rule,
@@ -269,13 +274,15 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
         raise WeightsError(f"{key}={path} does not fit {trunk_key}={arch}: "
                            f"{str(exc).splitlines()[-1].strip()[:300]}") from None
     fresh = [k for k in missing if k != "mask_token"]
-    if unexpected or len(fresh) == len(trunk.state_dict()):
+    if len(fresh) == len(trunk.state_dict()) or ((unexpected or fresh) and not partial):
         raise WeightsError(f"{key}={path}: its keys do not fit {trunk_key}={arch} (not in the trunk: "
-                           f"{', '.join(sorted(unexpected)[:6]) or 'none'}; not in the file: "
-                           f"{', '.join(sorted(missing)[:6]) or 'none'})")
-    if fresh:
-        raise WeightsError(f"{key}={path} lacks {len(fresh)} of the trunk's tensors ({', '.join(sorted(fresh)[:6])}): "
-                           "it is not a whole backbone of this architecture")
+                           f"{', '.join(sorted(unexpected)) or 'none'}; not in the file: "
+                           f"{', '.join(sorted(fresh)) or 'none'}): it is not a whole backbone of this "
+                           "architecture (model.pretrained_partial=true loads what fits)")
+    if unexpected or fresh:
+        logger.warning("%s=%s loaded in part (model.pretrained_partial=true): the trunk's tensors left at their "
+                       "fresh values: %s; the file's tensors with no place in the trunk: %s", key, path,
+                       ", ".join(sorted(fresh)) or "none", ", ".join(sorted(unexpected)) or "none")
     return list(missing)
 
 

@@ -142,6 +142,9 @@ def test_a_classifier_loads_its_backbone_and_a_stray_tensor_is_named(tmp_path: P
               tmp_path / "cls" / "model.safetensors")
     with pytest.raises(WeightsError, match=r"1 of the file's .*dinov2\.encoder\.layer\.0\.adapter\.weight"):
         load_backbone(_model("dinov2"), tmp_path / "cls")
+    with caplog.at_level(logging.WARNING, logger="sslkit"):  # asked for: the rest loads, the stray one is said
+        assert load_backbone(_model("dinov2"), tmp_path / "cls", partial=True) == []
+    assert "are left out (model.pretrained_partial=true): dinov2.encoder.layer.0.adapter.weight" in caplog.text
     del state["dinov2.encoder.layer.1.attention.attention.key.weight"]  # a q / k / v left incomplete: named too
     save_file(state, tmp_path / "cls" / "model.safetensors")
     with pytest.raises(WeightsError, match=r"2 of the file's .*layer\.1\.attention\.attention\.query\.weight"):

@@ -212,3 +212,24 @@ def test_an_rgb_release_loads_for_grey_and_four_channel_data_as_the_same_functio
     with pytest.raises(WeightsError, match=r"model\.pretrained_channels=refuse"):
         load_backbone(build_model(compose_config(["config=dinov2", *SMALL, *RECIPES["dinov2"], *extra]),
                                   in_channels=channels), tmp_path / "w.safetensors", "refuse")
+
+
+def test_a_part_of_a_backbone_stops_the_load_with_both_lists_unless_asked_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file that leaves a trunk tensor unset and holds one with no place in the trunk: the load stops naming both
+    (no quiet partial load); model.pretrained_partial=true loads the rest, the lists in a warning."""
+    import logging
+
+    model = _model()
+    state = _released(model).state_dict()
+    cut = {k: v for k, v in state.items() if k != "blocks.1.mlp.fc2.bias"}
+    save_file({**cut, "adapter.weight": torch.zeros(2, 2)}, str(tmp_path / "part.safetensors"))
+    with pytest.raises(WeightsError, match=r"not in the trunk: adapter\.weight; not in the file: blocks\.1\.mlp\.fc2"
+                                           r"\.bias\).*model\.pretrained_partial=true"):
+        load_backbone(model, tmp_path / "part.safetensors")
+    with caplog.at_level(logging.WARNING, logger="sslkit"):
+        missing = load_backbone(model, tmp_path / "part.safetensors", partial=True)
+    assert "blocks.1.mlp.fc2.bias" in missing and "loaded in part (model.pretrained_partial=true)" in caplog.text
+    assert "left at their fresh values: blocks.1.mlp.fc2.bias" in caplog.text and "in the trunk: adapter.weight" in \
+        caplog.text
+    assert torch.equal(model.trunk.state_dict()["blocks.0.mlp.fc2.bias"], state["blocks.0.mlp.fc2.bias"])
