@@ -272,8 +272,8 @@ def plan(command: str) -> Plan:
             argv[:2] == ["python", "tools/audit.py"] or argv[:3] == ["sslkit", "data", "wild"]:
         return Plan("quick")
     if _tool(argv) is not None:
-        if _tool(argv) == "export" and not {"twin=none", "format=onnx", "student=vit_tiny"} & set(argv) and \
-                not re.search(_READS[DOC_RELEASED], command):
+        fits = {"twin=none", "format=onnx", "format=hf", "student=vit_tiny"}  # what no torchvision twin is needed for
+        if _tool(argv) == "export" and not fits & set(argv) and not re.search(_READS[DOC_RELEASED], command):
             # the tiny run's small CNN has no torchvision twin (docs/adapt.md's released ViT and ViT student: timm's)
             return Plan("refusal", names="no torchvision twin")
         return Plan("tool", names=_tool(argv) or "")
@@ -323,7 +323,8 @@ _TINY_OTHERS: dict[str, Path] = {}
 DOC_RELEASED, DOC_ADAPTED, DOC_STUDENT = "runs/released", "runs/adapted", "runs/student"
 _READS = {DOC_RELEASED: r"(model\.pretrained=runs/released/|checkpoint=runs/released(\s|$)|"
                         r"backbones=\[[^\]]*runs/released)",
-          DOC_ADAPTED: r"(distill\.teacher=runs/adapted(\s|$)|backbones=\[[^\]]*runs/adapted)",
+          DOC_ADAPTED: r"(distill\.teacher=runs/adapted(\s|$)|checkpoint=runs/adapted(\s|$)|"
+                       r"backbones=\[[^\]]*runs/adapted)",
           DOC_STUDENT: r"checkpoint=runs/student(\s|$)"}
 #: Those tiny runs: 64 Fashion-MNIST images, 2 updates.
 _FEW = ["data.limit=64", "data.batch_size=16", "data.num_workers=0", "optim.max_steps=2", "eval.knn.k=5",

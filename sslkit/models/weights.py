@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +263,7 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
     mask = state.get("mask_token")
     own = trunk.state_dict()
     _check_dropped_biases(state, own, f"{key}={path}", trunk_key)
+    state = _without_identity_layer_scales(state, own)
     # the trunk's own layout (an sslkit checkpoint, timm's class itself) loads as it is; others through timm's filter
     as_is = set(state) <= set(own) and set(own) - set(state) <= {"mask_token"} and all(
         v.shape == own[k].shape for k, v in state.items())
@@ -284,6 +286,17 @@ def load_trunk(trunk: nn.Module, path: str | Path, key: str = "model.pretrained"
                        "fresh values: %s; the file's tensors with no place in the trunk: %s", key, path,
                        ", ".join(sorted(fresh)) or "none", ", ".join(sorted(unexpected)) or "none")
     return list(missing)
+
+
+def _without_identity_layer_scales(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+                                   ) -> dict[str, torch.Tensor]:
+    """``state`` without its LayerScale gammas that are all 1 (the identity) where the trunk has no LayerScale: what
+    a transformers DINOv2 holds for a network without it (``sslkit export format=hf`` of such a trunk)."""
+    def identity(k: str, v: torch.Tensor) -> bool:
+        found = re.fullmatch(r"blocks\.(\d+)\.ls([12])\.gamma", k)
+        return bool(found) and k not in own and f"blocks.{found.group(1)}.gamma_{found.group(2)}" not in own and \
+            bool((v == 1).all())  # type: ignore[union-attr]
+    return {k: v for k, v in state.items() if not identity(k, v)}
 
 
 def _check_dropped_biases(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], where: str,

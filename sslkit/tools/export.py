@@ -28,14 +28,15 @@ _TWINS = {"resnet18": "resnet18", "resnet34": "resnet34", "resnet50": "resnet50"
 TWIN_MODES = ("auto", "torchvision", "timm", "none")
 
 #: ``format=``: what is written, and the extensions of each.
-FORMATS = {"safetensors": (".safetensors",), "pt": (".pt", ".pth"), "onnx": (".onnx",)}
+FORMATS = {"safetensors": (".safetensors",), "pt": (".pt", ".pth"), "onnx": (".onnx",), "hf": ()}
 
 EXPORT_KEYS = {
     "checkpoint": "a run folder (its latest checkpoint) or a checkpoint file",
     "output": "the file: .safetensors (default <run>/export/encoder.safetensors), .pt or .onnx (default "
               "<run>/export/encoder.onnx with format=onnx)",
-    "format": "safetensors | pt (weights) | onnx (the trunk as an ONNX graph, checked with onnxruntime); default: "
-              "output's extension, else safetensors",
+    "format": "safetensors | pt (weights) | onnx (the trunk as an ONNX graph, checked with onnxruntime) | hf (a ViT "
+              "as a Hugging Face transformers DINOv2 / DINOv3 folder, checked with transformers); default: output's "
+              "extension, else safetensors",
     "features": "trunk (default) | teacher (the momentum encoder of BYOL, MoCo, DINO)",
     "twin": "auto (default: torchvision for a ResNet, timm for a ViT) | torchvision (must load strictly into "
             "torchvision.models.<trunk>) | timm (a ViT: must load strictly into timm.create_model(arch, num_classes=0, "
@@ -360,6 +361,12 @@ def _format(opts: dict[str, str]) -> str:
     output, given = opts.get("output"), opts.get("format")
     if given is not None and given not in FORMATS:
         raise ToolError(f"format={given}: use format={', format='.join(FORMATS)}.{did_you_mean(given, FORMATS)}")
+    if given == "hf":  # a folder
+        files = tuple(e for exts in FORMATS.values() for e in exts)
+        if (output and output.lower().endswith(files)) or opts.get("twin", "auto") != "auto":
+            raise ToolError("format=hf writes a folder (config.json, model.safetensors) for transformers' AutoModel: "
+                            "give output=FOLDER and no twin=")
+        return given
     by_extension = next((f for f, exts in FORMATS.items() if output and output.lower().endswith(exts)), None)
     if output and by_extension is None:
         wanted = " or ".join(FORMATS[given]) if given else ".safetensors, .pt or .onnx"
@@ -384,6 +391,31 @@ def _architecture(trunk: nn.Module, cfg: Any, channels: int) -> str:
     return f"torchvision.models.{name}" if name else f"sslkit trunk {cfg.model.trunk}"
 
 
+def _weights(trunk: nn.Module, twin: tuple[str, str | None], fmt: str, file: str, trunk_name: str
+             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The trunk's weights for its ``twin`` (``(kind, torchvision name)``: timm for a ViT, torchvision for a ResNet,
+    none) and what the sidecar says of them: the architecture, the classifier, how to load ``file``."""
+    kind, name = twin
+    loader = "safetensors.torch.load_file" if fmt == "safetensors" else "torch.load"
+    if kind == "timm":
+        state, arch, kwargs, left_out = export_vit(trunk)
+        pooled = "the CLS token" if kwargs.get("global_pool") == "token" else "the mean patch token"
+        return state, {
+            "architecture": f"timm {arch}", "timm_arch": arch, "timm_kwargs": kwargs,
+            "classifier": f"none (num_classes=0): the model's output is the pooled features ({pooled})",
+            "left_out": left_out or None, "format": fmt,
+            "load": f"m = timm.create_model('{arch}', num_classes=0, **encoder_json['timm_kwargs']); "
+                    f"m.load_state_dict({loader}('{file}'))"}
+    state = export_trunk(trunk, name)
+    return state, {
+        "architecture": f"torchvision.models.{name}" if name else f"sslkit trunk {trunk_name}",
+        "classifier": "fc = torch.nn.Identity()" if name else None, "format": fmt,
+        "load": (f"m = torchvision.models.{name}(); m.fc = torch.nn.Identity(); "
+                 f"m.load_state_dict({loader}('{file}'))") if name else
+                (f"import sslkit.models; m = sslkit.registry.TRUNKS.get('{trunk_name}')"
+                 f"(**encoder_json['builder_kwargs']); m.load_state_dict({loader}('{file}'))")}
+
+
 def _export(args: list[str]) -> int:
     from sslkit.tools.common import features_part, parse_tool_args, part_module, tool_pretrained
 
@@ -399,13 +431,18 @@ def _export(args: list[str]) -> int:
     part = features_part(opts, ("trunk", "teacher"))
     trunk = part_module(pre, part)
     channels = int(next(p for p in trunk.parameters() if p.ndim == 4).shape[1])
-    path = output or os.path.join(pre.run_dir, "export", f"encoder{FORMATS[fmt][0]}")
+    path = output or os.path.join(pre.run_dir, "export", "hf" if fmt == "hf" else f"encoder{FORMATS[fmt][0]}")
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     file = os.path.basename(path)
     norm = normalisation(pre.config, channels)
     meta: dict[str, Any]
     state: dict[str, torch.Tensor] = {}
-    if fmt == "onnx":
+    if fmt == "hf":
+        from sslkit.tools.export_hf import export_hf
+
+        entry = export_hf(trunk, path)
+        meta = {"architecture": f"transformers {entry['class']}", "format": "hf", "hf": entry, "load": entry["load"]}
+    elif fmt == "onnx":
         vit = timm_twin(trunk)
         image_size = int(vit[1]["img_size"]) if vit is not None else int(norm["image_size"])
         entry = export_onnx(trunk, path, channels, image_size)
@@ -414,37 +451,23 @@ def _export(args: list[str]) -> int:
         if vit is not None:
             meta.update({"timm_arch": vit[0], "timm_kwargs": vit[1]})
     else:
-        kind, twin = _twin(twin_mode, trunk, pre.config, channels)
-        loader = "safetensors.torch.load_file" if fmt == "safetensors" else "torch.load"
-        if kind == "timm":
-            state, arch, kwargs, left_out = export_vit(trunk)
-            pooled = "the CLS token" if kwargs.get("global_pool") == "token" else "the mean patch token"
-            meta = {
-                "architecture": f"timm {arch}", "timm_arch": arch, "timm_kwargs": kwargs,
-                "classifier": f"none (num_classes=0): the model's output is the pooled features ({pooled})",
-                "left_out": left_out or None,
-                "load": f"m = timm.create_model('{arch}', num_classes=0, **encoder_json['timm_kwargs']); "
-                        f"m.load_state_dict({loader}('{file}'))"}
-        else:
-            state = export_trunk(trunk, twin)
-            meta = {
-                "architecture": f"torchvision.models.{twin}" if twin else f"sslkit trunk {pre.config.model.trunk}",
-                "classifier": "fc = torch.nn.Identity()" if twin else None,
-                "load": (f"m = torchvision.models.{twin}(); m.fc = torch.nn.Identity(); "
-                         f"m.load_state_dict({loader}('{file}'))") if twin else
-                        (f"import sslkit.models; m = sslkit.registry.TRUNKS.get('{pre.config.model.trunk}')"
-                         f"(**encoder_json['builder_kwargs']); m.load_state_dict({loader}('{file}'))")}
-        meta["format"] = fmt
+        state, meta = _weights(trunk, _twin(twin_mode, trunk, pre.config, channels), fmt, file,
+                               str(pre.config.model.trunk))
     meta.update({"trunk_kwargs": dict(pre.config.model.trunk_kwargs),
                  "builder_kwargs": _builder_kwargs(pre.config, channels), "in_channels": channels,
                  "feature_dim": int(getattr(trunk, "out_dim", 0)) or None, "input": norm,
                  "method": str(pre.config.method.name), "features": part, "checkpoint": pre.path, "step": pre.step})
-    if fmt != "onnx":
+    if fmt not in ("onnx", "hf"):
         _save(path, state, meta)
     sidecar = os.path.splitext(path)[0] + ".json"
     text = json.dumps(meta, indent=1)
     atomic_write(sidecar, lambda f: f.write(text.encode()))
-    if fmt == "onnx":
+    if fmt == "hf":
+        logger.info("export: the %s (step %d) as a transformers %s folder -> %s; transformers reads it whole and "
+                    "matches sslkit's tokens (max abs difference %.2g, allowed %g); input: pixels in [0, 1], mean %s, "
+                    "std %s; details in %s", part, pre.step, meta["hf"]["class"], path,
+                    meta["hf"]["checked"]["max_abs_difference"], 1e-5, norm["mean"], norm["std"], sidecar)
+    elif fmt == "onnx":
         checked = meta["onnx"]["checked"]["max_abs_difference"]
         logger.info("export: the %s (step %d) as an ONNX graph -> %s (%s, opset %d); input %r %s, pixels in [0, 1], "
                     "mean %s, std %s; onnxruntime matches PyTorch (max abs difference %s, allowed %g + %g x "
