@@ -25,6 +25,7 @@ from torch import nn
 from sslkit.clock import StepContext, TrainClock
 from sslkit.errors import UserError
 from sslkit.hooks.base import SSLHook, method_model
+from sslkit.methods.anchor import ANCHOR_METRICS, anchor_loss, anchor_rule
 from sslkit.methods.base import Method, RunShape, register_method
 from sslkit.methods.dinov2 import DINOv2Loss, sinkhorn_batch_rule
 from sslkit.methods.gram import (
@@ -76,18 +77,20 @@ class DINOv3Model(IBOTModel):
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module, num_global: int = 2, separate_patch_head: bool = False,
-                 patch_out_dim: int | None = None, gram_teacher: str = "snapshot") -> None:
+                 patch_out_dim: int | None = None, gram_teacher: str = "snapshot", anchor: bool = False) -> None:
         if gram_teacher not in GRAM_TEACHERS:
             raise GramError(f"gram.teacher={gram_teacher!r}: use one of {', '.join(GRAM_TEACHERS)}")
         super().__init__(trunk, head, num_global, separate_patch_head, patch_out_dim)
         self.gram_teacher = gram_teacher
         self.gram_trunk = frozen_copy(self.trunk) if gram_teacher != "ema" else None
+        #: the starting trunk, frozen (``anchor``): loaded with model.pretrained as every trunk copy, never changed
+        self.anchor_trunk = frozen_copy(self.trunk) if anchor else None
         #: the Gram loss is on (from ``gram.start_step``): a Python flag the hook sets, so no step reads a tensor
         self.gram_active = False
 
     def trunk_copies(self) -> list[nn.Module]:
-        """The EMA teacher's trunk and the Gram teacher's."""
-        return super().trunk_copies() + ([self.gram_trunk] if self.gram_trunk is not None else [])
+        """The EMA teacher's trunk, the Gram teacher's and the anchor's."""
+        return super().trunk_copies() + [t for t in (self.gram_trunk, self.anchor_trunk) if t is not None]
 
     @torch.no_grad()
     def refresh_gram_teacher(self) -> None:
@@ -102,11 +105,18 @@ class DINOv3Model(IBOTModel):
 
     def forward(self, views: Sequence[torch.Tensor] | torch.Tensor, masks: Sequence[Masks | None] | None = None,
                 teacher_views: Sequence[torch.Tensor] | None = None) -> ModelOutput:
-        """iBOT's outputs, and the Gram fields while :attr:`gram_active`. ``teacher_views``: the global crops at
+        """iBOT's outputs, the anchor's fields (``anchor_tokens``, ``anchor_targets``: the student's CLS and patch
+        tokens of the masked global crops and the frozen starting trunk's of the same) when it holds one, and the
+        Gram fields while :attr:`gram_active`. ``teacher_views``: the global crops at
         the Gram teacher's resolution (``gram.teacher_size``; the sample's ``teacher_input``), whose patch features
         are resized to the student's grid (bicubic, :func:`~sslkit.methods.gram.resize_patch_grid`: DINOv3's
         ``get_gram_teacher_output``); without them the Gram teacher sees the student's global crops."""
         output, crops = self.forward_globals(views, masks)
+        if self.anchor_trunk is not None:  # the starting trunk on the same crops and masks as the student
+            with torch.no_grad():
+                start = self.anchor_trunk.forward_tokens(crops.images, mask=crops.mask)
+            output.anchor_tokens = (crops.student.cls, crops.student.patches)
+            output.anchor_targets = (start.cls.detach(), start.patches.detach())
         if not self.gram_active:
             return output
         if self.gram_trunk is None:
@@ -136,12 +146,13 @@ class DINOv3Model(IBOTModel):
 @register_model("dinov3")
 def build_dinov3(trunk: nn.Module, head: nn.Module | None = None, num_global: int = 2,
                  separate_patch_head: bool = False, patch_out_dim: int | None = None,
-                 gram_teacher: str = "snapshot") -> DINOv3Model:
+                 gram_teacher: str = "snapshot", anchor: bool = False) -> DINOv3Model:
     """DINOv3 wiring: a ViT student (with a mask token), the DINO head (``model.head.name=dino``), optionally a
-    separate patch head, their EMA teacher and the Gram teacher (``gram_teacher``, from ``gram.teacher``)."""
+    separate patch head, their EMA teacher, the Gram teacher (``gram_teacher``, from ``gram.teacher``) and the
+    frozen starting trunk of the anchor loss (``anchor``, :mod:`sslkit.methods.anchor`)."""
     if head is None:
         raise ValueError("dinov3 needs a DINO head: model.head.name=dino")
-    return DINOv3Model(trunk, head, num_global, separate_patch_head, patch_out_dim, gram_teacher)
+    return DINOv3Model(trunk, head, num_global, separate_patch_head, patch_out_dim, gram_teacher, anchor)
 
 
 @register_loss("dinov3")
@@ -156,6 +167,8 @@ class DINOv3Loss(DINOv2Loss):
     student's and the Gram teacher's patch Gram matrices, over ``gram_tokens`` (:data:`~sslkit.methods.gram.
     GRAM_TOKENS`), per image (``gram_image_level``) or over the local batch, of the L2-normalised features
     (``gram_normalize``), negatives treated by ``gram_negatives`` (:data:`~sslkit.methods.gram.GRAM_NEGATIVES`).
+    With ``anchor_weight`` > 0 (and the model's frozen starting trunk), ``+ anchor_weight L_anchor``
+    (:func:`~sslkit.methods.anchor.anchor_loss`, ``anchor_metric``; logged ``anchor_loss``): sslkit's, not DINOv3's.
     ``w_gram`` is ``gram_weight`` from ``gram_start_step``, reached by a half cosine from 0 over
     ``gram_ramp_steps`` updates (DINOv3's ViT-7B Gram stage: 0 until the stage, then up to 2.0 over 1,000
     updates, its ``loss_weight_schedule``); 0 before. Logged: ``gram_loss`` (on the steps with it) and the
@@ -169,7 +182,8 @@ class DINOv3Loss(DINOv2Loss):
                  dino_weight: float = 1.0, ibot_weight: float = 1.0, koleo_weight: float = 0.1,
                  koleo_global: bool = True, warmup_teacher_temp_epochs: float = 0.0, gram_weight: float = 1.0,
                  gram_start_step: int = 0, gram_ramp_steps: int = 0, gram_tokens: str = "all",
-                 gram_image_level: bool = True, gram_normalize: bool = True, gram_negatives: str = "keep") -> None:
+                 gram_image_level: bool = True, gram_normalize: bool = True, gram_negatives: str = "keep",
+                 anchor_weight: float = 0.0, anchor_metric: str = "cosine") -> None:
         super().__init__(out_dim, patch_out_dim, student_temp, teacher_temp, warmup_teacher_temp,
                          warmup_teacher_temp_steps, teacher_patch_temp, warmup_teacher_patch_temp, center_momentum,
                          centering, sinkhorn_iterations, dino_weight, ibot_weight, koleo_weight, koleo_global,
@@ -184,10 +198,17 @@ class DINOv3Loss(DINOv2Loss):
         self.gram_weight = WarmupCosine(0.0, 0.0, gram_weight, 0, gram_ramp_steps, offset=gram_start_step)
         self.gram_tokens, self.gram_image_level = gram_tokens, bool(gram_image_level)
         self.gram_normalize, self.gram_negatives = bool(gram_normalize), gram_negatives
+        if anchor_metric not in ANCHOR_METRICS:
+            raise ValueError(f"loss.anchor_metric={anchor_metric!r}: use one of {', '.join(ANCHOR_METRICS)}")
+        self.anchor_weight, self.anchor_metric = float(anchor_weight), anchor_metric
 
     def forward(self, output: Any, sample: dict[str, Any], ctx: StepContext | None = None) -> dict[str, torch.Tensor]:
-        """DINOv2's loss, plus the weighted Gram loss when the output carries the Gram fields."""
+        """DINOv2's loss, plus the weighted anchor and Gram losses when the output carries their fields."""
         out = super().forward(output, sample, ctx)
+        if "anchor_tokens" in output:
+            anchor = anchor_loss(*output["anchor_tokens"], *output["anchor_targets"], self.anchor_metric)
+            out["loss"] = out["loss"] + self.anchor_weight * anchor
+            out["anchor_loss"] = anchor.detach()
         weight = self.gram_weight.at(ctx.clock if ctx is not None else TrainClock())
         if ctx is not None:
             ctx.record("gram_weight", weight)
@@ -350,7 +371,7 @@ def teacher_crops_rule(shape: RunShape) -> list[str]:
 DINOV3 = register_method(Method(
     name="dinov3", model="dinov3", loss="dinov3", required_hooks=("momentum_teacher", "gram_teacher"),
     transform="multicrop", masking="block", patch_tokens=True,
-    rules=(sinkhorn_batch_rule, gram_rule, teacher_crops_rule), sections=("gram", "hires.teacher_sizes"),
+    rules=(sinkhorn_batch_rule, gram_rule, teacher_crops_rule, anchor_rule), sections=("gram", "hires.teacher_sizes"),
     summary=("DINOv3 (Siméoni et al., 2025): DINOv2's losses plus Gram anchoring of the patch features to a "
              "snapshot of the EMA teacher."),
 ))

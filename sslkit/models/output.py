@@ -35,6 +35,9 @@ class ModelOutput:
       the (masked) global crops ``[G B, N, D]``, the Gram teacher's of the same crops brought to the student's grid
       (no gradient), and ``[G B, N]`` True where the student saw the mask token
       (:class:`~sslkit.methods.dinov3.DINOv3Model`, from the update the Gram loss starts at);
+    * ``anchor_tokens``, ``anchor_targets``: the anchor to the starting model: the student's CLS ``[G B, D]`` and
+      patch tokens ``[G B, N, D]`` of the masked global crops, and a frozen copy of the starting trunk's of the same
+      crops and masks (no gradient; :mod:`sslkit.methods.anchor`);
     * ``teacher``, ``students``: distillation's frozen teacher's outputs of the step (computed once) and each
       student's, by name (:class:`~sslkit.methods.distill.DistillModel`).
 
@@ -59,6 +62,8 @@ class ModelOutput:
     gram_patches: torch.Tensor | None = None
     gram_targets: torch.Tensor | None = None
     gram_masks: torch.Tensor | None = None
+    anchor_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    anchor_targets: tuple[torch.Tensor, torch.Tensor] | None = None
     teacher: Any = None
     students: dict[str, Any] | None = None
 
