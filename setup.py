@@ -30,7 +30,9 @@ setup(
         "test": ["pytest>=7.0", "pytest-xdist>=3.0", "ruff>=0.4", "submitit>=1.5.4", "onnx>=1.16", "onnxruntime>=1.18",
                  "onnxscript>=0.1", "wandb>=0.17", "mlflow>=2.12", "umap-learn>=0.5", "scikit-learn>=1.3",
                  "datasets>=2.16", "webdataset>=0.2", "tifffile>=2023.1", "s3fs>=2024.6", "aiohttp>=3.9",
-                 "moto[server]>=5.0", "transformers>=4.56"],
+                 "moto[server]>=5.0", "transformers>=4.56", "peft>=0.13"],
+        # model.lora.rank > 0: LoRA adapters on the trunk through peft (docs/adapt.md)
+        "lora": ["peft>=0.13"],
         # launcher=slurm submits jobs through submitit (docs/distributed.md)
         "slurm": ["submitit>=1.5.4"],
         # sslkit export format=onnx writes the trunk with torch.onnx's exporter (onnxscript) and checks it with

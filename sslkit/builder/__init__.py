@@ -11,15 +11,22 @@ from omegaconf import DictConfig
 
 from sslkit.builder.data import build_train_data, eval_sources, eval_specs, knn_subsample, limited, loader_for
 from sslkit.builder.hooks import build_hooks
-from sslkit.builder.model import build_model, build_training_model, freeze_parameters, mask_plan, trunk_arguments
+from sslkit.builder.model import (
+    build_model,
+    build_model_as_trained,
+    build_training_model,
+    freeze_parameters,
+    mask_plan,
+    trunk_arguments,
+)
 from sslkit.builder.runtime import resolve_device, resolve_num_workers, seed_everything, set_determinism, setup_runtime
 from sslkit.config.text import config_yaml
 from sslkit.guard import UpdateGuard
 from sslkit.task import DataPlan, Phase, RunInfo, SSLTask, Training
 
-__all__ = ["build_model", "build_task", "eval_sources", "eval_specs", "freeze_parameters", "knn_subsample", "limited",
-           "loader_for", "mask_plan", "resolve_device", "resolve_num_workers", "seed_everything", "set_determinism",
-           "trunk_arguments"]
+__all__ = ["build_model", "build_model_as_trained", "build_task", "eval_sources", "eval_specs", "freeze_parameters",
+           "knn_subsample", "limited", "loader_for", "mask_plan", "resolve_device", "resolve_num_workers",
+           "seed_everything", "set_determinism", "trunk_arguments"]
 
 
 def build_task(cfg: DictConfig) -> SSLTask:

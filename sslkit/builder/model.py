@@ -21,13 +21,14 @@ from sslkit.config.rules import freeze_entries
 from sslkit.config.schema import ConfigError
 from sslkit.errors import did_you_mean
 from sslkit.methods.distill import student_specs
+from sslkit.models.lora import add_lora
 from sslkit.models.masking import MaskPlan
 from sslkit.models.weights import check_channels, load_backbone, read_weights
 from sslkit.optim import OnProgress, build_optimizer, build_schedule, scaled_lr
 from sslkit.parallel import parallelize, transformer_blocks
 
-__all__ = ["ModelParts", "build_model", "build_training_model", "check_external_parts", "check_freeze",
-           "compile_parts", "freeze_parameters", "mask_plan", "trunk_arguments"]
+__all__ = ["ModelParts", "build_model", "build_model_as_trained", "build_training_model", "check_external_parts",
+           "check_freeze", "compile_parts", "freeze_parameters", "mask_plan", "trunk_arguments"]
 
 logger = logging.getLogger("sslkit")
 
@@ -81,12 +82,32 @@ def _build_distill(cfg: DictConfig, in_channels: int, model_builder: Any) -> tor
     specs = student_specs(OmegaConf.to_container(d.students, resolve=True))
     size, patch = int(cfg.data.image_size), int(cfg.data.patch_size)
     teacher = load_teacher(d.teacher, d.teacher_trunk, section_kwargs(d.teacher_trunk_kwargs, ()), in_channels, size,
-                           patch, rebuild=build_model)
+                           patch, rebuild=build_model_as_trained)
     students = build_students(specs, in_channels, size, patch)
     return model_builder(teacher=teacher, students=students, objective=str(d.objective),
                          dense=float(d.patch_weight) > 0, head_kwargs=section_kwargs(cfg.model.head),
                          lr_scales={s["name"]: s["lr_scale"] for s in specs}, mask_student=bool(d.mask_student),
                          teacher_blocks=int(d.teacher_blocks), **section_kwargs(cfg.model.kwargs, ()))
+
+
+def _lora(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """``model.lora``: adapters on the trunk (after its released weights are in), the rest of it frozen."""
+    lora = cfg.model.lora
+    if int(lora.rank) <= 0:
+        return
+    adapted = add_lora(model, int(lora.rank), lora.alpha, float(lora.dropout), list(lora.targets))
+    trained = sum(p.numel() for p in model.trunk.parameters() if p.requires_grad)
+    logger.info("model.lora: rank-%d adapters on %d layers of the trunk (%s), %d of its %d parameters trained; its "
+                "weights frozen", int(lora.rank), adapted, ", ".join(lora.targets), trained,
+                sum(p.numel() for p in model.trunk.parameters()))
+
+
+def build_model_as_trained(cfg: DictConfig, in_channels: int) -> torch.nn.Module:
+    """The model a run's checkpoint holds: :func:`build_model` and, with ``model.lora``, its adapters (what the
+    checkpoint's names are)."""
+    model = build_model(cfg, in_channels)
+    _lora(cfg, model)
+    return model
 
 
 def freeze_parameters(model: torch.nn.Module, entries: list[tuple[str, str | None, int]]
@@ -202,6 +223,7 @@ def build_training_model(cfg: DictConfig, data: TrainData, device: torch.device,
     if cfg.model.pretrained:
         load_backbone(model, str(cfg.model.pretrained), str(cfg.model.pretrained_channels),
                       bool(cfg.model.pretrained_partial))
+    _lora(cfg, model)
     trunk, head = model.trunk, getattr(model, "head", None)
     frozen_now, frozen_later = freeze_parameters(model, freeze_entries(cfg.model.freeze))
     model = model.to(device)

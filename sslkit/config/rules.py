@@ -349,6 +349,7 @@ def check_builders(cfg: DictConfig, errors: list[str]) -> Any:
         check_kwargs("model.trunk_kwargs", trunk, dict(cfg.model.trunk_kwargs), errors)
         _check_trunk(cfg, trunk, errors)
         _check_pretrained(cfg, trunk, errors)
+        _check_lora(cfg, errors)
         _check_strategy(cfg, trunk, errors)
     _check_masking(cfg, trunk, errors)
     for split in ("train", "test"):
@@ -412,6 +413,19 @@ def _check_pretrained(cfg: DictConfig, trunk: Any, errors: list[str]) -> None:
                       "or a transformers folder (config.json + model.safetensors)")
     elif file.suffix not in (".pth", ".pt", ".safetensors", ".bin"):
         errors.append(f"'model.pretrained' = {path}: not a .pth, .pt, .bin or .safetensors file of weights")
+
+
+def _check_lora(cfg: DictConfig, errors: list[str]) -> None:
+    """``model.lora``: a whole rank >= 0, targets named; not under FSDP2 (peft's layers there are untested)."""
+    lora = cfg.model.lora
+    rank = lora.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        errors.append(f"'model.lora.rank' must be a whole number >= 0 (0: off), got {rank!r}")
+    elif rank > 0 and not list(lora.targets):
+        errors.append("'model.lora.targets' is empty: name the layers to adapt, e.g. [attn.qkv, attn.proj]")
+    elif rank > 0 and cfg.distributed.strategy == "fsdp":
+        errors.append("'model.lora.rank' > 0 with distributed.strategy=fsdp: LoRA's layers under FSDP2 are not "
+                      "tested yet; use distributed.strategy=ddp (the frozen trunk needs no sharded optimizer state)")
 
 
 def _patch_size(cfg: DictConfig, trunk: Any) -> int | None:

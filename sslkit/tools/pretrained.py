@@ -57,6 +57,21 @@ def build_model(cfg: DictConfig, in_channels: int) -> nn.Module:
     return build(cfg, in_channels)
 
 
+def build_model_as_trained(cfg: DictConfig, in_channels: int) -> nn.Module:
+    """:func:`build_model` with what training adds before the checkpoint's names exist (``model.lora``'s
+    adapters): :func:`sslkit.builder.build_model_as_trained`."""
+    from sslkit.builder import build_model_as_trained as build
+
+    return build(cfg, in_channels)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The model with its LoRA adapters merged into the trunk's weights (:func:`sslkit.models.lora.merge_lora`)."""
+    from sslkit.models.lora import merge_lora as merge
+
+    return merge(model)
+
+
 def pretrained_config(spec: str, overrides: list[str] | None = None) -> DictConfig:
     """The validated evaluation config of the checkpoint ``spec`` names, without building its model: what a
     tool checks before it spawns processes (a bad checkpoint, key or device is then said once, up front)."""
@@ -74,11 +89,12 @@ def load_pretrained(spec: str, overrides: list[str] | None = None) -> Pretrained
         device = resolve_device(cfg.machine.device)
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from None
-    model = build_model(cfg, in_channels(state["model"]))
+    model = build_model_as_trained(cfg, in_channels(state["model"]))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not fit the model its config describes: missing "
                               f"{list(missing)[:5]}, unexpected {list(unexpected)[:5]}. Was model.* overridden?")
+    merge_lora(model)  # LoRA adapters (model.lora) merged: the tools read and export the plain network
     model.to(device).eval()
     step = int(state["position"]["step"])
     return Pretrained(config=cfg, path=path, run_dir=run_dir, step=step, model=model, device=device)
