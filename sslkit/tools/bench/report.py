@@ -121,7 +121,8 @@ def markdown_table(record: dict[str, Any]) -> str:
               f"({record['settings']['bootstrap']} resamples); ± the standard deviation over seeded draws. Bold: the "
               "best of a column; ≈: its difference to the best is within the spread (paired bootstrap, or 1.96 "
               "standard errors of the draws' means). Settings chosen on a validation part of the train split only. "
-              "-: not measured (the attentive and dense probes read patch tokens, which a CNN does not give)."]
+              "-: not measured (the attentive probe reads patch tokens, which a CNN does not give; a backbone "
+              "without a feature map has no dense figure)."]
     for metric in metrics:
         for prefix, what in LEGEND.items():
             if metric.startswith(prefix):
