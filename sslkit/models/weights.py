@@ -130,12 +130,15 @@ def _read_hf(path: Path, config: dict[str, Any], key: str, partial: bool = False
     the file that has no place in the backbone (not a known head) stops the load, named."""
     from safetensors.torch import load_file
 
+    files = [path]
     if path.is_dir():
         index = path / "model.safetensors.index.json"
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
-            else [path / "model.safetensors"]
-    else:
-        files = [path]
+        try:
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) \
+                if index.is_file() else [path / "model.safetensors"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsError(f"{key}={path}: its shard index {index.name} cannot be read ({type(exc).__name__}: "
+                               f"{exc}); download the checkpoint again") from None
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise WeightsError(f"{key}={path}: a transformers {config['model_type']} checkpoint without its weights "

@@ -152,6 +152,9 @@ def test_a_classifier_loads_its_backbone_and_a_stray_tensor_is_named(tmp_path: P
     (tmp_path / "cls" / "model.safetensors").unlink()
     with pytest.raises(WeightsError, match="without its weights"):
         load_backbone(_model("dinov2"), tmp_path / "cls")
+    (tmp_path / "cls" / "model.safetensors.index.json").write_text("{not json")  # a sharded one, cut short
+    with pytest.raises(WeightsError, match=r"its shard index model\.safetensors\.index\.json cannot be read"):
+        load_backbone(_model("dinov2"), tmp_path / "cls")
 
 
 def test_the_command_line_continues_from_a_transformers_folder(tmp_path: Path) -> None:
@@ -224,3 +227,13 @@ def test_the_trunk_a_transformers_config_describes_gives_its_features(kind: str,
     if kind == "dinov3_vit":  # an activation timm's MLP has not: refused, not approximated
         with pytest.raises(ValueError, match="a gated MLP of gelu"):
             hf_trunk({**hf_config(tmp_path / "hf"), "hidden_act": "gelu"})
+
+
+def test_a_sharded_transformers_checkpoint_loads_from_its_index(tmp_path: Path) -> None:
+    """A checkpoint save_pretrained wrote in shards (``model.safetensors.index.json`` naming them): all read."""
+    hf = _hf_model("dinov2")
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="300KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    model = _model("dinov2")
+    assert load_backbone(model, tmp_path / "hf") == []
+    _same_tokens(model, hf)
