@@ -371,7 +371,7 @@ def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name:
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            arr = _pil_pixels(img, channels)
+            arr = _pil_pixels(img, channels, name)
     except Exception as e:  # PIL raises many types
         raise UnreadableSampleError(f"cannot decode {where}: {type(e).__name__}: {e}", name) from e
     t = torch.from_numpy(arr.copy())
@@ -389,6 +389,7 @@ def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
                                     "[C, H, W]", where)
     elif arr.shape[-1] == channels or (arr.shape[0] != channels and arr.shape[-1] <= 4 < arr.shape[0]):
         arr = np.moveaxis(arr, -1, 0)
+    say_conversion(where, int(arr.shape[0]), channels)
     return convert_channels(arr, channels, where)
 
 
@@ -453,9 +454,30 @@ def array_image(arr: np.ndarray, channels: int, where: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, where)))
 
 
-def _pil_pixels(img: Any, channels: int) -> np.ndarray:
+#: The (file channels, run channels) conversions this process has warned about: each said once, naming a file.
+_SAID: set[tuple[int, int]] = set()
+
+
+def say_conversion(where: str, native: int, channels: int) -> None:
+    """Warn, once per process for each pair of counts, that the image ``where`` of ``native`` channels is
+    converted to the run's ``channels`` (PIL's rules: grey repeated, RGB to luma, alpha or other bands dropped):
+    a count that differs is never taken in silence (a 4-band TIFF read as RGBA and cut to RGB was)."""
+    if native == channels or (native, channels) in _SAID:
+        return
+    _SAID.add((native, channels))
+    how = {(1, 3): "its grey repeated", (3, 1): "its luma", (4, 3): "its fourth band dropped (as alpha)",
+           (4, 1): "the luma of its first three bands", (2, 1): "its second band dropped (as alpha)",
+           (2, 3): "its grey repeated, its second band dropped"}.get((native, channels), "converted")
+    logger.warning("%s has %d channel(s) and the run reads %d: %s. Set data.<split>.kwargs.channels=%d (and a trunk "
+                   "of that many, model.pretrained_channels for a released one) to read all of them, or give images "
+                   "of %d channel(s); said once for every such file", where, native, channels, how, native, channels)
+
+
+def _pil_pixels(img: Any, channels: int, where: str = "an image") -> np.ndarray:
     """A PIL image as ``[H, W]`` / ``[H, W, 3]`` of ``channels``: 8-bit through ``convert``; a 16-bit grey one
-    (PNG's ``I;16``) keeps its 16 bits as uint16 (``convert("L")`` would clip it at 255)."""
+    (PNG's ``I;16``) keeps its 16 bits as uint16 (``convert("L")`` would clip it at 255). Another band count than
+    ``channels`` is said (:func:`say_conversion`, naming ``where``)."""
+    say_conversion(where, 3 if img.mode == "P" else len(img.getbands()), channels)  # (a palette's entries: RGB)
     if img.mode.startswith("I;16") or (img.mode == "I" and channels == 1):
         arr = np.asarray(img)
         if arr.dtype != np.uint16:
@@ -631,7 +653,7 @@ class FolderDataset(Dataset):
         try:
             with Image.open(path) as img:
                 img.load()
-                arr = _pil_pixels(img, self.channels)
+                arr = _pil_pixels(img, self.channels, path)
         except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
             raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
         t = torch.from_numpy(arr.copy())

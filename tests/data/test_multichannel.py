@@ -200,3 +200,29 @@ def test_per_channel_jitter_gives_each_channel_its_own_brightness_and_contrast()
     one = SimCLRTransform(12, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip_p=0.0, jitter_strength=s,
                           jitter_p=1.0, grayscale_p=0.0)
     assert one.uniforms(channels) == 54  # off: the draws of every existing recipe, unchanged
+
+
+def test_an_image_of_another_channel_count_is_converted_with_a_warning_naming_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 4-band image read for an RGB run loses its fourth band, and a grey one read for RGB is repeated: each is
+    said once per process, naming the file, both counts and the key (a 4-band TIFF once trained as RGB in
+    silence); an image of the run's own count is not."""
+    import logging
+
+    import sslkit.data.sources as sources
+
+    sources._SAID.clear()
+    Image.new("RGBA", (6, 5), (10, 20, 30, 40)).save(tmp_path / "four.png")
+    Image.new("RGBA", (6, 5), (10, 20, 30, 40)).save(tmp_path / "four_again.png")
+    Image.new("L", (6, 5), 7).save(tmp_path / "grey.png")
+    Image.new("RGB", (6, 5), (1, 2, 3)).save(tmp_path / "rgb.png")
+    ds = FolderDataset(tmp_path, channels=3, probe=0)
+    with caplog.at_level(logging.WARNING, logger="sslkit"):
+        images = {Path(ds.samples[i][0]).name: ds[i][0] for i in range(len(ds))}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # four.png (4 -> 3) and grey.png (1 -> 3): once each, not four_again.png
+    assert any("four.png has 4 channel(s) and the run reads 3: its fourth band dropped" in m and
+               "data.<split>.kwargs.channels=4" in m for m in said), said
+    assert any("grey.png has 1 channel(s) and the run reads 3: its grey repeated" in m for m in said), said
+    assert images["four.png"][:, 0, 0].tolist() == [10, 20, 30] and images["grey.png"][:, 0, 0].tolist() == [7, 7, 7]
+    sources._SAID.clear()
