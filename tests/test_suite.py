@@ -157,8 +157,9 @@ def test_a_forked_command_ends_as_an_interpreter_does_on_a_signal_or_an_uncaught
     codes = []
     for start in (_from_a_terminal, forkrun.popen):
         for sig in (signal.SIGINT, signal.SIGTERM):
-            proc = start([sys.executable, "wait.py"], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
+            # stderr to a file: the KeyboardInterrupt traceback must not wait on an inherited pipe nobody reads
+            proc = start([sys.executable, "wait.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=(tmp_path / f"err{len(codes)}.txt").open("w"), text=True, start_new_session=True)
             assert proc.stdout.readline() == "ready\n"
             os.killpg(proc.pid, sig)
             codes.append(proc.wait(timeout=HANG_S))
