@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -37,7 +38,7 @@ def timm_to_meta(trunk: nn.Module) -> dict[str, torch.Tensor]:
     DINOv2's position table with its CLS row (zero: sslkit's CLS token holds its position), DINOv3's q / v biases
     joined into ``qkv.bias`` around a zero key bias, its SwiGLU as ``w1 / w2 / w3``."""
     dinov3 = _is_dinov3(trunk)
-    state = {k: v.detach().float().cpu().clone() for k, v in trunk.state_dict().items()}
+    state = {k: v.detach().float().cpu() for k, v in trunk.state_dict().items()}  # read only: no copy
     out: dict[str, torch.Tensor] = {}
     biases: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
@@ -155,7 +156,7 @@ def export_hf(trunk: nn.Module, folder: str) -> dict[str, Any]:
     if not isinstance(trunk, TokenTrunk) or not hasattr(trunk, "timm_spec"):
         raise ToolError(f"format=hf writes sslkit's ViTs (as DINOv2) and DINOv3 trunks (as DINOv3); the trunk is "
                         f"{type(trunk).__name__}: use format=safetensors or onnx")
-    ours = copy_float_cpu(trunk)
+    ours = copy.deepcopy(trunk).to("cpu", torch.float32).eval()  # as export's twin checks copy it
     config = hf_config_of(ours)
     model = transformers.AutoModel.from_config(config).eval()
     model.load_state_dict(_hf_state(timm_to_meta(ours), model, _is_dinov3(ours)), strict=True)
@@ -178,13 +179,6 @@ def export_hf(trunk: nn.Module, folder: str) -> dict[str, Any]:
     return {"model_type": config.model_type, "class": type(loaded).__name__,
             "checked": {"max_abs_difference": difference, "tokens": "CLS, registers, patches"},
             "load": f"transformers.AutoModel.from_pretrained('{os.path.basename(folder)}')"}
-
-
-def copy_float_cpu(trunk: nn.Module) -> nn.Module:
-    """A float32 CPU copy of ``trunk`` in eval mode (the module itself is left as it is)."""
-    import copy
-
-    return copy.deepcopy(trunk).float().cpu().eval()
 
 
 def _token_difference(trunk: nn.Module, model: nn.Module) -> float:
