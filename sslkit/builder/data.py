@@ -25,12 +25,13 @@ from sslkit.data.device_decode import DeviceDecoder, collate_raw
 from sslkit.data.loader import collate_views
 from sslkit.data.remote import is_url
 from sslkit.data.resolution import HighResPhase, PhasedTransform
-from sslkit.data.sources import DataSourceError, dataset_labels
+from sslkit.data.sources import DataSourceError, counts_channels, dataset_labels
 from sslkit.distributed import get_rank, get_world_size
 from sslkit.evaluation.probes import stratified_split
 
 __all__ = ["TrainData", "build_train_data", "eval_sources", "eval_specs", "fixed_subset", "high_res_phase",
-           "knn_subsample", "limited", "loader_for", "open_source", "reference_sets", "select_classes"]
+           "knn_subsample", "limited", "loader_for", "open_source", "reference_sets", "select_classes",
+           "with_channels"]
 
 logger = logging.getLogger("sslkit")
 
@@ -68,15 +69,26 @@ def select_classes(ds: Dataset, classes: Any, where: str = "data.classes") -> Da
     return _subset(ds, keep.tolist())
 
 
-def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwargs: dict[str, Any]) -> Dataset:
+def open_source(cfg: DictConfig, source: str, split: str, path: str | None, kwargs: dict[str, Any],
+                channels: Callable[[], int] | None = None) -> Dataset:
     """One split of a data source as every part of a run reads it: ``data.classes`` kept, then the first
     ``data.limit`` samples. A remote ``path`` (``s3://``, ``https://``, ...) brings ``data.storage_options``,
-    ``data.cache_dir`` and the retries (``data.read_attempts``, ``data.read_backoff_s``) to the source."""
+    ``data.cache_dir`` and the retries (``data.read_attempts``, ``data.read_backoff_s``) to the source. With
+    ``channels`` (the trunk's input count, asked for when needed), a source left to count its channels from its own
+    images (``auto``) reads that many instead: an evaluation set is read as the training images are."""
+    kwargs = with_channels(source, kwargs, channels)
     if is_url(path):
         kwargs = {**kwargs, "storage_options": section_kwargs(cfg.data.storage_options, ()),
                   "cache_dir": cfg.data.cache_dir, "cache_gb": float(cfg.data.cache_gb),
                   "retries": {"attempts": cfg.data.read_attempts, "base_s": cfg.data.read_backoff_s}}
     return limited(select_classes(build_source(source, split, path, **kwargs), cfg.data.classes), cfg.data.limit)
+
+
+def with_channels(source: str, kwargs: dict[str, Any], channels: Callable[[], int] | None) -> dict[str, Any]:
+    """``kwargs`` with ``channels: channels()`` where ``source`` would count them from its data (``auto``)."""
+    if channels is None or not counts_channels(source, kwargs):
+        return kwargs
+    return {**kwargs, "channels": int(channels())}
 
 
 def source_channels(cfg: DictConfig) -> int:
@@ -298,6 +310,7 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
     :class:`DataSourceError` when they have no labels or no test split, saying what to set."""
     specs = eval_specs(cfg)
     sets: list[Dataset] = []
+    trunk = functools.cache(lambda: int(getattr(train_source, "channels", 0)) or source_channels(cfg))
     for split in ("train", "test"):
         source, path, kwargs, where = specs[split]
         if split == "train" and where == "data.train" and train_source is not None:
@@ -307,7 +320,12 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
             raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
                                   f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
                                   "sets of their own)")
-        sets.append(open_source(cfg, source, split, path, kwargs))
+        if split == "train":  # the training images themselves count their own; another set reads the trunk's
+            channels = None if where == "data.train" else trunk
+        else:  # the test split as the memory set is read
+            memory = int(getattr(sets[0], "channels", 0))
+            channels = functools.partial(int, memory) if memory else trunk
+        sets.append(open_source(cfg, source, split, path, kwargs, channels))
     num_classes = int(getattr(sets[0], "num_classes", 0))
     if num_classes <= 0:
         source, path, _, where = specs["train"]
@@ -368,7 +386,7 @@ def reference_sets(cfg: DictConfig) -> list[tuple[str, Dataset, Dataset, int]]:
         path = entry.get("path", (run.path if run.path is not None else cfg.data.train.path) if same else None)
         given = entry.get("kwargs")
         kwargs = dict(given if given is not None else section_kwargs(run.kwargs, ()) if same else {})
-        ds = build_source(source, split, path, **kwargs)
+        ds = build_source(source, split, path, **with_channels(source, kwargs, trunk_channels))
         if int(getattr(ds, "num_classes", 0)) <= 0:
             raise DataSourceError(f"{where}: {source}{', ' + str(path) if path else ''} has no labels, and a "
                                   "reference set is classified by kNN: give labelled images (a folder of class "

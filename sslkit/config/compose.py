@@ -188,9 +188,9 @@ def _drop_preset_trunk_kwargs(cfg: DictConfig, keys: set[str], data: str) -> Non
 
 def apply_stats(cfg: DictConfig) -> None:
     """``data.stats=FILE`` (what ``sslkit data stats`` wrote): its per-channel mean and std become the training and
-    evaluation transforms' normalisation where they give none of their own. A file that is missing or holds no
-    mean and std is a :class:`ConfigError` naming it; one of another channel count than the data's is named by
-    validation."""
+    evaluation transforms' normalisation where they give none of their own, and its channel count the splits' that
+    would count theirs from the images (``auto``). A file that is missing or holds no mean and std is a
+    :class:`ConfigError` naming it; one of another channel count than the data's is named by validation."""
     path = cfg.data.get("stats")
     if not path:
         return
@@ -209,6 +209,23 @@ def apply_stats(cfg: DictConfig) -> None:
     for section in (cfg.data.transform, cfg.data.eval_transform):
         if section.get("mean") is None and section.get("std") is None:
             section.mean, section.std = mean, std
+    _channels_from_stats(cfg, len(mean))
+
+
+def _channels_from_stats(cfg: DictConfig, channels: int) -> None:
+    """A split whose source would count its channels from its images (``channels: auto``) reads ``data.stats``'
+    count instead: the file was computed on these images, and the config then says the count before any is read."""
+    from sslkit.data.sources import counts_channels
+
+    for split in ("train", "test"):
+        spec = cfg.data[split]
+        if OmegaConf.is_interpolation(spec, "kwargs"):  # the train split's kwargs, filled there
+            continue
+        source = spec.source or cfg.data.train.source
+        if source in dict(R.DATASETS) and counts_channels(source, spec.kwargs or {}):
+            if spec.kwargs is None:
+                spec.kwargs = {}
+            spec.kwargs.channels = channels
 
 
 def resolve_method(cfg: DictConfig) -> None:

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.data.channels import AUTO, array_channels, channel_setting, resolve_channels
 from sslkit.data.remote import is_url
-from sslkit.data.sources import DataSourceError, UnreadableSampleError, array_image, decode_image
+from sslkit.data.sources import DataSourceError, UnreadableSampleError, array_image, decode_image, encoded_channels
 from sslkit.registry import register_dataset
 
 __all__ = ["HFDataset", "build_hf"]
@@ -72,9 +73,8 @@ class HFDataset(Dataset):
     """
 
     def __init__(self, root: str | Path, split: str = "train", image_column: str = "image",
-                 label_column: str | None = None, channels: int = 3) -> None:
-        if int(channels) < 1:
-            raise DataSourceError(f"channels must be 1 or more, got {channels}")
+                 label_column: str | None = None, channels: int | str = AUTO) -> None:
+        channels = channel_setting(channels)
         datasets = _datasets()
         self.root = Path(root).expanduser()
         if not self.root.exists():
@@ -95,7 +95,7 @@ class HFDataset(Dataset):
         #: rows read as NumPy arrays. False for encoded images.
         self.arrays = isinstance(feature, datasets.Array2D | datasets.Array3D)
         self.array_dtype = str(feature.dtype) if self.arrays else None  # the feature's (a cell may come as int64)
-        self.channels, self.jpeg_bytes = channels, False
+        self.jpeg_bytes = False
         self.image_column, self.label_column = image_column, label_column
         self.classes: list[str] = []
         if label_column is not None:
@@ -109,6 +109,7 @@ class HFDataset(Dataset):
         if self.arrays:
             self.ds = self.ds.with_format("numpy")
         self.num_classes = len(self.classes) or (self._largest_label() + 1 if label_column else 0)
+        self.channels = resolve_channels(channels, self.native_channels, len(self.ds), str(self.root))
         logger.info("data: %s, %s: %d rows, images in '%s'%s", self.root, what, len(self.ds), image_column,
                     f", labels in '{label_column}' ({self.num_classes} classes)" if label_column else ", no labels")
 
@@ -131,6 +132,14 @@ class HFDataset(Dataset):
     def __len__(self) -> int:
         """The number of rows."""
         return len(self.ds)
+
+    def native_channels(self, i: int) -> int:
+        """The channels row ``i``'s image holds: an array cell's (:func:`~sslkit.data.channels.array_channels`) or
+        its encoded bytes' (:func:`~sslkit.data.sources.encoded_channels`)."""
+        value = self.ds[int(i)][self.image_column]
+        if self.arrays:
+            return array_channels(np.asarray(value))
+        return encoded_channels(self._bytes(value, i), f"the image of row {i} of {self.root}")
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         """Row ``i``'s image as uint8 ``[C, H, W]`` (or a JPEG's bytes) and its label (-1 without labels)."""
@@ -167,7 +176,7 @@ class HFDataset(Dataset):
 
 @register_dataset("hf")
 def build_hf(split: str, path: str | None = None, image_column: str = "image", label_column: str | None = None,
-             channels: int = 3, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
+             channels: int | str = AUTO, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
              retries: dict[str, Any] | None = None, cache_gb: float = 0.0) -> Dataset:
     """A Hugging Face dataset (``data=hf``): ``path`` a ``save_to_disk`` folder (a ``DatasetDict``'s split picked by
     name) or Parquet / Arrow files on local disk, or Parquet files in object storage (``s3://bucket/ds/``, read by

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.data.channels import AUTO, channel_setting, resolve_channels
 from sslkit.data.remote import (
     Remote,
     RemoteReadError,
@@ -25,7 +26,7 @@ from sslkit.data.remote import (
     url_protocol,
 )
 from sslkit.data.shard_cache import ShardCache
-from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image
+from sslkit.data.sources import DataSourceError, UnreadableSampleError, decode_image, encoded_channels
 
 __all__ = ["RemoteParquet", "parquet_files"]
 
@@ -74,11 +75,10 @@ class RemoteParquet(Dataset):
     """
 
     def __init__(self, spec: str, split: str = "train", image_column: str = "image", label_column: str | None = None,
-                 channels: int = 3, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
-                 retries: Retries | None = None, cache_gb: float = 0.0) -> None:
-        if int(channels) < 1:
-            raise DataSourceError(f"channels must be 1 or more, got {channels}")
-        self.root, self.channels, self.jpeg_bytes = spec, channels, False
+                 channels: int | str = AUTO, storage_options: dict[str, Any] | None = None,
+                 cache_dir: str | None = None, retries: Retries | None = None, cache_gb: float = 0.0) -> None:
+        channels = channel_setting(channels)
+        self.root, self.jpeg_bytes = spec, False
         self.image_column, self.label_column = image_column, label_column
         self.remote = Remote(url_protocol(spec), storage_options, retries)
         self.files = parquet_files(spec, self.remote)
@@ -97,6 +97,9 @@ class RemoteParquet(Dataset):
                                 suffix=".parquet") if cache_gb > 0 else None
         self._kept: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
         self._open: dict[int, Any] = {}
+        self.channels = resolve_channels(channels, self.native_channels, len(self), spec)
+        self._kept.clear()  # a file opened to count the channels stays in this process: a forked loader worker
+        self._open.clear()  # that shared its connection would hang on it
         logger.info("data: %s: %d Parquet file(s), %d rows, images in '%s'%s", spec, len(self.files), len(self),
                     image_column, f", labels in '{label_column}' ({self.num_classes} classes)" if label_column
                     else ", no labels")
@@ -185,8 +188,8 @@ class RemoteParquet(Dataset):
             self._kept.popitem(last=False)
         return self._kept[(f, g)]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        """Row ``i``'s image as ``[C, H, W]`` (or a JPEG's bytes) and its label (-1 without labels)."""
+    def _encoded(self, i: int) -> tuple[bytes, str]:
+        """Row ``i``'s image bytes and where they are (a row without bytes raises :class:`UnreadableSampleError`)."""
         f = int(np.searchsorted(self.starts, i, side="right")) - 1
         row = int(i - self.starts[f])
         g = int(np.searchsorted(self.group_starts[f], row, side="right")) - 1
@@ -196,6 +199,20 @@ class RemoteParquet(Dataset):
         if not isinstance(data, bytes | bytearray) or not data:
             raise UnreadableSampleError(f"{where} has no image bytes in '{self.image_column}' (a path into the "
                                         "remote dataset is not followed)", where)
+        return bytes(data), where
+
+    def native_channels(self, i: int) -> int:
+        """The channels row ``i``'s image holds (:func:`~sslkit.data.sources.encoded_channels`); a read that fails
+        after every retry stops the build."""
+        try:
+            data, where = self._encoded(i)
+        except RemoteReadError as e:
+            raise DataSourceError(f"{self.root}: {e}") from None
+        return encoded_channels(data, where)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Row ``i``'s image as ``[C, H, W]`` (or a JPEG's bytes) and its label (-1 without labels)."""
+        data, where = self._encoded(i)
         label = int(self._labels[i]) if self._labels is not None else -1
-        return decode_image(bytes(data), self.channels, self.jpeg_bytes, where, where), label
+        return decode_image(data, self.channels, self.jpeg_bytes, where, where), label
 

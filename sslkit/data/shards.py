@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sslkit.data.channels import AUTO, channel_setting, resolve_channels
 from sslkit.data.remote import (
     Remote,
     RemoteReadError,
@@ -35,6 +36,7 @@ from sslkit.data.sources import (
     DataSourceError,
     UnreadableSampleError,
     decode_image,
+    encoded_channels,
     save_arrays,
 )
 from sslkit.registry import register_dataset
@@ -209,10 +211,9 @@ class ShardDataset(Dataset):
     truncated or empty shard stops the run when the dataset is built, naming it. ``storage_options``: the remote
     filesystem's arguments (never logged)."""
 
-    def __init__(self, spec: str, channels: int = 3, storage_options: dict[str, Any] | None = None,
+    def __init__(self, spec: str, channels: int | str = AUTO, storage_options: dict[str, Any] | None = None,
                  cache_dir: str | None = None, retries: Retries | None = None, cache_gb: float = 0.0) -> None:
-        if int(channels) < 1:
-            raise DataSourceError(f"channels must be 1 or more, got {channels}")
+        channels = channel_setting(channels)
         first = spec if is_url(spec) else None
         self.remote = Remote(url_protocol(first), storage_options, retries) if first else None
         self.shards = expand_shards(spec, self.remote)
@@ -233,18 +234,24 @@ class ShardDataset(Dataset):
         self.sizes = [ix["sizes"] for ix in indexes]
         self.labels = np.concatenate([ix["labels"] for ix in indexes])
         self.starts = np.cumsum([0] + [len(o) for o in self.offsets])
-        self.channels, self.jpeg_bytes = channels, False
+        self.jpeg_bytes = False
         labelled = self.labels >= 0
         if labelled.any() and not labelled.all():
             raise DataSourceError(f"{spec}: {int((~labelled).sum())} of {len(self.labels)} samples have no .cls label "
                                   "and the others have one: label every sample or none")
         self.num_classes = int(self.labels.max()) + 1 if labelled.all() else 0
+        count = self.native_channels
         if self.remote is not None:  # one ranged read now: a store that cannot serve them stops here, not per sample
             try:
                 first = int(self.offsets[0][0])
-                self.remote.read(str(self.shards[0]), first, first + int(self.sizes[0][0]))
+                head = self.remote.read(str(self.shards[0]), first, first + int(self.sizes[0][0]))
             except RemoteReadError as e:
                 raise DataSourceError(f"shard {self.shards[0]}: {e}") from None
+            where = f"sample 0 of shard {self.shards[0]}"
+
+            def count(i: int) -> int:  # sample 0's bytes are here already: no second request for them
+                return encoded_channels(head, where) if i == 0 else self.native_channels(i)
+        self.channels = resolve_channels(channels, count, len(self), spec)
         logger.info("data: %d shard(s) from %s: %d samples%s", len(self.shards), spec, len(self),
                     f", {self.num_classes} classes" if self.num_classes else ", no labels")
 
@@ -259,6 +266,17 @@ class ShardDataset(Dataset):
             return remote_index(str(shard), self.remote, cache_dir)
         except RemoteReadError as e:
             raise DataSourceError(f"shard {shard} cannot be read: {e}") from None
+
+    def native_channels(self, i: int) -> int:
+        """The channels sample ``i``'s member holds (:func:`~sslkit.data.sources.encoded_channels`); a remote read
+        that fails after every retry stops the build, naming the shard."""
+        shard, j = self.locate(i)
+        try:  # a remote member by one ranged read, not through the shard cache (no fetch started before a fork)
+            url = str(self.shards[shard])
+            data = self._read_remote(url, shard, j, int(self.offsets[shard][j])) if is_url(url) else self.raw(i)
+        except RemoteReadError as e:
+            raise DataSourceError(f"shard {self.shards[shard]}: {e}") from None
+        return encoded_channels(data, f"sample {j} of shard {self.shards[shard]}")
 
     def __len__(self) -> int:
         """The samples over all shards."""
@@ -367,7 +385,7 @@ class ShardDataset(Dataset):
 
 
 @register_dataset("webdataset")
-def build_webdataset(split: str, path: str | None = None, channels: int = 3,
+def build_webdataset(split: str, path: str | None = None, channels: int | str = AUTO,
                      storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
                      retries: dict[str, Any] | None = None, cache_gb: float = 0.0) -> ShardDataset:
     """Tar shards (``data=webdataset``): ``path`` a brace pattern, a folder of ``.tar`` files or a list file, local

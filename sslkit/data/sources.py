@@ -17,8 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
+from sslkit.data.channels import (
+    AUTO,
+    array_channels,
+    channel_setting,
+    convert_channels,
+    nothing_readable,
+    pil_channels,
+    resolve_channels,
+    say_conversion,
+)
+from sslkit.data.errors import DataSourceError, UnreadableSampleError
 from sslkit.data.seeding import mix_seed
-from sslkit.errors import UserError, plural
+from sslkit.errors import plural
 from sslkit.registry import DATASETS, get, register_dataset
 
 __all__ = [
@@ -41,7 +52,9 @@ __all__ = [
     "build_source",
     "build_synthetic",
     "cache_dir",
+    "counts_channels",
     "dataset_labels",
+    "encoded_channels",
     "holds_images",
     "read_array_image",
     "read_idx",
@@ -64,23 +77,7 @@ through ``tifffile`` (``pip install 'sslkit[tiff]'``; without it, TIFFs of 1 or 
 NPY_MAGIC = b"\x93NUMPY"
 TIFF_MAGICS = (b"II*\x00", b"MM\x00*")
 
-#: ITU-R 601-2 luma, as PIL's ``convert("L")``: what a 3-channel array becomes for one-channel data.
-_LUMA = np.array([0.299, 0.587, 0.114])
-_LUMA_FIXED = np.array([19595, 38470, 7471], dtype=np.int64)  # the same weights in 16-bit fixed point, PIL's
-
 SPLITS = ("train", "test")
-
-
-class DataSourceError(UserError, RuntimeError):
-    """A data source cannot be built: data missing, unreadable, or empty."""
-
-
-class UnreadableSampleError(Exception):
-    """One sample cannot be decoded (corrupt or truncated file); ``path`` names the file."""
-
-    def __init__(self, message: str, path: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
 
 
 def dataset_labels(ds: Any) -> torch.Tensor:
@@ -378,6 +375,34 @@ def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name:
     return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
 
 
+def encoded_channels(data: bytes, where: str, name: str | None = None) -> int:
+    """The channels of encoded image ``data`` as :func:`decode_image` would find them in the file: a ``.npy`` or
+    (with ``tifffile``) a TIFF array's by :func:`~sslkit.data.channels.array_channels`, a TIFF's bands through PIL
+    with any alpha band counted, another image's bands without its alpha. Raises :class:`UnreadableSampleError`
+    saying ``where`` for data that does not decode (``name``: the file the skip count names; ``where`` by
+    default)."""
+    tiff = data[:4] in TIFF_MAGICS
+    try:
+        if data[:6] == NPY_MAGIC or (tiff and _has_tifffile()):
+            return array_channels(_load_array(io.BytesIO(data), npy=data[:6] == NPY_MAGIC))
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return pil_channels(img, alpha=tiff)
+    except Exception as e:  # PIL, NumPy and tifffile raise many types
+        raise UnreadableSampleError(f"cannot read {where}: {type(e).__name__}: {e}", name or where) from e
+
+
+def _load_array(source: Any, npy: bool) -> np.ndarray:
+    """A ``.npy`` (NumPy, no pickles) or TIFF (``tifffile``) file's array."""
+    if npy:
+        return np.load(source, allow_pickle=False)
+    import tifffile
+
+    return tifffile.imread(source)
+
+
 def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
     """A decoded array ``[H, W]``, ``[H, W, C]`` or ``[C, H, W]`` as ``[channels, H, W]``: the axis of ``channels``
     entries is the channel axis (the last when both ends have it); as PIL's conversions, a 2-D image for 3 channels is
@@ -393,29 +418,6 @@ def _channels_first(arr: np.ndarray, channels: int, where: str) -> np.ndarray:
     return convert_channels(arr, channels, where)
 
 
-def convert_channels(arr: np.ndarray, channels: int, where: str, axis: int = 0) -> np.ndarray:
-    """``arr`` with ``channels`` entries on its channel ``axis``, by PIL's conversions: one channel for 3 is
-    repeated, 3 or 4 (RGBA) for one become their ITU-R 601-2 luma (integers rounded as ``convert("L")``), 4 for 3 lose
-    alpha; the array itself when it has them already. Raises :class:`UnreadableSampleError` naming ``where`` for
-    any other pair."""
-    c = arr.shape[axis]
-    if c == channels:
-        return arr
-    if c == 1 and channels == 3:
-        return np.repeat(arr, 3, axis=axis)
-    if c in (3, 4) and channels == 1:
-        rgb = np.moveaxis(arr, axis, -1)[..., :3]
-        if arr.dtype.kind == "u":  # PIL's fixed point (Convert.c's L24): the same bytes as convert("L")
-            luma = (rgb.astype(np.int64) @ _LUMA_FIXED + 0x8000) >> 16
-        else:  # float pixels in 0..1 stay unrounded
-            luma = rgb.astype(np.float64) @ _LUMA
-        return np.expand_dims(luma, axis).astype(arr.dtype)
-    if c == 4 and channels == 3:
-        return np.take(arr, [0, 1, 2], axis=axis)
-    raise UnreadableSampleError(f"{where}: {c} channels, and the data has {channels} (data.<split>.kwargs.channels)",
-                                where)
-
-
 def read_array_image(path: str | Path, channels: int, data: bytes | None = None) -> torch.Tensor:
     """A ``.npy`` or TIFF image as ``[channels, H, W]``: uint8, uint16 (16-bit files keep their depth: the transforms
     divide by 65535), or float32 (taken to be in 0..1), by :func:`_channels_first`'s rule; read from ``path``, or
@@ -426,15 +428,10 @@ def read_array_image(path: str | Path, channels: int, data: bytes | None = None)
     npy = data[:6] == NPY_MAGIC if data is not None else where.lower().endswith(".npy")
     try:
         source: Any = io.BytesIO(data) if data is not None else where
-        if npy:
-            arr = np.load(source, allow_pickle=False)
-        else:
-            try:
-                import tifffile
-            except ImportError:
-                raise DataSourceError(f"{where}: TIFF images of {channels} channels or 16 bits are read with tifffile: "
-                                      "pip install 'sslkit[tiff]'") from None
-            arr = tifffile.imread(source)
+        if not npy and not _has_tifffile():
+            raise DataSourceError(f"{where}: TIFF images of {channels} channels or 16 bits are read with tifffile: "
+                                  "pip install 'sslkit[tiff]'")
+        arr = _load_array(source, npy)
     except DataSourceError:
         raise
     except Exception as e:  # a truncated or foreign file
@@ -452,25 +449,6 @@ def array_image(arr: np.ndarray, channels: int, where: str) -> torch.Tensor:
         raise UnreadableSampleError(f"{where}: pixels of type {arr.dtype}; sslkit reads 8- and 16-bit unsigned "
                                     "images (uint8, uint16) and float ones in 0..1: convert the data", where)
     return torch.from_numpy(np.ascontiguousarray(_channels_first(arr, channels, where)))
-
-
-#: The (file channels, run channels) conversions this process has warned about: each said once, naming a file.
-_SAID: set[tuple[int, int]] = set()
-
-
-def say_conversion(where: str, native: int, channels: int) -> None:
-    """Warn, once per process for each pair of counts, that the image ``where`` of ``native`` channels is
-    converted to the run's ``channels`` (PIL's rules: grey repeated, RGB to luma, alpha or other bands dropped):
-    a count that differs is never taken in silence (a 4-band TIFF read as RGBA and cut to RGB was)."""
-    if native == channels or (native, channels) in _SAID:
-        return
-    _SAID.add((native, channels))
-    how = {(1, 3): "its grey repeated", (3, 1): "its luma", (4, 3): "its fourth band dropped (as alpha)",
-           (4, 1): "the luma of its first three bands", (2, 1): "its second band dropped (as alpha)",
-           (2, 3): "its grey repeated, its second band dropped"}.get((native, channels), "converted")
-    logger.warning("%s has %d channel(s) and the run reads %d: %s. Set data.<split>.kwargs.channels=%d (and a trunk "
-                   "of that many, model.pretrained_channels for a released one) to read all of them, or give images "
-                   "of %d channel(s); said once for every such file", where, native, channels, how, native, channels)
 
 
 def _pil_pixels(img: Any, channels: int, where: str = "an image") -> np.ndarray:
@@ -562,16 +540,16 @@ class FolderDataset(Dataset):
     when it is read (:class:`~sslkit.data.SSLDataset` skips it and counts it).
     """
 
-    def __init__(self, root: str | Path, channels: int = 3, probe: int = 32) -> None:
-        """Index the image files under ``root``; ``channels`` is 3 (RGB) or 1 (grayscale).
+    def __init__(self, root: str | Path, channels: int | str = AUTO, probe: int = 32) -> None:
+        """Index the image files under ``root``; ``channels`` is how many each image is read with (3: RGB, 1: grey,
+        any count for arrays), or ``auto``: the count of the first readable file (:func:`encoded_channels`).
 
         Raises :class:`DataSourceError` if ``root`` is missing, not a folder or holds no image
         files, and, unless ``probe`` is 0, if none of up to ``probe`` files spread evenly over the
         dataset (all of them if there are fewer) can be decoded. The probe stops at the first
         readable file, so on a healthy folder it costs one decode.
         """
-        if int(channels) < 1:
-            raise DataSourceError(f"channels must be 1 or more, got {channels}")
+        channels = channel_setting(channels)
         #: Give JPEG files as their bytes (1-D uint8), for a decoder on the training device
         #: (``data.decode_on=device``); other files are still decoded here.
         self.jpeg_bytes = False
@@ -581,7 +559,6 @@ class FolderDataset(Dataset):
         if not root.is_dir():
             raise DataSourceError(f"image folder {root} is a file, not a folder: give the folder holding the images")
         self.root = root
-        self.channels = channels
         class_files: dict[str, list[str]] = {}
         others: list[str] = []
         for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -608,8 +585,19 @@ class FolderDataset(Dataset):
         if others:
             logger.info("%s: ignoring %s without an image extension", root, _describe_others(others))
         self.num_classes = len(self.classes)
+        self.channels = resolve_channels(channels, self.native_channels, len(self.samples), str(root))
         if probe > 0:
             self._probe(probe)
+
+    def native_channels(self, i: int) -> int:
+        """The channels file ``i`` holds (:func:`encoded_channels`), whatever the dataset reads it with."""
+        path = self.samples[i][0]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
+        return encoded_channels(data, f"image {path}", path)
 
     def _probe(self, limit: int) -> None:
         """Decode files spread over the dataset until one works; raise if the first ``limit`` all fail."""
@@ -622,13 +610,7 @@ class FolderDataset(Dataset):
                 return
             except UnreadableSampleError as e:
                 errors.append(str(e))
-        what = f"all {n} image files" if k == n else f"the {k} image files tried (spread over all {n})"
-        examples = "".join(f"\n  - {e}" for e in errors[:3])
-        raise DataSourceError(
-            f"no readable image in {self.root}: {what} are corrupt, truncated or not images, e.g.:{examples}\n"
-            "Single unreadable files are skipped and counted, but there is nothing to train on here: "
-            "check or re-copy the files."
-        )
+        raise nothing_readable(str(self.root), n, k, errors)
 
     def __len__(self) -> int:
         """Number of image files."""
@@ -670,11 +652,11 @@ class FileListDataset(FolderDataset):
     in sorted order, ``classes``), or absent on every line (label -1, ``num_classes`` 0: pretraining data).
     """
 
-    def __init__(self, list_file: str | Path, channels: int = 3, probe: int = 32) -> None:
-        """Read ``list_file``; raise :class:`DataSourceError` for a missing list, an empty one, listed files that
-        do not exist (counted, the first named with their line), or lines that mix labelled and unlabelled."""
-        if int(channels) < 1:
-            raise DataSourceError(f"channels must be 1 or more, got {channels}")
+    def __init__(self, list_file: str | Path, channels: int | str = AUTO, probe: int = 32) -> None:
+        """Read ``list_file`` (``channels`` as :class:`FolderDataset`'s); raise :class:`DataSourceError` for a missing
+        list, an empty one, listed files that do not exist (counted, the first named with their line), or lines that
+        mix labelled and unlabelled."""
+        channels = channel_setting(channels)
         self.jpeg_bytes = False
         path = Path(list_file).expanduser()
         if not path.exists():
@@ -684,7 +666,6 @@ class FileListDataset(FolderDataset):
             raise DataSourceError(f"{path} is a folder: the filelist source takes a file listing the images (the "
                                   "folder source takes a folder)")
         self.root = path
-        self.channels = channels
         entries = _read_list(path)
         if not entries:
             raise DataSourceError(f"file list {path} names no image (lines are 'path' or 'path,label')")
@@ -719,6 +700,7 @@ class FileListDataset(FolderDataset):
             index = {name: i for i, name in enumerate(self.classes)}
             self.samples = [(f, index[str(label)]) for _, f, label in labelled]
             self.num_classes = len(self.classes)
+        self.channels = resolve_channels(channels, self.native_channels, len(self.samples), str(path))
         if probe > 0:
             self._probe(probe)
 
@@ -755,7 +737,7 @@ def _read_list(path: Path) -> list[tuple[int, str, str | None]]:
     return entries
 
 
-def _path_source(cls: Any, source: str, needs: str, split: str, path: str | None, channels: int) -> Any:
+def _path_source(cls: Any, source: str, needs: str, split: str, path: str | None, channels: int | str) -> Any:
     """Build a dataset read from ``data.<split>.path``; a missing or bad path names the key to set."""
     _check_split(split)
     if not path:
@@ -767,13 +749,13 @@ def _path_source(cls: Any, source: str, needs: str, split: str, path: str | None
 
 
 @register_dataset("filelist")
-def build_filelist(split: str, path: str | None = None, channels: int = 3) -> FileListDataset:
+def build_filelist(split: str, path: str | None = None, channels: int | str = AUTO) -> FileListDataset:
     """Images named in a list file (CSV or text: ``path[,label]``); the caller passes the split's own list."""
     return _path_source(FileListDataset, "filelist", "a list file", split, path, channels)
 
 
 @register_dataset("folder")
-def build_folder(split: str, path: str | None = None, channels: int = 3) -> FolderDataset:
+def build_folder(split: str, path: str | None = None, channels: int | str = AUTO) -> FolderDataset:
     """Images under ``path`` (ImageFolder tree or flat folder); the caller passes the split's own path."""
     return _path_source(FolderDataset, "folder", "a path", split, path, channels)
 
@@ -866,8 +848,8 @@ def source_shape(name: str, kwargs: Mapping[str, Any] | None = None, split: str 
     """Channels, image side and length of the registered source ``name`` built with ``kwargs``, as far as they are
     known without reading data (for config checks): Fashion-MNIST is 1x28x28 (60,000 training images; its
     ``channels`` and ``canvas`` where given), CIFAR 3x32x32 (50,000; its ``channels``), ``synthetic`` follows its
-    arguments, ``folder`` and ``filelist`` their ``channels`` (sizes vary); other sources: unknown. A fixed
-    dataset's length is given for a named ``split`` only.
+    arguments, ``folder`` and ``filelist`` their ``channels`` (unknown for ``auto``; sizes vary); other sources:
+    unknown. A fixed dataset's length is given for a named ``split`` only.
     """
     kwargs = dict(kwargs or {})
     if name in _FIXED_SHAPES:
@@ -878,9 +860,17 @@ def source_shape(name: str, kwargs: Mapping[str, Any] | None = None, split: str 
         params = inspect.signature(build_synthetic if name == "synthetic" else build_folder).parameters
         value = {k: kwargs.get(k, p.default) for k, p in params.items()}
         if name in ("folder", "filelist"):
-            return SourceShape(int(value["channels"]), None, None)
+            return SourceShape(None if value["channels"] == AUTO else int(value["channels"]), None, None)
         return SourceShape(int(value["channels"]), int(value["image_size"]), int(value["num_samples"]))
     return SourceShape(None, None, None)
+
+
+def counts_channels(name: str, kwargs: Mapping[str, Any] | None = None) -> bool:
+    """Whether the registered source ``name`` built with ``kwargs`` counts its channels from the data
+    (``channels: auto``, given or its builder's default)."""
+    builder = get(DATASETS, name, where="data.<split>.source")
+    param = inspect.signature(builder).parameters.get("channels")
+    return param is not None and (kwargs or {}).get("channels", param.default) == AUTO
 
 
 def build_source(name: str, split: str, path: str | None = None, **kwargs: Any) -> Dataset:

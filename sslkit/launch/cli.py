@@ -44,6 +44,7 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
     from sslkit.builder import build_task
     from sslkit.checkpoint import Checkpointer
     from sslkit.console import setup_logging
+    from sslkit.data import notices
     from sslkit.distributed import get_rank
     from sslkit.hooks.trackers import finish_trackers
     from sslkit.launch.runfolder import write_command, write_config
@@ -59,17 +60,18 @@ def run(cfg: DictConfig, plan: FolderPlan | None = None, summary: str | None = N
             write_command(cfg.output_dir, argv)
         logger.info("%s", summary or f"config: {cfg.name}; the full config is in "
                     f"{os.path.join(cfg.output_dir, 'config.yaml')}")
-    task = build_task(cfg)
-    try:
-        if cfg.checkpoint.auto_resume and (path := Checkpointer(cfg.output_dir).resume(task)) is not None:
-            logger.info("resumed from %s", path)
-        step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
-        train(task, step)
-    except BaseException as exc:
-        finish_trackers(task, exc)  # W&B / MLflow: KILLED after a pre-emption or Ctrl-C, FAILED after an error
-        raise
-    finally:
-        task.close()
+    with notices.kept_in(cfg.output_dir):  # data warnings said once for the run, over its ranks and workers
+        task = build_task(cfg)
+        try:
+            if cfg.checkpoint.auto_resume and (path := Checkpointer(cfg.output_dir).resume(task)) is not None:
+                logger.info("resumed from %s", path)
+            step = R.get(R.TRAIN_STEPS, cfg.train_step, "train_step")
+            train(task, step)
+        except BaseException as exc:
+            finish_trackers(task, exc)  # W&B / MLflow: KILLED after a pre-emption or Ctrl-C, FAILED after an error
+            raise
+        finally:
+            task.close()
     if rank == 0 and cfg.eval.bench.at_end:
         _end_bench(cfg)
     if rank == 0 and cfg.log.report:

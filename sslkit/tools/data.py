@@ -45,7 +45,8 @@ INDEX_KEYS = {"path": "remote shards (a brace pattern, a prefix s3://bucket/trai
 STATS_KEYS = {"path": "a folder of images (any channels, 8 or 16 bits: .npy, TIFF, PNG, ...), a file list, shards or "
                       "a Hugging Face dataset",
               "source": "folder | filelist | webdataset | hf (default: guessed from path)",
-              "channels": "the images' channels (default 3; 1 for grey, 4 or 13 for multi-channel files)",
+              "channels": "the images' channels (default auto: the first readable image's count; 3, 1 for grey, "
+                          "4 or 13 for multi-channel files)",
               "sample": "how many images, spread over the source, are read (default 10000; 0: all)",
               "output": "the JSON file written (default: data_stats.json in the current folder); train with "
                         "data.stats=FILE"}
@@ -53,7 +54,7 @@ USAGE = f"""usage: sslkit data pack input=FOLDER_OR_LIST output=SHARD_FOLDER_OR_
        sslkit data index path=SHARDS [cache_dir=...]
        sslkit data info path=SOURCE [source=...] [sample=64]
        sslkit data scenes output=FOLDER [train=4000] [test=1000] [canvas=56] [garments=[2,4]] [seed=0]
-       sslkit data stats path=SOURCE [source=...] [channels=3] [sample=10000] [output=data_stats.json]
+       sslkit data stats path=SOURCE [source=...] [channels=auto] [sample=10000] [output=data_stats.json]
        {WILD_USAGE}
 
 pack: {'; '.join(f'{k}= {v}' for k, v in PACK_KEYS.items())}
@@ -310,7 +311,9 @@ def _stats(args: list[str]) -> int:
         raise ToolError("sslkit data stats needs path=SOURCE (and takes source=, channels=, sample=, output=)")
     source = opts.get("source") or guess_source(opts["path"])
     start = time.perf_counter()
-    ds = build_source(source, "train", opts["path"], channels=_int_key(opts, "channels", 3))
+    channels = opts.get("channels", "auto")
+    ds = build_source(source, "train", opts["path"],
+                      channels=channels if channels == "auto" else _int_key(opts, "channels", 3))
     found = channel_stats(ds, _int_key(opts, "sample", 10000))
     found.update({"source": source, "path": opts["path"], "made_by": "sslkit data stats " + " ".join(args)})
     output = Path(opts.get("output", "data_stats.json")).expanduser()

@@ -138,6 +138,9 @@ def summarize(run_dir: str) -> dict[str, Any]:
     info["monitors"] = monitors
     info["warnings"] = [(r.get("step"), r["warning"], r.get("message", "")) for r in records
                         if r.get("phase") == "warning" and "warning" in r]  # sslkit.stability's, once each
+    from sslkit.data.notices import read_notices
+
+    info["data_notices"] = read_notices(run_dir)  # what the data layer said once for the run (channels converted)
     info["recipe_diff"] = _recipe_diff(run_dir, cfg) if cfg is not None else None
     return info
 
@@ -246,6 +249,8 @@ def _text(info: dict[str, Any], plots: list[str]) -> str:
         lines.append(f"- monitors (last values): {shown}")
     for step, key, message in info.get("warnings", []):
         lines.append(f"- stability warning `{key}` at step {step}: {message}")
+    for message in info.get("data_notices", []):
+        lines.append(f"- data warning: {message}")
     lines += ["", "## Config"]
     diff = info["recipe_diff"]
     if diff is None:

@@ -112,7 +112,7 @@ def test_all_unreadable_raises(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"definitely not an image")
     with pytest.raises(DataSourceError, match=r"no readable image in .*all 2 image files"):
         build_source("folder", "train", str(tmp_path))  # the folder source probes at build
-    ds = SSLDataset(FolderDataset(tmp_path, probe=0), build_transform("eval", image_size=8))
+    ds = SSLDataset(FolderDataset(tmp_path, channels=3, probe=0), build_transform("eval", image_size=8))
     for index in (1, 0):  # without the probe, the dataset itself stops
         with pytest.raises(DataSourceError, match="no readable image in 2 files") as info:
             ds[(0, index)]

@@ -6,8 +6,10 @@ trained on, augmented by the workers and on the device."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,6 +90,11 @@ def test_shards_and_hugging_face_datasets_of_npy_and_tiff_members_read_as_the_fi
                                 "label": [y for _, y in folder.samples]},
                                features=features).save_to_disk(str(tmp_path / "hf_hwc"))
     cells = [HFDataset(tmp_path / name, label_column="label", channels=4) for name in ("hf_chw", "hf_hwc")]
+    # channels: auto, every source's default: the four bands counted from the first readable image of each
+    assert [ds.channels for ds in (FolderDataset(data), ShardDataset(str(tmp_path / "shards")),
+                                   HFDataset(tmp_path / "hf", label_column="label"),
+                                   *(HFDataset(tmp_path / name, label_column="label") for name in ("hf_chw", "hf_hwc")))
+            ] == [4, 4, 4, 4, 4]
     for i in (0, 7, 12, 24):
         image, label = folder[i]
         assert image.dtype == torch.uint16 and image.shape == (4, 32, 32)
@@ -136,12 +143,14 @@ def test_data_stats_are_each_channels_mean_and_std_and_normalise_the_run(tmp_pat
 @pytest.mark.parametrize(("augment_on", "per_channel"), [("workers", False), ("device", True)])
 def test_a_four_channel_16_bit_folder_trains_with_a_four_channel_trunk(tmp_path: Path, augment_on: str,
                                                                        per_channel: bool) -> None:
-    """On the device, with brightness and contrast factors per channel (``data.transform.jitter_per_channel``)."""
+    """On the device, with brightness and contrast factors per channel (``data.transform.jitter_per_channel``); on
+    the workers without the channels said (``auto``: the four counted from the files, as a new user runs it)."""
     data = tmp_path / "data"
     four_channel_folder(data)
     out = tmp_path / "run"
+    said = ["data.train.kwargs.channels=4", "data.test.kwargs.channels=4"] if augment_on == "device" else []
     run_main("config=simclr", *FOLDER, *QUIET, f"data.train.path={data}", f"data.test.path={data}",
-             "data.train.kwargs.channels=4", "data.test.kwargs.channels=4", "data.batch_size=8", "optim.max_steps=3",
+             *said, "data.batch_size=8", "optim.max_steps=3",
              f"data.augment_on={augment_on}", f"data.transform.jitter_per_channel={per_channel}", f"output_dir={out}")
     state = torch.load(out / "checkpoints" / "checkpoint_000000003.pt", weights_only=True)
     first = next(v for k, v in state["model"].items() if k.endswith("weight") and v.dim() == 4)
@@ -209,9 +218,9 @@ def test_an_image_of_another_channel_count_is_converted_with_a_warning_naming_it
     silence); an image of the run's own count is not."""
     import logging
 
-    import sslkit.data.sources as sources
+    from sslkit.data import notices
 
-    sources._SAID.clear()
+    notices.forget()
     Image.new("RGBA", (6, 5), (10, 20, 30, 40)).save(tmp_path / "four.png")
     Image.new("RGBA", (6, 5), (10, 20, 30, 40)).save(tmp_path / "four_again.png")
     Image.new("L", (6, 5), 7).save(tmp_path / "grey.png")
@@ -225,4 +234,137 @@ def test_an_image_of_another_channel_count_is_converted_with_a_warning_naming_it
                "data.<split>.kwargs.channels=4" in m for m in said), said
     assert any("grey.png has 1 channel(s) and the run reads 3: its grey repeated" in m for m in said), said
     assert images["four.png"][:, 0, 0].tolist() == [10, 20, 30] and images["grey.png"][:, 0, 0].tolist() == [7, 7, 7]
-    sources._SAID.clear()
+    notices.forget()
+
+
+def _one(folder: Path, name: str, write: Any) -> FolderDataset:
+    """A folder of one class holding the file ``name`` that ``write(path)`` writes, read with ``channels: auto``."""
+    (folder / "a").mkdir(parents=True)
+    write(folder / "a" / name)
+    return FolderDataset(folder)
+
+
+def test_channels_auto_counts_the_bands_each_format_holds(tmp_path: Path) -> None:
+    """``auto`` (every file source's default) counts what the file holds: a TIFF's every band (a fourth band is a
+    measurement as often as alpha), a PNG's bands without its alpha, a palette as RGB, an array's shorter end; then
+    reads every image with that count."""
+    def png(mode: str, size: tuple[int, int] = (6, 5)) -> Any:
+        return lambda p: Image.new(mode, size).save(p)
+
+    cases = {
+        "tiff16x4": ("x.tif", lambda p: tifffile.imwrite(p, pixels((6, 5, 4), np.uint16, 0)), 4),
+        "tiff8x3": ("x.tif", lambda p: tifffile.imwrite(p, pixels((6, 5, 3), np.uint8, 1)), 3),
+        "rgba": ("x.png", png("RGBA"), 3), "grey_alpha": ("x.png", png("LA"), 1), "grey": ("x.png", png("L"), 1),
+        "grey16": ("x.png", lambda p: Image.fromarray(pixels((6, 5), np.uint16, 2)).save(p), 1),
+        "palette": ("x.png", png("P"), 3), "rgb_jpeg": ("x.jpg", png("RGB", (16, 16)), 3),
+        "npy_first": ("x.npy", lambda p: np.save(p, pixels((13, 32, 30), np.uint8, 3)), 13),
+        "npy_last": ("x.npy", lambda p: np.save(p, pixels((32, 30, 2), np.uint16, 4)), 2),
+    }
+    for name, (file, write, want) in cases.items():
+        ds = _one(tmp_path / name, file, write)
+        image, _ = ds[0]
+        assert (ds.channels, image.shape[0]) == (want, want), name
+    both = _one(tmp_path / "rgba_read", "x.png", lambda p: Image.new("RGBA", (6, 5), (1, 2, 3, 4)).save(p))
+    assert both[0][0][:, 0, 0].tolist() == [1, 2, 3]  # its RGB, the alpha dropped (and said)
+    assert FolderDataset(tmp_path / "tiff16x4", channels=3).channels == 3  # a count given is taken as it is
+
+
+def test_channels_auto_skips_unreadable_files_and_names_the_folder_when_none_can_be_counted(tmp_path: Path) -> None:
+    from sslkit.data.sources import DataSourceError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "0_bad.png").write_bytes(b"\x89PNG not really")
+    np.save(tmp_path / "a" / "1_good.npy", pixels((6, 5, 4), np.uint8, 0))
+    assert FolderDataset(tmp_path).channels == 4  # the first readable one, not the first
+    (tmp_path / "a" / "1_good.npy").write_bytes(b"\x93NUMPY cut")
+    with pytest.raises(DataSourceError, match=r"no readable image in .*: all 2 image files are corrupt"):
+        FolderDataset(tmp_path)
+    with pytest.raises(DataSourceError, match=r"channels must be 1 or more, or auto .*got 'four'"):
+        FolderDataset(tmp_path, channels="four")
+
+
+def test_data_stats_give_the_count_before_any_image_is_read(tmp_path: Path) -> None:
+    """With ``data.stats`` the composed config says the channels (the file's count) where the split would count them
+    (``auto``); a split given a count keeps it (validation names a mismatch)."""
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"mean": [0.1, 0.2, 0.3, 0.4], "std": [0.5] * 4}))
+    four_channel_folder(tmp_path / "data")
+    cfg = compose_config(["config=simclr", "data=folder", f"data.train.path={tmp_path / 'data'}",
+                          f"data.stats={stats}"])
+    assert cfg.data.train.kwargs.channels == 4 and cfg.data.test.kwargs.channels == 4
+    with pytest.raises(ConfigError, match=r"'data.transform.mean' has 4 values .* train split \(source folder\) have "
+                                          r"1 channel"):
+        compose_config(["config=simclr", "data=folder", f"data.train.path={tmp_path / 'data'}", f"data.stats={stats}",
+                        "data.train.kwargs.channels=1"])
+
+
+def test_a_run_says_a_conversion_once_over_its_workers_and_its_report_repeats_it(tmp_path: Path) -> None:
+    """Training on RGB images (counted: ``auto``, from the first) with grey ones among them that only the two loader
+    workers read (the main process reads the first image alone): the conversion of grey to RGB is said once in the
+    run's log, with the file and both counts, and again in report.md."""
+    from sslkit.data import notices
+
+    notices.forget()
+    data = tmp_path / "data"
+    for c in range(2):
+        (data / f"class{c}").mkdir(parents=True)
+        for i in range(12):
+            px = pixels((32, 32, 3), np.uint8, 10 * c + i)
+            rgb = i % 4 != 3  # 0.png, the first in order, is RGB: the count is read from it
+            Image.fromarray(px if rgb else px[..., 0], "RGB" if rgb else "L").save(data / f"class{c}" / f"{i}.png")
+    out = tmp_path / "run"
+    run_main("config=simclr", *FOLDER, "log.tensorboard=false", "log.report=true", f"data.train.path={data}",
+             f"data.test.path={data}", "data.batch_size=8", "optim.max_steps=6", "data.num_workers=2",
+             "eval.knn.k=3", f"output_dir={out}")
+    state = torch.load(out / "checkpoints" / "checkpoint_000000006.pt", weights_only=True)
+    first = next(v for k, v in state["model"].items() if k.endswith("weight") and v.dim() == 4)
+    assert first.shape[1] == 3
+    log = (out / "log.txt").read_text()
+    said = [line for line in log.splitlines() if "has 1 channel(s) and the run reads 3: its grey repeated" in line]
+    assert len(said) == 2 and "- data warning: " in said[1], said  # once as it happened, once in the logged report
+    assert "3 channel(s), read from its image 0 (channels: auto)" in log
+    report = (out / "report.md").read_text()
+    assert re.search(r"- data warning: \S+\.png has 1 channel\(s\) and the run reads 3: its grey repeated", report)
+    assert len(list((out / "notices").glob("*.txt"))) == 1
+
+
+def _say(folder: str, key: str) -> None:
+    """A process's :func:`~sslkit.data.notices.say_once` within a run's folder; its exit code says whether it spoke."""
+    from sslkit.data import notices
+
+    with notices.kept_in(folder):
+        os._exit(0 if notices.say_once(key, f"notice {key}") else 3)
+
+
+def test_a_notice_is_said_by_one_process_of_a_run_and_by_every_process_outside_one(tmp_path: Path) -> None:
+    import multiprocessing
+
+    from sslkit.data import notices
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_say, args=(str(tmp_path), key)) for key in ("a", "a", "a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    codes = [p.exitcode for p in procs]
+    assert sorted(codes[:3]) == [0, 3, 3] and codes[3] == 0, codes  # one of three said "a"; "b" said too
+    assert notices.read_notices(tmp_path) == ["notice a", "notice b"]
+    notices.forget()
+    assert notices.say_once("c", "outside a run") and not notices.say_once("c", "outside a run")  # once a process
+    notices.forget()
+
+
+def test_an_evaluation_set_left_to_count_reads_the_training_images_count(tmp_path: Path) -> None:
+    """A grey test split of an RGB run is read as RGB, as the trunk takes it (its own count, 1, would stop the kNN);
+    the training split counts its own."""
+    from sslkit.builder import eval_sources
+
+    for root, mode in ((tmp_path / "rgb", "RGB"), (tmp_path / "grey", "L")):
+        for c in range(2):
+            (root / f"class{c}").mkdir(parents=True)
+            Image.new(mode, (8, 8), 40 * c).save(root / f"class{c}" / "0.png")
+    cfg = compose_config(["config=simclr", *FOLDER, f"data.train.path={tmp_path / 'rgb'}",
+                          f"data.test.path={tmp_path / 'grey'}"])
+    train, test, _ = eval_sources(cfg)
+    assert (train.channels, test.channels, test[0][0].shape[0]) == (3, 3, 3)

@@ -345,7 +345,7 @@ def test_probe_of_a_large_broken_folder_tries_a_spread_of_files(tmp_path: Path) 
         (tmp_path / f"{i:02d}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(50))
     with pytest.raises(DataSourceError, match=r"the 32 image files tried \(spread over all 40\)"):
         build_source("folder", "train", str(tmp_path))
-    assert len(sources.FolderDataset(tmp_path, probe=0)) == 40  # probe=0: no decoding at build
+    assert len(sources.FolderDataset(tmp_path, channels=3, probe=0)) == 40  # probe=0, a count: no decoding at build
 
 
 def test_probe_stops_at_the_first_readable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
