@@ -207,14 +207,15 @@ def test_fewer_images_than_dimensions_train_in_their_row_space_to_the_same_class
         (w, b), (w0, b0) = reduced.classifier("a", cell), direct.classifier("a", cell)
         assert torch.allclose(w, w0, atol=2e-6, rtol=1e-4), cell
         assert torch.allclose(b, b0, atol=2e-6, rtol=1e-4), cell
-    # the same optimum, reached at least as closely (scikit-learn's objective written out)
+    # the same optimum (scikit-learn's objective written out): both fits stop on scikit-learn's ftol, so which one
+    # ends a few 1e-8 lower depends on the thread count's summation order, not on the reduction
     w, b = fit_logistic(x, labels, classes, c=0.5)
     w0, b0 = fit_logistic(x, labels, classes, c=0.5, reduce=False)
 
     def objective(w: torch.Tensor, b: torch.Tensor) -> float:
         return float(0.5 * (w * w).sum() + 0.5 * F.cross_entropy(x.double() @ w.T + b, labels, reduction="sum"))
 
-    assert objective(w, b) <= objective(w0, b0) + 1e-9 and abs(objective(w, b) - objective(w0, b0)) < 1e-6
+    assert abs(objective(w, b) - objective(w0, b0)) < 1e-6
     assert torch.allclose(w, w0, atol=1e-3) and torch.equal(logistic_predict(w, b, x), logistic_predict(w0, b0, x))
 
 
