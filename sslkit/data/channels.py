@@ -12,8 +12,8 @@ import numpy as np
 from sslkit.data.errors import DataSourceError, UnreadableSampleError
 from sslkit.data.notices import say_once
 
-__all__ = ["AUTO", "array_channels", "channel_setting", "convert_channels", "nothing_readable", "pil_channels",
-           "resolve_channels", "say_conversion"]
+__all__ = ["AUTO", "array_channels", "channel_setting", "convert_channels", "jpeg_channels", "nothing_readable",
+           "pil_channels", "resolve_channels", "say_conversion"]
 
 logger = logging.getLogger("sslkit.data")
 
@@ -57,6 +57,28 @@ def pil_channels(img: Any, alpha: bool = False) -> int:
         bands = len(img.getbands())
     has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La")
     return bands - (has_alpha and not alpha)
+
+
+#: JPEG's start-of-frame markers (baseline, extended, progressive, lossless; Huffman and arithmetic coded).
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_channels(data: bytes) -> int | None:
+    """The component count of a JPEG's frame header (1: grey, 3: YCbCr, 4: CMYK), read from its markers without
+    decoding; None when no frame header is found (not a JPEG, or cut short)."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill bytes
+            i += 1
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in _SOF:
+            return data[i + 9] if i + 9 < n else None
+        i += 2 + length
+    return None
 
 
 def resolve_channels(channels: Any, count: Callable[[int], int], size: int, where: str, probe: int = 32) -> int:

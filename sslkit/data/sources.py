@@ -22,6 +22,7 @@ from sslkit.data.channels import (
     array_channels,
     channel_setting,
     convert_channels,
+    jpeg_channels,
     nothing_readable,
     pil_channels,
     resolve_channels,
@@ -56,6 +57,7 @@ __all__ = [
     "dataset_labels",
     "encoded_channels",
     "holds_images",
+    "jpeg_as_bytes",
     "read_array_image",
     "read_idx",
     "source_shape",
@@ -355,13 +357,22 @@ def is_jpeg(head: bytes) -> bool:
     return head[:3] == JPEG_MAGIC
 
 
+def jpeg_as_bytes(data: bytes, channels: int, name: str) -> torch.Tensor:
+    """A JPEG's bytes as they are (1-D uint8, for the device decoder), its component count said first where it is not
+    the run's (:func:`~sslkit.data.channels.say_conversion`: the device decoder reads it as grey or RGB)."""
+    found = jpeg_channels(data)
+    if found is not None:
+        say_conversion(name, found, channels)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def decode_image(data: bytes, channels: int, jpeg_bytes: bool, where: str, name: str) -> torch.Tensor:
     """Encoded image ``data`` as ``[C, H, W]`` (PIL for 1 or 3 channels, 16-bit grey kept; ``.npy`` and TIFF bytes of
     any channels through :func:`read_array_image`), or, with ``jpeg_bytes`` and a JPEG, its
     bytes as they are (1-D, for the device decoder). An image PIL cannot decode raises :class:`UnreadableSampleError`
     saying ``where`` it was (``name``: the file or sample the skip count names)."""
     if jpeg_bytes and is_jpeg(data[:3]):
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return jpeg_as_bytes(data, channels, name)
     if data[:6] == NPY_MAGIC or (data[:4] in TIFF_MAGICS and _tiff_as_array(channels)):
         return read_array_image(where, channels, data)
     from PIL import Image
@@ -629,7 +640,7 @@ class FolderDataset(Dataset):
             except OSError as e:
                 raise UnreadableSampleError(f"cannot read image {path}: {type(e).__name__}: {e}", path) from e
             if is_jpeg(data):
-                return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+                return jpeg_as_bytes(data, self.channels, path), label
         if _reads_as_array(path, self.channels):
             return read_array_image(path, self.channels), label
         try:

@@ -368,3 +368,37 @@ def test_an_evaluation_set_left_to_count_reads_the_training_images_count(tmp_pat
                           f"data.test.path={tmp_path / 'grey'}"])
     train, test, _ = eval_sources(cfg)
     assert (train.channels, test.channels, test[0][0].shape[0]) == (3, 3, 3)
+
+
+def test_a_jpeg_handed_to_the_device_decoder_says_its_count_too(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """``data.decode_on=device`` gives JPEG bytes undecoded; the frame header's component count (read from the
+    markers, as PIL's decode finds it) is still said where it is not the run's, and the bytes stay the file's."""
+    import io
+    import logging
+
+    from sslkit.data import notices
+    from sslkit.data.channels import jpeg_channels
+
+    def jpeg(mode: str, **kw: Any) -> bytes:
+        out = io.BytesIO()
+        Image.new(mode, (16, 12), 90).save(out, "JPEG", **kw)
+        return out.getvalue()
+
+    for mode, kw in (("L", {}), ("RGB", {}), ("RGB", {"progressive": True}), ("CMYK", {}),
+                     ("RGB", {"optimize": True, "quality": 50})):
+        data = jpeg(mode, **kw)
+        assert jpeg_channels(data) == len(Image.open(io.BytesIO(data)).getbands()), (mode, kw)
+    assert jpeg_channels(jpeg("RGB")[:12]) is None and jpeg_channels(b"\x89PNG\r\n\x1a\n") is None
+    notices.forget()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "grey.jpg").write_bytes(jpeg("L"))
+    (tmp_path / "a" / "rgb.jpg").write_bytes(jpeg("RGB"))
+    ds = FolderDataset(tmp_path, channels=3, probe=0)
+    ds.jpeg_bytes = True
+    with caplog.at_level(logging.WARNING, logger="sslkit"):
+        got = [ds[i][0] for i in range(len(ds))]
+    assert [bytes(g.numpy()) for g in got] == [(tmp_path / "a" / n).read_bytes() for n in ("grey.jpg", "rgb.jpg")]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "grey.jpg has 1 channel(s) and the run reads 3: its grey repeated" in said[0], said
+    notices.forget()
