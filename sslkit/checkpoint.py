@@ -28,6 +28,7 @@ from sslkit.checkpointing.sharded import (
 from sslkit.checkpointing.state import capture, capture_sharded, hook_states, restore
 from sslkit.distributed import barrier, is_distributed, is_primary
 from sslkit.errors import STORAGE_ERRNOS, UserError, storage_error
+from sslkit.files import atomic_write
 
 if TYPE_CHECKING:
     from sslkit.task import SSLTask
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "Checkpointer",
-    "atomic_write",
     "checkpoint_dir",
     "commit",
     "save_checkpoint",
@@ -56,26 +56,6 @@ _NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")
 def checkpoint_dir(output_dir: str) -> str:
     """The folder that holds the checkpoints of the run in ``output_dir``."""
     return os.path.join(output_dir, "checkpoints")
-
-
-def atomic_write(path: str, write: Any) -> None:
-    """Write through ``write(f)`` into a temporary file, fsync it, then rename over ``path``."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a signal, a bug: never leave a half-written file behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _complete(ckpt_dir: str, name: str) -> bool:

@@ -128,9 +128,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
      ("sslkit.task", "sslkit.trainer", "sslkit.train_steps", "sslkit.reliability", "sslkit.guard",
       "sslkit.stability")),
     ("what the core reads and updates with", ("sslkit.data", "sslkit.optim")),
-    ("the ground: processes, clock, events, registry, errors",
+    ("the ground: processes, clock, events, registry, errors, whole files",
      ("sslkit.parallel", "sslkit.distributed", "sslkit.clock", "sslkit.events", "sslkit.registry",
-      "sslkit.console", "sslkit.errors")),
+      "sslkit.console", "sslkit.errors", "sslkit.files")),
 ]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sslkit.checkpoint import atomic_write
+from sslkit.files import atomic_write
 
 if TYPE_CHECKING:
 

@@ -10,11 +10,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sslkit.checkpoint import Checkpointer, atomic_write
+from sslkit.checkpoint import Checkpointer
 from sslkit.config.diff import flatten_config, show_value
 from sslkit.config.run_keys import ELASTIC_KEYS, LENGTHENING_KEYS, ignored
 from sslkit.config.text import config_yaml
 from sslkit.errors import UserError
+from sslkit.files import atomic_write
 
 __all__ = [
     "CONFIG_FILE",

@@ -17,7 +17,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from sslkit.checkpoint import atomic_write
 from sslkit.config.schema import schema
 from sslkit.console import debug_flag, end_worker, launch_workers, setup_logging
 from sslkit.errors import (
@@ -41,6 +40,7 @@ from sslkit.evaluation.linear import (
     settings_of,
     train_epoch,
 )
+from sslkit.files import atomic_write
 from sslkit.registry import UnknownNameError
 from sslkit.tools.pretrained import Pretrained, ToolError, load_pretrained, select_student
 

@@ -304,7 +304,7 @@ def channel_stats(ds: Dataset, sample: int) -> dict[str, Any]:
 def _stats(args: list[str]) -> int:
     import json
 
-    from sslkit.checkpoint import atomic_write
+    from sslkit.files import atomic_write
 
     opts, overrides = parse_tool_args("data stats", args, STATS_KEYS)
     if overrides or "path" not in opts:

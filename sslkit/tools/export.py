@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sslkit.checkpoint import atomic_write
 from sslkit.errors import did_you_mean
+from sslkit.files import atomic_write
 from sslkit.tools.pretrained import Pretrained, ToolError, normalisation
 
 __all__ = ["export_main", "export_onnx", "export_trunk", "export_vit", "timm_twin", "torchvision_twin"]

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from sslkit.checkpoint import atomic_write
 from sslkit.errors import plural
 from sslkit.evaluation.features import extract_features
 from sslkit.evaluation.linear import accuracy, warmup_cosine_lr
+from sslkit.files import atomic_write
 from sslkit.models.tokens import TokenTrunk
 from sslkit.optim import build_optimizer, set_lr
 from sslkit.tools.common import (

@@ -331,7 +331,7 @@ def _plots(run_dir: str, info: dict[str, Any], records: list[dict[str, Any]]) ->
 
 def write_report(run_dir: str) -> str:
     """Write ``<run_dir>/report.md`` and ``<run_dir>/plots/*.png``; returns the report's text."""
-    from sslkit.checkpoint import atomic_write
+    from sslkit.files import atomic_write
 
     info = summarize(run_dir)
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))

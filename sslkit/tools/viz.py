@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from sslkit.checkpoint import atomic_write
+from sslkit.files import atomic_write
 from sslkit.models.dense import dense_features, has_feature_map
 from sslkit.models.tokens import TokenTrunk
 from sslkit.tools.pretrained import Pretrained, ToolError

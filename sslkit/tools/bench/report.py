@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
-from sslkit.checkpoint import atomic_write
 from sslkit.evaluation.stats import Statistic, miou_statistic, paired_difference, relative_statistic
+from sslkit.files import atomic_write
 
 __all__ = ["compare_folders", "comparisons", "markdown_table", "write_results"]
 
