@@ -304,13 +304,17 @@ def eval_specs(cfg: DictConfig) -> dict[str, tuple[str, str | None, dict[str, An
             "test": (test_source, test_path, test_kwargs, "eval.data.test")}
 
 
-def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[Dataset, Dataset, int]:
+def eval_sources(cfg: DictConfig, train_source: Dataset | None = None,
+                 trunk_channels: int | None = None) -> tuple[Dataset, Dataset, int]:
     """The labelled train and test sets of kNN and the linear probe (:func:`eval_specs`), and their number of
-    classes; ``train_source``, the training data already built, is used again when it is the train set. Raises
-    :class:`DataSourceError` when they have no labels or no test split, saying what to set."""
+    classes; ``train_source``, the training data already built, is used again when it is the train set. A set left
+    to count its channels (``auto``) reads the trunk's: ``trunk_channels`` (a tool's trained model), else the
+    training images'. Raises :class:`DataSourceError` when they have no labels or no test split, saying what to
+    set."""
     specs = eval_specs(cfg)
     sets: list[Dataset] = []
-    trunk = functools.cache(lambda: int(getattr(train_source, "channels", 0)) or source_channels(cfg))
+    trunk = functools.cache(lambda: trunk_channels or int(getattr(train_source, "channels", 0)) or
+                            source_channels(cfg))
     for split in ("train", "test"):
         source, path, kwargs, where = specs[split]
         if split == "train" and where == "data.train" and train_source is not None:
@@ -320,8 +324,8 @@ def eval_sources(cfg: DictConfig, train_source: Dataset | None = None) -> tuple[
             raise DataSourceError(f"{where}.path is not set: a {source} source needs the path of its {split} set. "
                                   f"Set {where}.path (or eval.data.train.path and eval.data.test.path for labelled "
                                   "sets of their own)")
-        if split == "train":  # the training images themselves count their own; another set reads the trunk's
-            channels = None if where == "data.train" else trunk
+        if split == "train":  # the training images count their own (a tool's: the trunk's); another set the trunk's
+            channels = None if where == "data.train" and not trunk_channels else trunk
         else:  # the test split as the memory set is read
             memory = int(getattr(sets[0], "channels", 0))
             channels = functools.partial(int, memory) if memory else trunk

@@ -189,22 +189,28 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def tool_sources(cfg: DictConfig) -> tuple[Any, Any, int]:
+def tool_sources(pre: Pretrained) -> tuple[Any, Any, int]:
+    """The labelled sets of kNN and the linear probe for the trained model ``pre``, read with its trunk's channels
+    where a set counts its own (``auto``)."""
     from sslkit.builder import eval_sources
 
-    return eval_sources(cfg)
+    return eval_sources(pre.config, trunk_channels=pre.channels)
 
 
-def eval_split(cfg: DictConfig, split: str, advice: str = "") -> tuple[Any, str, str | None]:
-    """The evaluation set ``split`` (train or test) as :func:`~sslkit.builder.eval_specs` names it, cut to
-    ``data.limit``: ``(dataset, source name, path)``. A folder or file-list source without its path is a
-    :class:`ToolError` naming the key (``advice`` added)."""
+def eval_split(pre: Pretrained, split: str, advice: str = "") -> tuple[Any, str, str | None]:
+    """The evaluation set ``split`` (train or test) of ``pre``'s config as :func:`~sslkit.builder.eval_specs` names
+    it, cut to ``data.limit`` and read with the trunk's channels where it counts its own (``auto``): ``(dataset,
+    source name, path)``. A folder or file-list source without its path is a :class:`ToolError` naming the key
+    (``advice`` added)."""
     from sslkit.builder import eval_specs, limited
+    from sslkit.builder.data import with_channels
     from sslkit.data import build_source
 
+    cfg = pre.config
     source_name, path, kwargs, where = eval_specs(cfg)[split]
     if path is None and source_name in ("folder", "filelist"):
         raise ToolError(f"{where}.path is not set: a {source_name} source needs the path of its {split} set{advice}")
+    kwargs = with_channels(source_name, kwargs, lambda: pre.channels)
     return limited(build_source(source_name, split, path, **kwargs), cfg.data.limit), str(source_name), path
 
 
@@ -275,7 +281,7 @@ def _knn(args: list[str]) -> int:
     pre = tool_pretrained("knn", opts, overrides)
     cfg = pre.config
     part = features_part(opts, ("trunk", "teacher", "projector"))
-    train_source, test_source, num_classes = tool_sources(cfg)
+    train_source, test_source, num_classes = tool_sources(pre)
     k = cfg.eval.knn
     start = time.perf_counter()
     encoder = _encoder(pre, part)
@@ -322,7 +328,7 @@ def _linear(args: list[str]) -> int:
     part = features_part(opts, ("trunk", "teacher"))
     lin = cfg.eval.linear
     s = settings_of(lin)
-    train_source, test_source, num_classes = tool_sources(cfg)
+    train_source, test_source, num_classes = tool_sources(pre)
     encoder = _encoder(pre, part)
     device, amp = pre.device, amp_dtype(cfg)
     out = output_path(opts, pre, "linear.json")
@@ -477,7 +483,7 @@ def _extract_rank(opts: dict[str, str], overrides: list[str], split: str) -> Non
     cfg = pre.config
     part = features_part(opts, ("trunk", "teacher", "projector"))
     normalize = opts.get("normalize", "false").lower() in ("1", "true", "yes")
-    source, _, _ = eval_split(cfg, split)
+    source, _, _ = eval_split(pre, split)
     loader = tool_loader(cfg, source, cfg.data.eval_transform, pre.device, int(cfg.eval.linear.batch_size_features))
     encoder = _encoder(pre, part)
     encoder.eval()

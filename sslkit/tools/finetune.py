@@ -237,7 +237,7 @@ def _finetune(args: list[str]) -> int:
                         "null, the default: 0.75 for a ViT, 1.0 for a CNN).")
     device, amp = pre.device, amp_dtype(cfg)
     set_determinism(bool(cfg.machine.deterministic), device)
-    train_source, test_source, num_classes = tool_sources(cfg)
+    train_source, test_source, num_classes = tool_sources(pre)
     encoder = feature_encoder(trunk, cfg)
     rates = set_drop_path(trunk, s.drop_path) if vit else None
     for p in encoder.parameters():  # every weight trains (a teacher's are frozen in the checkpoint's model)

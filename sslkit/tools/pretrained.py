@@ -39,6 +39,11 @@ class Pretrained:
         """The encoder: what kNN, the linear probe and the export use."""
         return self.model.trunk  # type: ignore[return-value]
 
+    @property
+    def channels(self) -> int:
+        """The channels of the images the trunk takes (its first convolution's input)."""
+        return in_channels(self.model.state_dict())
+
     def encoder(self, part: str = "trunk") -> nn.Module:
         """``trunk``: the trunk's features; ``projector``: the head applied to them (the embedding the loss saw)."""
         if part == "trunk":

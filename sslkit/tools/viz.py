@@ -262,7 +262,7 @@ def _dataset(pre: Pretrained, images: str | None, split: str, channels: int) -> 
         except DataSourceError as exc:
             raise ToolError(f"images={images}: {exc}") from None
         return ds, list(getattr(ds, "classes", [])), path
-    ds, source, path = eval_split(pre.config, split, " (or give images=FOLDER)")
+    ds, source, path = eval_split(pre, split, " (or give images=FOLDER)")
     inner = getattr(ds, "dataset", ds)
     names = list(getattr(inner, "classes", []) or CLASS_NAMES.get(str(source), []))
     return ds, names, f"the {split} split of {source}" + (f" ({path})" if path else "")
@@ -608,7 +608,7 @@ def _neighbors(job: Job) -> dict[str, Any]:
 
     cfg = job.pre.config
     k = _int(job.opts, "k", 8, 1)
-    memory_set, _, num_classes = eval_sources(cfg)
+    memory_set, _, num_classes = eval_sources(cfg, trunk_channels=job.pre.channels)
     inner = getattr(memory_set, "dataset", memory_set)
     source = str(cfg.eval.data.train.source or cfg.data.train.source)
     classes = list(getattr(inner, "classes", []) or CLASS_NAMES.get(source, []))

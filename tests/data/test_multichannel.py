@@ -402,3 +402,31 @@ def test_a_jpeg_handed_to_the_device_decoder_says_its_count_too(tmp_path: Path,
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "grey.jpg has 1 channel(s) and the run reads 3: its grey repeated" in said[0], said
     notices.forget()
+
+
+def test_a_tool_reads_sets_left_to_count_with_the_trained_trunks_channels(tmp_path: Path) -> None:
+    """``sslkit knn`` on a run of RGB images whose labelled sets (``eval.data.*``) are grey folders left to count:
+    they are read as RGB, the trunk's count taken from the checkpoint, not from the training folder (grey since)."""
+    from helpers import run_sslkit
+
+    data = tmp_path / "train"
+    (data / "all").mkdir(parents=True)
+    for i in range(16):
+        Image.fromarray(pixels((32, 32, 3), np.uint8, i)).save(data / "all" / f"{i}.png")
+    for split in ("a", "b"):
+        for c in range(2):
+            (tmp_path / split / f"class{c}").mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(pixels((32, 32), np.uint8, 50 + 10 * c + i) // (1 + c)).save(
+                    tmp_path / split / f"class{c}" / f"{i}.png")
+    out = tmp_path / "run"
+    labelled = [f"eval.data.train.path={tmp_path / 'a'}", f"eval.data.test.path={tmp_path / 'b'}",
+                "eval.data.train.source=folder"]
+    run_main("config=simclr", *FOLDER, *QUIET, f"data.train.path={data}", *labelled, "data.batch_size=8",
+             "optim.max_steps=2", f"output_dir={out}")
+    for i in range(16):  # the training folder's images replaced by grey ones: counted now, it would say 1
+        Image.fromarray(pixels((32, 32), np.uint8, i)).save(data / "all" / f"{i}.png")
+    code, stdout, stderr = run_sslkit("knn", f"checkpoint={out}", "eval.knn.k=3")
+    assert code == 0, stderr[-2000:]
+    found = json.loads((out / "eval" / "knn.json").read_text())
+    assert 0.0 <= found["top1"] <= 1.0
