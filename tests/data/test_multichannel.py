@@ -426,7 +426,7 @@ def test_a_tool_reads_sets_left_to_count_with_the_trained_trunks_channels(tmp_pa
              "optim.max_steps=2", f"output_dir={out}")
     for i in range(16):  # the training folder's images replaced by grey ones: counted now, it would say 1
         Image.fromarray(pixels((32, 32), np.uint8, i)).save(data / "all" / f"{i}.png")
-    code, stdout, stderr = run_sslkit("knn", f"checkpoint={out}", "eval.knn.k=3")
+    code, _, stderr = run_sslkit("knn", f"checkpoint={out}", "eval.knn.k=3")
     assert code == 0, stderr[-2000:]
     found = json.loads((out / "eval" / "knn.json").read_text())
     assert 0.0 <= found["top1"] <= 1.0
