@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from sslkit.data.errors import DataSourceError, UnreadableSampleError
 from sslkit.data.notices import say_once
 
-__all__ = ["AUTO", "array_channels", "channel_setting", "convert_channels", "jpeg_channels", "nothing_readable",
+__all__ = ["AUTO", "array_channels", "channel_setting", "convert_channels", "first_readable", "jpeg_channels",
            "pil_channels", "resolve_channels", "say_conversion"]
 
 logger = logging.getLogger("sslkit.data")
+
+T = TypeVar("T")
 
 #: ``data.<split>.kwargs.channels: auto``: the count read from the data (the first readable image).
 AUTO = "auto"
@@ -83,26 +85,31 @@ def jpeg_channels(data: bytes) -> int | None:
 
 def resolve_channels(channels: Any, count: Callable[[int], int], size: int, where: str, probe: int = 32) -> int:
     """``channels`` as a count: itself when given; for :data:`AUTO` ``count(i)`` of the first sample that can be
-    read among up to ``probe`` spread over the ``size`` samples (in order), logged with where it came from. Raises
-    :func:`nothing_readable`'s error naming ``where`` when none of them can be read."""
+    read (:func:`first_readable` over ``probe`` of the ``size`` samples), logged with where it came from."""
     setting = channel_setting(channels)
     if setting != AUTO:
         return int(setting)
+    i, found = first_readable(count, size, where, probe)
+    logger.info("%s: %d channel(s), read from its image %d (channels: auto); set data.<split>.kwargs.channels to "
+                "read another count", where, found, i)
+    return int(found)
+
+
+def first_readable(read: Callable[[int], T], size: int, where: str, probe: int = 32) -> tuple[int, T]:
+    """``(i, read(i))`` for the first sample ``i``, among up to ``probe`` spread evenly over the ``size`` samples (all
+    of them if there are fewer), that ``read`` does not find unreadable (:class:`UnreadableSampleError`). Raises
+    :func:`_nothing_readable`'s error naming ``where`` when none of them can be read."""
     k = min(size, probe)
     errors: list[str] = []
     for i in sorted({j * size // k for j in range(k)}) if k else []:
         try:
-            found = int(count(i))
+            return i, read(i)
         except UnreadableSampleError as e:
             errors.append(str(e))
-            continue
-        logger.info("%s: %d channel(s), read from its image %d (channels: auto); set data.<split>.kwargs.channels to "
-                    "read another count", where, found, i)
-        return found
-    raise nothing_readable(where, size, k, errors)
+    raise _nothing_readable(where, size, k, errors)
 
 
-def nothing_readable(where: str, size: int, tried: int, errors: list[str]) -> DataSourceError:
+def _nothing_readable(where: str, size: int, tried: int, errors: list[str]) -> DataSourceError:
     """The error of a source none of whose ``tried`` images (spread over its ``size``) could be read: ``errors``,
     the first three of them shown."""
     what = f"all {size} image files" if tried == size else f"the {tried} image files tried (spread over all {size})"

@@ -22,8 +22,8 @@ from sslkit.data.channels import (
     array_channels,
     channel_setting,
     convert_channels,
+    first_readable,
     jpeg_channels,
-    nothing_readable,
     pil_channels,
     resolve_channels,
     say_conversion,
@@ -612,16 +612,7 @@ class FolderDataset(Dataset):
 
     def _probe(self, limit: int) -> None:
         """Decode files spread over the dataset until one works; raise if the first ``limit`` all fail."""
-        n = len(self.samples)
-        k = min(n, limit)
-        errors: list[str] = []
-        for i in sorted({j * n // k for j in range(k)}):
-            try:
-                self[i]
-                return
-            except UnreadableSampleError as e:
-                errors.append(str(e))
-        raise nothing_readable(str(self.root), n, k, errors)
+        first_readable(lambda i: self[i], len(self.samples), str(self.root), limit)
 
     def __len__(self) -> int:
         """Number of image files."""
